@@ -1,0 +1,111 @@
+"""Device pools with SGLang's constructor arguments and attribute names.
+
+Servers normally pass their own pools (host pools read them by duck typing);
+these exist for tests, demos, benchmarks and servers without one. Per-layer
+tensors cover only the owned layers ``[start_layer, end_layer)`` and are indexed
+``layer_id - start_layer``, as in SGLang's pipeline-parallel pools. Slot 0 (page 0)
+is a padding slot, as in SGLang.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _LayeredPool:
+    pool_kind: str
+
+    def _layers(self, layer_num: int, start_layer: int, end_layer: int | None) -> range:
+        end_layer = layer_num if end_layer is None else end_layer
+        if not 0 <= start_layer < end_layer <= layer_num:
+            raise ValueError(f"owned layers [{start_layer}, {end_layer}) must lie inside [0, {layer_num})")
+        self.layer_num, self.start_layer, self.end_layer = layer_num, start_layer, end_layer
+        self.layer_shard_enabled = (start_layer, end_layer) != (0, layer_num)
+        return range(start_layer, end_layer)
+
+    def owns_layer(self, layer_id: int) -> bool:
+        return self.start_layer <= layer_id < self.end_layer
+
+
+class MHADevicePool(_LayeredPool):
+    """Multi-head attention KV: ``k_buffer[l]`` and ``v_buffer[l]`` of ``(size + page_size, head_num, dim)``.
+
+    ``v_head_dim`` other than ``head_dim`` makes an asymmetric pool (``mha_asym``).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: str | torch.device,
+        *,
+        v_head_dim: int | None = None,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+    ) -> None:
+        self.size, self.page_size, self.dtype, self.device = size, page_size, dtype, torch.device(device)
+        self.head_num, self.head_dim = head_num, head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        self.pool_kind = "mha" if self.v_head_dim == head_dim else "mha_asym"
+        layers = self._layers(layer_num, start_layer, end_layer)
+        rows = size + page_size
+        self.k_buffer = [torch.zeros(rows, head_num, head_dim, dtype=dtype, device=self.device) for _ in layers]
+        self.v_buffer = [torch.zeros(rows, head_num, self.v_head_dim, dtype=dtype, device=self.device) for _ in layers]
+
+
+class MLADevicePool(_LayeredPool):
+    """Multi-head latent attention: ``kv_buffer[l]`` of ``(size + page_size, 1, kv_lora_rank + qk_rope_head_dim)``."""
+
+    pool_kind = "mla"
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str | torch.device,
+        *,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+    ) -> None:
+        self.size, self.page_size, self.dtype, self.device = size, page_size, dtype, torch.device(device)
+        self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
+        self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
+        layers = self._layers(layer_num, start_layer, end_layer)
+        rows = size + page_size
+        self.kv_buffer = [torch.zeros(rows, 1, self.kv_cache_dim, dtype=dtype, device=self.device) for _ in layers]
+
+
+class PageRowsDevicePool(_LayeredPool):
+    """One row per page per layer (DSA indexer, DeepSeek-V4 paged pools): ``(num_pages, row_bytes)`` uint8.
+
+    Exposed as ``index_k_with_scale_buffer``; token slot ``t`` lives in row ``t // page_size``.
+    """
+
+    pool_kind = "page_rows"
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        row_bytes: int,
+        layer_num: int,
+        device: str | torch.device,
+        *,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+    ) -> None:
+        self.num_pages, self.page_size, self.row_bytes = num_pages, page_size, row_bytes
+        self.size = num_pages * page_size
+        self.dtype, self.device = torch.uint8, torch.device(device)
+        layers = self._layers(layer_num, start_layer, end_layer)
+        self.index_k_with_scale_buffer = [
+            torch.zeros(num_pages, row_bytes, dtype=torch.uint8, device=self.device) for _ in layers
+        ]

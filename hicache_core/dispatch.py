@@ -1,0 +1,212 @@
+"""The dispatcher: one place that picks an implementation, and one readable error.
+
+:func:`resolve` walks the implementations of an io backend in priority order and
+returns the first that gives no reason to refuse. When none claims the request it
+raises :class:`UnsupportedCombinationError`, whose message says, in this order:
+the request; each implementation and its reasons; what would work instead;
+plugins that failed to load; install hints for first-party plugins.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .implementation import Implementation, TransferRequest
+from .registry import ENV_PLUGINS, Registry
+
+#: First-party plugins, by distribution: the io backend each serves and how to install it.
+KNOWN_PLUGINS: dict[str, tuple[str, str]] = {
+    "hicache-direct": ("direct", "plugins/direct"),
+    "hicache-jit": ("kernel", "plugins/jit"),
+    "hicache-kernel": ("kernel", "plugins/kernel"),
+}
+assert list(KNOWN_PLUGINS) == sorted(KNOWN_PLUGINS), "keep KNOWN_PLUGINS sorted"
+
+
+class UnsupportedCombinationError(ValueError):
+    """No installed implementation claims a requested combination.
+
+    Raised by :func:`hicache_core.make_host_pool`, before any memory is touched.
+    The request is available as attributes (``io_backend``, ``pool_kind``,
+    ``layout``, ``operation``, ``device_type``, ``sharded``, ``draft``,
+    ``item_bytes``; ``request`` is the full :class:`TransferRequest` when the
+    layout is known), and ``reasons`` maps each implementation name to its reasons.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        request: TransferRequest | None = None,
+        io_backend: str | None = None,
+        layout: str | None = None,
+        operation: str | None = None,
+        reasons: dict[str, list[str]] | None = None,
+        forced: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.request = request
+        self.io_backend = request.io_backend if request else io_backend
+        self.layout = request.layout.name if request else layout
+        self.operation = request.operation if request else operation
+        self.pool_kind = request.pool_kind if request else None
+        self.device_type = request.device_type if request else None
+        self.sharded = request.sharded if request else None
+        self.draft = request.draft if request else None
+        self.item_bytes = request.geometry.item_bytes if request else None
+        self.reasons = reasons or {}
+        self.forced = forced
+
+
+def reasons_for(impl: type[Implementation], request: TransferRequest) -> list[str]:
+    """An implementation's reasons, plus the one it cannot give itself: the layout's pool kinds."""
+    reasons = []
+    if request.pool_kind not in request.layout.pool_kinds:
+        kinds = ", ".join(sorted(request.layout.pool_kinds))
+        reasons.append(f"layout {request.layout.name!r} cannot store pool kind {request.pool_kind!r} (it stores: {kinds})")
+    try:
+        reasons += impl.not_supported_reasons(request)
+    except Exception as exc:  # noqa: BLE001 - a plugin bug must not hide behind a traceback in dispatch
+        reasons.append(f"not_supported_reasons raised {type(exc).__name__}: {exc}")
+    return list(dict.fromkeys(reasons))
+
+
+def claims(registry: Registry, request: TransferRequest) -> type[Implementation] | None:
+    """The best implementation claiming ``request``, or ``None``."""
+    winners = [impl for impl in registry.candidates(request.io_backend) if not reasons_for(impl, request)]
+    if not winners:
+        return None
+    best = winners[0]
+    tied = [w for w in winners[1:] if w.priority == best.priority]
+    if tied:
+        names = ", ".join(f"{w.name} (plugin {registry.plugin_of(w.name)})" for w in tied)
+        warnings.warn(
+            f"hicache: {best.name} (plugin {registry.plugin_of(best.name)}) and {names} claim the same request at "
+            f"priority {best.priority}; {best.name} is chosen by name. Give them different priorities.",
+            stacklevel=3,
+        )
+    return best
+
+
+def resolve(registry: Registry, request: TransferRequest, *, force: str | None = None) -> type[Implementation]:
+    """The implementation for ``request``, or :class:`UnsupportedCombinationError` saying why not."""
+    key = (request, force)
+    cached = registry._resolved.get(key)
+    if cached is None:
+        cached = _resolve(registry, request, force)
+        registry._resolved[key] = cached
+    if isinstance(cached, UnsupportedCombinationError):
+        raise cached
+    return cached
+
+
+def _resolve(registry: Registry, request: TransferRequest, force: str | None):
+    if force is not None:
+        impl = registry.implementations.get(force)
+        if impl is None:
+            known = ", ".join(sorted(registry.implementations)) or "none"
+            return UnsupportedCombinationError(
+                f"Unknown implementation {force!r} was forced; installed implementations: {known}",
+                request=request,
+                forced=force,
+            )
+        reasons = reasons_for(impl, request)
+        if request.io_backend not in ("auto", impl.io_backend):
+            reasons.insert(0, f"it serves io backend {impl.io_backend!r}, not {request.io_backend!r}")
+        if reasons:
+            return UnsupportedCombinationError(
+                explain_refusal(registry, request, {impl.name: reasons}, forced=force),
+                request=request,
+                reasons={impl.name: reasons},
+                forced=force,
+            )
+        return impl
+    best = claims(registry, request)
+    if best is not None:
+        return best
+    reasons = {impl.name: reasons_for(impl, request) for impl in registry.candidates(request.io_backend)}
+    return UnsupportedCombinationError(explain_refusal(registry, request, reasons), request=request, reasons=reasons)
+
+
+def alternatives(registry: Registry, request: TransferRequest) -> tuple[list[str], list[str]]:
+    """(io backends that would serve this layout, layouts this io backend would serve), asked of the registry."""
+    backends = [
+        b
+        for b in registry.io_backends()
+        if b not in (request.io_backend, "reference") and claims_quietly(registry, request.with_(io_backend=b))
+    ]
+    layouts = [
+        name
+        for name, layout in sorted(registry.layouts.items())
+        if name != request.layout.name
+        and request.io_backend not in (None, "")
+        and claims_quietly(registry, request.with_(layout=layout))
+    ]
+    return backends, layouts
+
+
+def claims_quietly(registry: Registry, request: TransferRequest) -> bool:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return claims(registry, request) is not None
+        except ValueError:  # a layout that cannot be derived for this pool (e.g. a split it lacks)
+            return False
+
+
+def install_hints(registry: Registry, io_backend: str | None) -> list[str]:
+    hints = []
+    for dist, (backend, path) in KNOWN_PLUGINS.items():
+        if io_backend not in (backend, "auto"):
+            continue
+        record = next((r for r in registry.plugins.values() if r.distribution == dist), None)
+        if record is None:
+            hints.append(
+                f"{dist} is not installed: install it to enable io backend {backend!r} "
+                f"(pip install {dist}; from a checkout: pip install -e {path})"
+            )
+        elif record.status == "filtered":
+            hints.append(f"{dist} is installed but {ENV_PLUGINS} leaves it out; add {record.name!r} to it")
+    return hints
+
+
+def explain_refusal(
+    registry: Registry,
+    request: TransferRequest,
+    reasons: dict[str, list[str]],
+    *,
+    forced: str | None = None,
+) -> str:
+    """The full, readable refusal message."""
+    backend = request.io_backend
+    if forced:
+        head = f"The forced implementation {forced!r} cannot run {request.operation} with:"
+    else:
+        head = f"No implementation of io backend {backend!r} can run {request.operation} with:"
+    lines = [head]
+    lines += [f"    {label:<12} {value}" for label, value in request.describe()]
+    if reasons:
+        lines.append("Implementations and why each refused:")
+        for name, why in reasons.items():
+            impl = registry.implementations[name]
+            lines.append(f"    {name} (plugin {registry.plugin_of(name)}, priority {impl.priority}):")
+            lines += [f"        - {r}" for r in why]
+    else:
+        installed = ", ".join(b for b in registry.io_backends()) or "none"
+        lines.append(f"No installed plugin serves io backend {backend!r}. Valid io backends: auto, {installed}.")
+    backends, layouts = alternatives(registry, request)
+    lines.append("What would work instead:")
+    lines.append(
+        f"    io backends for layout {request.layout.name!r}: " + (", ".join(repr(b) for b in backends) or "none installed")
+    )
+    if backend not in (None, ""):
+        lines.append(
+            f"    layouts for io backend {backend!r}: " + (", ".join(repr(name) for name in layouts) or "none installed")
+        )
+    failed = registry.failed_plugins()
+    if failed:
+        lines.append("Plugins that failed to load or register:")
+        for record in failed:
+            lines += [f"    {record.name} ({record.distribution or 'no distribution'}): {err}" for err in record.errors]
+    lines += install_hints(registry, backend)
+    return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""The hook specifications: the whole contract between hicache and its plugins.
+
+Plugins are found through the ``hicache`` entry point group and implement these
+hooks with ``from hicache_core import hookimpl``. Each hook hands the plugin a
+``register`` callback; plugins never return lists and never dispatch: the core
+owns selection (see :mod:`hicache_core.dispatch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .implementation import Implementation
+    from .layouts import Layout
+
+PROJECT = "hicache"
+hookspec = pluggy.HookspecMarker(PROJECT)
+#: The marker plugins decorate their hook implementations with.
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def hicache_register_backends(register: Callable[[type[Implementation]], None]) -> None:
+    """Register the transfer implementations this plugin provides.
+
+    Called once per process, when hicache first needs its registry (the first
+    :func:`hicache_core.make_host_pool`, ``hicache plugins``, ...), after every
+    plugin's :func:`hicache_register_layouts`, so implementations may refer to
+    layouts other plugins declare.
+
+    :param register: call ``register(ImplementationClass)`` for each subclass of
+        :class:`hicache_core.Implementation`. The class is checked on the spot;
+        a malformed one is recorded against this plugin (``hicache plugins``
+        shows it) and skipped, and the plugin's other registrations stand.
+
+    Return nothing. Do not compile kernels or initialise CUDA here: registration
+    must stay cheap. An exception raised here marks the plugin as failed with
+    that error; it never takes other plugins down.
+    """
+
+
+@hookspec
+def hicache_register_layouts(register: Callable[[Layout], None]) -> None:
+    """Register host layouts this plugin declares.
+
+    Called once per process, before :func:`hicache_register_backends`.
+
+    :param register: call ``register(Layout(...))`` for each new
+        :class:`hicache_core.Layout`. Host pools can then allocate it by name with
+        no change to the core, and every implementation that computes addresses
+        from layout declarations can serve it. A name that is already registered
+        is refused and recorded against this plugin.
+
+    Return nothing. An exception marks the plugin as failed with that error.
+    """

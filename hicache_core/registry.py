@@ -1,0 +1,240 @@
+"""Plugin discovery and the registry of layouts and implementations.
+
+Plugins come from the ``hicache`` entry point group, loaded lazily, once per
+process, filtered by ``HICACHE_PLUGINS`` (unset: all; empty: none; ``a,b``: only
+the entry points or distributions named). A plugin that fails to import, raises
+in a hook or registers something malformed is recorded with its error, shown by
+``hicache plugins`` and in every dispatch error; it never takes others down.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .implementation import Implementation
+from .layouts import BUILTIN_LAYOUTS, Layout, layout_problems
+
+ENV_PLUGINS = "HICACHE_PLUGINS"
+ENTRY_POINT_GROUP = "hicache"
+CORE_PLUGIN = "hicache_core"
+
+
+@dataclass
+class PluginRecord:
+    """What ``hicache plugins`` shows for one plugin."""
+
+    name: str
+    distribution: str | None = None
+    version: str | None = None
+    status: str = "loaded"  # loaded | failed | filtered
+    errors: list[str] = field(default_factory=list)
+    implementations: list[str] = field(default_factory=list)
+    layouts: list[str] = field(default_factory=list)
+    hooks: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "status": self.status,
+            "errors": list(self.errors),
+            "hooks": list(self.hooks),
+            "layouts": list(self.layouts),
+            "implementations": list(self.implementations),
+        }
+
+
+class _CorePlugin:
+    """The core registers its built-in layouts through the same hook as everyone else."""
+
+    @hookspecs.hookimpl
+    def hicache_register_layouts(self, register):
+        for layout in BUILTIN_LAYOUTS:
+            register(layout)
+
+    @hookspecs.hookimpl
+    def hicache_register_backends(self, register):
+        from .reference import ReferenceImplementation
+
+        register(ReferenceImplementation)
+
+
+def allowed_plugins(value: str | None = None) -> set[str] | None:
+    """Parse ``HICACHE_PLUGINS``: ``None`` allows all, an empty set none."""
+    value = os.environ.get(ENV_PLUGINS) if value is None else value
+    if value is None:
+        return None
+    return {name.strip() for name in value.split(",") if name.strip()}
+
+
+class Registry:
+    """Layouts, implementations and plugin records; one per process by default."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.layouts: dict[str, Layout] = {}
+        self.implementations: dict[str, type[Implementation]] = {}
+        self.owner: dict[str, str] = {}  # implementation or layout name -> plugin name
+        self.plugins: dict[str, PluginRecord] = {}
+        self.allow: set[str] | None = None
+        self._resolved: dict[Any, Any] = {}
+        self._sorted: dict[str, list[type[Implementation]]] = {}
+        self.add_plugin(_CorePlugin(), CORE_PLUGIN, distribution="hicache-core", version=_version("hicache-core"))
+
+    @classmethod
+    def from_entry_points(cls, allow: set[str] | None = None) -> Registry:
+        registry = cls()
+        registry.load_entry_points(allow)
+        return registry
+
+    def load_entry_points(self, allow: set[str] | None = None) -> None:
+        self.allow = allow
+        for ep in sorted(_entry_points(), key=lambda e: e.name):
+            dist = getattr(getattr(ep, "dist", None), "name", None)
+            version = getattr(getattr(ep, "dist", None), "version", None)
+            if allow is not None and ep.name not in allow and dist not in allow:
+                self.plugins[ep.name] = PluginRecord(ep.name, dist, version, status="filtered")
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's, and is reported
+                self.plugins[ep.name] = PluginRecord(ep.name, dist, version, "failed", [_error_text(exc)])
+                continue
+            self.add_plugin(plugin, ep.name, distribution=dist, version=version)
+
+    def add_plugin(self, plugin: object, name: str, *, distribution: str | None = None, version: str | None = None):
+        """Register one plugin object and run its registration hooks (layouts first)."""
+        record = PluginRecord(name, distribution, version)
+        self.plugins[name] = record
+        try:
+            self.pm.register(plugin, name=name)
+        except Exception as exc:  # noqa: BLE001 - pluggy validation errors name the bad hook
+            record.status, record.errors = "failed", [_error_text(exc)]
+            return record
+        record.hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
+        self._call(plugin, record, "hicache_register_layouts", self._layout_registrar(record))
+        self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
+        self._resolved.clear()
+        self._sorted.clear()
+        return record
+
+    def _call(self, plugin, record, hook_name, register) -> None:
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            if impl.plugin is not plugin:
+                continue
+            try:
+                impl.function(register=register)
+            except Exception as exc:  # noqa: BLE001 - reported against the plugin, others go on
+                record.status = "failed"
+                record.errors.append(f"{hook_name} raised {_error_text(exc)}")
+
+    def _layout_registrar(self, record: PluginRecord):
+        def register(layout: Layout) -> None:
+            if not isinstance(layout, Layout):
+                record.errors.append(f"registered {layout!r}, which is not a hicache_core.Layout")
+                return
+            problems = layout_problems(layout)
+            if layout.name in self.layouts:
+                problems.append(f"layout {layout.name!r} is already registered by {self.owner[layout.name]}")
+            if problems:
+                record.errors.append(f"layout {layout.name!r} refused: " + "; ".join(problems))
+                return
+            self.layouts[layout.name] = layout
+            self.owner[layout.name] = record.name
+            record.layouts.append(layout.name)
+
+        return register
+
+    def _backend_registrar(self, record: PluginRecord):
+        def register(impl: type[Implementation]) -> None:
+            if not (isinstance(impl, type) and issubclass(impl, Implementation)):
+                record.errors.append(f"registered {impl!r}, which is not a subclass of hicache_core.Implementation")
+                return
+            problems = impl.declaration_problems()
+            if impl.name in self.implementations:
+                problems.append(f"implementation name {impl.name!r} is already registered by {self.owner[impl.name]}")
+            if problems:
+                record.errors.append(f"implementation {impl.__qualname__} refused: " + "; ".join(problems))
+                return
+            self.implementations[impl.name] = impl
+            self.owner[impl.name] = record.name
+            record.implementations.append(impl.name)
+
+        return register
+
+    # ---- queries the dispatcher and the CLI use -------------------------------------------------
+
+    def io_backends(self) -> list[str]:
+        return sorted({impl.io_backend for impl in self.implementations.values()})
+
+    def candidates(self, io_backend: str) -> list[type[Implementation]]:
+        """Implementations serving ``io_backend`` (``"auto"``: all auto-selectable), best first."""
+        found = self._sorted.get(io_backend)
+        if found is None:
+            found = sorted(
+                (
+                    impl
+                    for impl in self.implementations.values()
+                    if impl.io_backend == io_backend or (io_backend == "auto" and impl.auto_selectable)
+                ),
+                key=lambda impl: (-impl.priority, impl.name),
+            )
+            self._sorted[io_backend] = found
+        return found
+
+    def failed_plugins(self) -> list[PluginRecord]:
+        return [r for r in self.plugins.values() if r.errors]
+
+    def plugin_of(self, name: str) -> str:
+        return self.owner.get(name, "?")
+
+
+def _entry_points():
+    try:
+        return metadata.entry_points(group=ENTRY_POINT_GROUP)
+    except TypeError:  # Python < 3.10 style API, kept for importlib-metadata backports
+        return metadata.entry_points().get(ENTRY_POINT_GROUP, [])
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _error_text(exc: BaseException) -> str:
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    at = f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else ""
+    return f"{type(exc).__name__}: {exc}{at}"
+
+
+_lock = threading.Lock()
+_default: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, loading plugins on first use."""
+    global _default
+    if _default is None:
+        with _lock:
+            if _default is None:
+                _default = Registry.from_entry_points(allowed_plugins())
+    return _default
+
+
+def reset_registry() -> None:
+    """Forget the process-wide registry (tests, or after changing ``HICACHE_PLUGINS``)."""
+    global _default
+    with _lock:
+        _default = None

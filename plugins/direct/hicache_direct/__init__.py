@@ -1,0 +1,12 @@
+"""hicache-direct: io backend ``"direct"``, the copy engine (``copy_`` per contiguous run), no kernel."""
+
+from hicache_core import hookimpl
+
+from .copy_engine import DirectCopy
+
+__all__ = ["DirectCopy"]
+
+
+@hookimpl
+def hicache_register_backends(register):
+    register(DirectCopy)

@@ -1,0 +1,132 @@
+"""The copy-engine implementation: one ``copy_`` per contiguous run, layer and part.
+
+Runs are maximal sequences of items where host and device slots both advance by
+one and the host bytes stay contiguous (within a page, or across pages where the
+layout keeps pages adjacent, as ``layer_first`` does). Pairs are sorted by host
+slot first, so scattered radix-tree pages still merge where they can.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache_core import OPERATIONS, Implementation, TransferPlan, TransferRequest
+
+
+class DirectCopy(Implementation):
+    """Copy engine only: ``copy_`` per contiguous run, layer and part, on the current stream."""
+
+    name = "direct.copy_engine"
+    io_backend = "direct"
+    priority = 10
+    operations = frozenset(OPERATIONS)
+    device_types = frozenset({"cpu", "cuda"})
+    index_dtypes = frozenset({torch.int64})
+    index_device = "cpu"
+    description = "copy engine: one copy_ per contiguous run, layer and part"
+
+    @classmethod
+    def not_supported_reasons(cls, request: TransferRequest) -> list[str]:
+        reasons = super().not_supported_reasons(request)
+        if request.pool_kind not in request.layout.pool_kinds:
+            return reasons
+        spec = request.host_spec
+        for part in spec.parts:
+            if part.heads > 1 and part.head_stride != part.dim:
+                reasons.append(
+                    f"layout {request.layout.name!r} splits each item across heads on the host, so the copy engine "
+                    "would need one copy per head and token; use io backend 'kernel'"
+                )
+                break
+            if spec.tokens_per_page > 1 and part.token_stride != part.heads * part.dim:
+                reasons.append(
+                    f"layout {request.layout.name!r} stores a layer's tokens strided on the host (token-major), so the "
+                    "copy engine would need one copy per token and layer; use layout 'page_first_direct', "
+                    "or io backend 'kernel'"
+                )
+                break
+        if request.device_type == "cuda" and not request.host_pinned:
+            reasons.append("on CUDA it needs pinned host memory to copy asynchronously (pin_memory=True)")
+        return reasons
+
+    def __init__(self, plan: TransferPlan) -> None:
+        super().__init__(plan)
+        self.non_blocking = plan.device.type == "cuda"
+        self.tokens_per_page = plan.tokens_per_page
+        self.host_items = plan.num_items
+        self.device_rows = plan.device_rows
+        self.parts = [_PartCopier(part) for part in plan.parts]
+        # Runs may cross a page boundary only where every part keeps pages adjacent.
+        self.pages_adjacent = all(
+            p.page_stride == plan.tokens_per_page * p.token_stride for p in plan.parts
+        )
+
+    def load_to_device_per_layer(self, host_indices, device_indices, layer):
+        self._copy(host_indices, device_indices, (layer,), to_device=True)
+
+    def backup_from_device_per_layer(self, host_indices, device_indices, layer):
+        self._copy(host_indices, device_indices, (layer,), to_device=False)
+
+    def backup_from_device_all_layer(self, host_indices, device_indices):
+        self._copy(host_indices, device_indices, range(self.plan.num_layers), to_device=False)
+
+    def runs(self, host: torch.Tensor, device: torch.Tensor) -> list[tuple[int, int, int]]:
+        """``(host start, device start, length)`` of each contiguous run, after sorting by host slot."""
+        lo_h, hi_h = int(host.min()), int(host.max())
+        lo_d, hi_d = int(device.min()), int(device.max())
+        if lo_h < 0 or hi_h >= self.host_items or lo_d < 0 or hi_d >= self.device_rows:
+            raise IndexError(
+                f"indices out of range: host [{lo_h}, {hi_h}] of [0, {self.host_items}), "
+                f"device [{lo_d}, {hi_d}] of [0, {self.device_rows}); nothing was copied"
+            )
+        if host.numel() > 1 and not bool((host[1:] >= host[:-1]).all()):
+            host, order = torch.sort(host)
+            device = device[order]
+        brk = (host[1:] - host[:-1] != 1) | (device[1:] - device[:-1] != 1)
+        if not self.pages_adjacent and self.tokens_per_page > 1:
+            brk |= host[1:] % self.tokens_per_page == 0
+        elif not self.pages_adjacent:
+            brk[:] = True
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(brk).reshape(-1) + 1])
+        lengths = torch.diff(starts, append=torch.tensor([host.numel()]))
+        return list(zip(host[starts].tolist(), device[starts].tolist(), lengths.tolist()))
+
+    def _copy(self, host_indices, device_indices, layers, *, to_device: bool) -> None:
+        runs = self.runs(host_indices, device_indices)
+        dsts, srcs = [], []
+        for layer in layers:
+            for part in self.parts:
+                for h0, d0, n in runs:
+                    host_view, device_view = part.views(layer, h0, d0, n, self.tokens_per_page)
+                    if to_device:
+                        dsts.append(device_view)
+                        srcs.append(host_view)
+                    else:
+                        dsts.append(host_view)
+                        srcs.append(device_view)
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src, non_blocking=self.non_blocking)
+
+
+class _PartCopier:
+    """Slices of one part: host bytes of a run, device rows of a run."""
+
+    def __init__(self, part) -> None:
+        self.host = part.host
+        self.host_offset = part.host_offset
+        self.page_stride = part.page_stride
+        self.token_stride = part.token_stride
+        self.layer_stride = part.layer_stride
+        self.item_bytes = part.item_bytes
+        self.device_layers = part.device_layers
+        self.whole_row = part.device_offset == 0 and part.item_bytes == part.device_row_bytes
+        self.device_slice = slice(part.device_offset, part.device_offset + part.piece_bytes)
+
+    def views(self, layer: int, h0: int, d0: int, n: int, tokens_per_page: int):
+        page, token = divmod(h0, tokens_per_page)
+        start = self.host_offset + page * self.page_stride + token * self.token_stride + layer * self.layer_stride
+        host = self.host[start : start + n * self.item_bytes]
+        rows = self.device_layers[layer][d0 : d0 + n]
+        if self.whole_row:
+            return host, rows.reshape(-1)
+        return host.view(n, self.item_bytes), rows[:, self.device_slice]
