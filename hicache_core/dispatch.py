@@ -63,7 +63,9 @@ def reasons_for(impl: type[Implementation], request: TransferRequest) -> list[st
     reasons = []
     if request.pool_kind not in request.layout.pool_kinds:
         kinds = ", ".join(sorted(request.layout.pool_kinds))
-        reasons.append(f"layout {request.layout.name!r} cannot store pool kind {request.pool_kind!r} (it stores: {kinds})")
+        reasons.append(
+            f"layout {request.layout.name!r} cannot store pool kind {request.pool_kind!r} (it stores: {kinds})"
+        )
     try:
         reasons += impl.not_supported_reasons(request)
     except Exception as exc:  # noqa: BLE001 - a plugin bug must not hide behind a traceback in dispatch
@@ -197,11 +199,13 @@ def explain_refusal(
     backends, layouts = alternatives(registry, request)
     lines.append("What would work instead:")
     lines.append(
-        f"    io backends for layout {request.layout.name!r}: " + (", ".join(repr(b) for b in backends) or "none installed")
+        f"    io backends for layout {request.layout.name!r}: "
+        + (", ".join(repr(b) for b in backends) or "none installed")
     )
     if backend not in (None, ""):
         lines.append(
-            f"    layouts for io backend {backend!r}: " + (", ".join(repr(name) for name in layouts) or "none installed")
+            f"    layouts for io backend {backend!r}: "
+            + (", ".join(repr(name) for name in layouts) or "none installed")
         )
     failed = registry.failed_plugins()
     if failed:

@@ -127,7 +127,7 @@ def geometry_of(device_pool: Any, *, page_size: int | None = None, draft_pools: 
     for draft in draft_pools:
         if pool_kind_of(draft) != kind:
             raise ValueError(f"draft pool kind {pool_kind_of(draft)!r} differs from the target's {kind!r}")
-        for attr, comp in zip(attrs, components):
+        for attr in attrs:
             draft_layers = list(getattr(draft, attr))
             if not draft_layers or draft_layers[0].shape[1:] != getattr(device_pool, attr)[0].shape[1:]:
                 raise ValueError(f"draft pool {attr}[0] must have the target's row shape")

@@ -176,6 +176,10 @@ class HostPool:
         self._num_items = plan.num_items
         self._device_rows = plan.device_rows
 
+    def implementation_for(self, operation: str, io_backend: str | None = None) -> Implementation:
+        """The implementation instance serving ``operation`` (to inspect it, or tune it, e.g. ``max_ctas``)."""
+        return self._impl(operation, self.io_backend if io_backend is None else io_backend)[0]
+
     # ---- allocator ---------------------------------------------------------------------------
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -216,7 +220,10 @@ class HostPool:
             return
         h, d = self._indices(host_indices, device_indices, where, dtypes)
         if h is not None:
-            impl.load_to_device_per_layer(h, d, layer)
+            try:
+                impl.load_to_device_per_layer(h, d, layer)
+            except Exception as exc:
+                raise TransferError(impl, "load_to_device_per_layer", exc) from exc
 
     def backup_from_device_per_layer(
         self,
@@ -235,7 +242,10 @@ class HostPool:
             return
         h, d = self._indices(host_indices, device_indices, where, dtypes)
         if h is not None:
-            impl.backup_from_device_per_layer(h, d, layer)
+            try:
+                impl.backup_from_device_per_layer(h, d, layer)
+            except Exception as exc:
+                raise TransferError(impl, "backup_from_device_per_layer", exc) from exc
 
     def backup_from_device_all_layer(
         self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
@@ -246,7 +256,10 @@ class HostPool:
             raise ValueError("device_pool is not the device pool this host pool was made for")
         h, d = self._indices(host_indices, device_indices, where, dtypes)
         if h is not None:
-            impl.backup_from_device_all_layer(h, d)
+            try:
+                impl.backup_from_device_all_layer(h, d)
+            except Exception as exc:
+                raise TransferError(impl, "backup_from_device_all_layer", exc) from exc
 
     def _impl(self, op: str, io_backend: str):
         entry = self._impls.get((op, io_backend))
@@ -363,7 +376,9 @@ class HostPool:
         """
         slots = indices.to("cpu", torch.int64).reshape(-1)
         if slots.numel() % self.page_size:
-            raise ValueError(f"get_page_buffer_meta takes whole pages: {slots.numel()} slots, page_size {self.page_size}")
+            raise ValueError(
+                f"get_page_buffer_meta takes whole pages: {slots.numel()} slots, page_size {self.page_size}"
+            )
         ptrs: list[int] = []
         sizes: list[int] = []
         for start in slots[:: self.page_size].tolist():
@@ -380,6 +395,21 @@ class HostPool:
     def __repr__(self) -> str:
         shapes = ", ".join(f"{b.attr}{tuple(b.shape)}" for b in self.spec.buffers)
         return f"<HostPool {self.geometry.kind} layout={self.layout} {shapes} implementations={self.implementations}>"
+
+
+class TransferError(RuntimeError):
+    """An implementation raised while moving bytes; names the implementation and its plugin."""
+
+    def __init__(self, impl: Implementation, operation: str, cause: BaseException) -> None:
+        from .registry import get_registry
+
+        self.implementation = impl.name
+        self.plugin = get_registry().plugin_of(impl.name)
+        self.operation = operation
+        super().__init__(
+            f"{impl.name} (plugin {self.plugin}, io backend {impl.io_backend!r}) raised during {operation}: "
+            f"{type(cause).__name__}: {cause}"
+        )
 
 
 def _contiguous_runs(view: torch.Tensor) -> list[tuple[int, int]]:

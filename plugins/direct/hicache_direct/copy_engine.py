@@ -57,9 +57,7 @@ class DirectCopy(Implementation):
         self.device_rows = plan.device_rows
         self.parts = [_PartCopier(part) for part in plan.parts]
         # Runs may cross a page boundary only where every part keeps pages adjacent.
-        self.pages_adjacent = all(
-            p.page_stride == plan.tokens_per_page * p.token_stride for p in plan.parts
-        )
+        self.pages_adjacent = all(p.page_stride == plan.tokens_per_page * p.token_stride for p in plan.parts)
 
     def load_to_device_per_layer(self, host_indices, device_indices, layer):
         self._copy(host_indices, device_indices, (layer,), to_device=True)
