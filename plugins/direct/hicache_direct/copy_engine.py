@@ -56,8 +56,9 @@ class DirectCopy(Implementation):
         self.host_items = plan.num_items
         self.device_rows = plan.device_rows
         self.parts = [_PartCopier(part) for part in plan.parts]
-        # Runs may cross a page boundary only where every part keeps pages adjacent.
-        self.pages_adjacent = all(p.page_stride == plan.tokens_per_page * p.token_stride for p in plan.parts)
+        # Items of a page are adjacent (the claim guarantees it); runs may also cross a page
+        # boundary only where every part keeps whole pages adjacent too.
+        self.pages_adjacent = all(p.page_stride == plan.tokens_per_page * p.item_bytes for p in plan.parts)
 
     def load_to_device_per_layer(self, host_indices, device_indices, layer):
         self._copy(host_indices, device_indices, (layer,), to_device=True)
@@ -81,10 +82,8 @@ class DirectCopy(Implementation):
             host, order = torch.sort(host)
             device = device[order]
         brk = (host[1:] - host[:-1] != 1) | (device[1:] - device[:-1] != 1)
-        if not self.pages_adjacent and self.tokens_per_page > 1:
+        if not self.pages_adjacent:
             brk |= host[1:] % self.tokens_per_page == 0
-        elif not self.pages_adjacent:
-            brk[:] = True
         starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(brk).reshape(-1) + 1])
         lengths = torch.diff(starts, append=torch.tensor([host.numel()]))
         return list(zip(host[starts].tolist(), device[starts].tolist(), lengths.tolist()))

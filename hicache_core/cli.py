@@ -1,0 +1,184 @@
+"""The ``hicache`` command: plugins, matrix, explain, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+
+from .dispatch import UnsupportedCombinationError, resolve
+from .implementation import OPERATIONS, TransferRequest
+from .layouts import POOL_KINDS
+from .registry import Registry, get_registry
+from .shapes import SHAPE_FOR_KIND
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="installed plugins, their layouts, implementations and errors")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("matrix", help="which implementation serves each pool kind x layout x operation x io backend")
+    p.add_argument("--pool", choices=POOL_KINDS)
+    _request_flags(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("explain", help="resolve one combination and say why")
+    p.add_argument("--pool", required=True, choices=POOL_KINDS)
+    p.add_argument("--layout", required=True)
+    p.add_argument("--op", required=True, choices=OPERATIONS)
+    p.add_argument("--io-backend", required=True)
+    _request_flags(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("demo", help="back up, evict and reload model-shaped pools, checked against the reference")
+    p.add_argument("--device", help="default: cuda when present, else cpu")
+    p.add_argument("--tokens", type=int, help="tokens per transfer (default: 4096 on CUDA, 256 on CPU)")
+
+    p = sub.add_parser("bench", help="the benchmark sweep of ../shared/benchmarks.md (GPU)")
+    p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
+    p.add_argument("--quick", action="store_true", help="a short sweep (smoke test)")
+    p.add_argument("--only", help="comma-separated implementation names to include")
+
+    args = parser.parse_args(argv)
+    if args.command == "plugins":
+        return cmd_plugins(get_registry(), args.json)
+    if args.command == "matrix":
+        return cmd_matrix(get_registry(), args)
+    if args.command == "explain":
+        return cmd_explain(get_registry(), args)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return run_demo(device=args.device, tokens=args.tokens)
+    from .bench import run_bench
+
+    return run_bench(out=args.out, quick=args.quick, only=args.only)
+
+
+def _request_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sharded", action="store_true", help="a layer-sharded pool (this rank owns half the layers)")
+    p.add_argument("--draft", action="store_true", help="a pool with an MTP draft layer")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="device type (default: cuda)")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--no-pin", action="store_true", help="host memory not pinned")
+
+
+def _request(registry: Registry, args, pool: str, layout: str, op: str, io_backend: str) -> TransferRequest:
+    geometry = SHAPE_FOR_KIND[pool].geometry(
+        page_size=args.page_size, device_type=args.device, sharded=args.sharded, draft=args.draft
+    )
+    return TransferRequest(io_backend, op, geometry, registry.layouts[layout], not args.no_pin)
+
+
+def cmd_plugins(registry: Registry, as_json: bool) -> int:
+    records = []
+    for record in registry.plugins.values():
+        data = record.as_dict()
+        data["implementations"] = [_impl_dict(registry, name) for name in record.implementations]
+        records.append(data)
+    if as_json:
+        print(json.dumps(records, indent=2))
+        return 0
+    for data in records:
+        version = f" {data['version']}" if data["version"] else ""
+        print(f"{data['name']} ({data['distribution'] or 'no distribution'}{version}): {data['status']}")
+        for layout in data["layouts"]:
+            print(f"    layout {layout}")
+        for impl in data["implementations"]:
+            print(
+                f"    implementation {impl['name']}: io backend {impl['io_backend']!r}, priority {impl['priority']}, "
+                f"devices {','.join(impl['device_types'])}"
+            )
+        for err in data["errors"]:
+            print(f"    error: {err}")
+    return 0
+
+
+def _impl_dict(registry: Registry, name: str) -> dict:
+    impl = registry.implementations[name]
+    return {
+        "name": name,
+        "io_backend": impl.io_backend,
+        "priority": impl.priority,
+        "description": impl.description,
+        "pool_kinds": sorted(impl.pool_kinds) if impl.pool_kinds is not None else "any",
+        "layouts": sorted(impl.layouts) if impl.layouts is not None else "any",
+        "operations": sorted(impl.operations),
+        "device_types": sorted(impl.device_types),
+        "sharded": impl.sharded,
+        "draft": impl.draft,
+        "item_alignment": impl.item_alignment,
+        "index_device": impl.index_device,
+        "index_dtypes": sorted(str(d).replace("torch.", "") for d in impl.index_dtypes),
+        "needs_pinned_host": impl.needs_pinned_host,
+    }
+
+
+def cmd_matrix(registry: Registry, args) -> int:
+    pools = [args.pool] if args.pool else list(POOL_KINDS)
+    backends = [b for b in registry.io_backends() if b != "reference"]
+    rows = []
+    for pool in pools:
+        for layout, decl in sorted(registry.layouts.items()):
+            if pool not in decl.pool_kinds:
+                continue
+            for op in OPERATIONS:
+                cells = {}
+                for backend in backends:
+                    request = _request(registry, args, pool, layout, op, backend)
+                    cells[backend] = _try_resolve(registry, request)
+                rows.append({"pool": pool, "layout": layout, "operation": op, "io_backends": cells})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    short = {"load_to_device_per_layer": "load", "backup_from_device_all_layer": "backup all",
+             "backup_from_device_per_layer": "backup layer"}  # fmt: skip
+    header = ["pool", "layout", "operation", *backends]
+    table = [[r["pool"], r["layout"], short[r["operation"]], *[r["io_backends"][b] or "-" for b in backends]]
+             for r in rows]  # fmt: skip
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
+    flags = ", ".join(f for f in ("sharded" if args.sharded else "", "draft" if args.draft else "") if f)
+    print(f"device {args.device}, page size {args.page_size}{', ' + flags if flags else ''}")
+    for line in [header, [("-" * w) for w in widths], *table]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip())
+    return 0
+
+
+def _try_resolve(registry: Registry, request: TransferRequest) -> str | None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return resolve(registry, request).name
+        except (UnsupportedCombinationError, ValueError):
+            return None
+
+
+def cmd_explain(registry: Registry, args) -> int:
+    if args.layout not in registry.layouts:
+        message = f"Unknown layout {args.layout!r}. Registered layouts: {', '.join(sorted(registry.layouts))}."
+        return _explain_out(args.json, {"resolved": False, "error": message}, message)
+    request = _request(registry, args, args.pool, args.layout, args.op, args.io_backend)
+    try:
+        impl = resolve(registry, request)
+    except UnsupportedCombinationError as exc:
+        return _explain_out(args.json, {"resolved": False, "error": str(exc)}, str(exc))
+    plugin = registry.plugin_of(impl.name)
+    text = "\n".join(
+        [f"Resolved to {impl.name} (plugin {plugin}, io backend {impl.io_backend!r}, priority {impl.priority}) for:"]
+        + [f"    {label:<12} {value}" for label, value in request.describe()]
+    )
+    return _explain_out(args.json, {"resolved": True, "implementation": impl.name, "plugin": plugin}, text)
+
+
+def _explain_out(as_json: bool, data: dict, text: str) -> int:
+    print(json.dumps(data, indent=2) if as_json else text)
+    return 0 if data["resolved"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
