@@ -136,17 +136,23 @@ def cmd_matrix(registry: Registry, args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    short = {"load_to_device_per_layer": "load", "backup_from_device_all_layer": "backup all",
-             "backup_from_device_per_layer": "backup layer"}  # fmt: skip
-    header = ["pool", "layout", "operation", *backends]
-    table = [[r["pool"], r["layout"], short[r["operation"]], *[r["io_backends"][b] or "-" for b in backends]]
-             for r in rows]  # fmt: skip
+    header = ["pool", "layout", *backends]
+    table = []
+    for i in range(0, len(rows), len(OPERATIONS)):
+        group = rows[i : i + len(OPERATIONS)]
+        table.append([group[0]["pool"], group[0]["layout"], *[_cell(group, b) for b in backends]])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
     flags = ", ".join(f for f in ("sharded" if args.sharded else "", "draft" if args.draft else "") if f)
     print(f"device {args.device}, page size {args.page_size}{', ' + flags if flags else ''}")
+    print("cell: the implementation serving all three operations, else load/backup all/backup layer each")
     for line in [header, [("-" * w) for w in widths], *table]:
         print("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip())
     return 0
+
+
+def _cell(group: list[dict], backend: str) -> str:
+    names = [r["io_backends"][backend] or "-" for r in group]
+    return names[0] if len(set(names)) == 1 else " / ".join(names)
 
 
 def _try_resolve(registry: Registry, request: TransferRequest) -> str | None:

@@ -222,6 +222,9 @@ class HostPool:
         if h is not None:
             try:
                 impl.load_to_device_per_layer(h, d, layer)
+            except (ValueError, IndexError, TypeError) as exc:
+                _note(impl, "load_to_device_per_layer", exc)
+                raise
             except Exception as exc:
                 raise TransferError(impl, "load_to_device_per_layer", exc) from exc
 
@@ -244,6 +247,9 @@ class HostPool:
         if h is not None:
             try:
                 impl.backup_from_device_per_layer(h, d, layer)
+            except (ValueError, IndexError, TypeError) as exc:
+                _note(impl, "backup_from_device_per_layer", exc)
+                raise
             except Exception as exc:
                 raise TransferError(impl, "backup_from_device_per_layer", exc) from exc
 
@@ -258,6 +264,9 @@ class HostPool:
         if h is not None:
             try:
                 impl.backup_from_device_all_layer(h, d)
+            except (ValueError, IndexError, TypeError) as exc:
+                _note(impl, "backup_from_device_all_layer", exc)
+                raise
             except Exception as exc:
                 raise TransferError(impl, "backup_from_device_all_layer", exc) from exc
 
@@ -410,6 +419,12 @@ class TransferError(RuntimeError):
             f"{impl.name} (plugin {self.plugin}, io backend {impl.io_backend!r}) raised during {operation}: "
             f"{type(cause).__name__}: {cause}"
         )
+
+
+def _note(impl: Implementation, operation: str, exc: Exception) -> None:
+    """Input errors raised inside a transfer keep their type (callers catch them as bad input) and gain a note."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"(raised by {impl.name}, io backend {impl.io_backend!r}, during {operation})")
 
 
 def _contiguous_runs(view: torch.Tensor) -> list[tuple[int, int]]:

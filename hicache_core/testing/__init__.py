@@ -1,0 +1,39 @@
+"""hicache's conformance kit for transfer implementations.
+
+A plugin author subclasses :class:`ConformanceTests` in a test module and names
+the implementation under test; the kit's pytest plugin (registered through the
+``pytest11`` entry point as ``hicache``) generates cases from what that
+implementation claims and checks every one against the pure-torch reference::
+
+    from hicache_core.testing import ConformanceTests
+
+    class TestMyBackend(ConformanceTests):
+        implementation = "mine.fast_copy"
+
+Attributes are loaded lazily, so importing the pytest plugin stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cases import Case, build_device_pools
+    from .conformance import ConformanceTests
+
+__all__ = ["Case", "ConformanceTests", "build_device_pools"]
+
+_EXPORTS = {
+    "Case": "cases",
+    "build_device_pools": "cases",
+    "ConformanceTests": "conformance",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(f".{module}", __name__), name)

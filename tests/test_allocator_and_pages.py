@@ -1,0 +1,94 @@
+"""The slot allocator, and the page-level API L3 storage backends use."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from conftest import device_pool, device_tensors, fill_random, random_page_slots, same_bytes
+
+import hicache_core as hc
+
+
+@pytest.fixture
+def host(direct_only):
+    return hc.make_host_pool(device_pool("mha", 4), layout="page_first_direct", io_backend="direct", size=16,
+                             registry=direct_only)  # fmt: skip
+
+
+def test_alloc_free_available(host):
+    assert host.size == 16 and host.available_size() == 16
+    a = host.alloc(8)
+    assert a.tolist() == list(range(8)) and host.available_size() == 8
+    b = host.alloc(8)
+    assert host.alloc(4) is None  # full: SGLang returns None
+    assert host.free(a) == 8 and host.available_size() == 8
+    with pytest.raises(ValueError, match="double free of host slots"):
+        host.free(a)
+    with pytest.raises(ValueError, match="The requested size should be a multiple of the page size."):
+        host.alloc(3)
+    with pytest.raises(ValueError, match="free\\(\\) takes whole pages"):
+        host.free(b[:3])
+    with pytest.raises(IndexError, match="outside the pool"):
+        host.free(torch.arange(16, 20))
+    host.free(b)
+    assert host.available_size() == 16
+
+
+def test_default_size_follows_the_device_pool(direct_only):
+    dev = device_pool("mla", 4, pages=6)  # 24 tokens
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", registry=direct_only)
+    assert host.size == 48 and host.page_num == 12  # host_to_device_ratio 2.0
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", host_to_device_ratio=1.0,
+                             registry=direct_only)  # fmt: skip
+    assert host.size == 24
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", size=10, registry=direct_only)
+    assert host.size == 12  # whole pages
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_flat_data_page_round_trip(layout, direct_only):
+    host = hc.make_host_pool(device_pool("mha", 4), layout=layout, io_backend="reference", size=16,
+                             registry=direct_only)  # fmt: skip
+    fill_random([host.kv_buffer], seed=1)
+    page = host.get_data_page(8)
+    assert page.numel() == 2 * 3 * 4 * 2 * 8 and page.dtype == torch.bfloat16
+    expected = {
+        "layer_first": host.kv_buffer[:, :, 8:12],
+        "page_first": host.kv_buffer[:, 8:12],
+        "page_first_direct": host.kv_buffer[:, 2],
+        "page_head": host.kv_buffer[:, 2],
+    }[layout]
+    assert same_bytes(page, expected.flatten())
+    other = host.get_data_page(4).clone()
+    host.set_from_flat_data_page(12, other)
+    assert same_bytes(host.get_data_page(12), other)
+    assert same_bytes(host.get_data_page(8), page)  # neighbours untouched
+    with pytest.raises(ValueError, match="a flat page here is 384 elements"):
+        host.set_from_flat_data_page(0, other[:10])
+    assert host.get_dummy_flat_data_page().numel() == page.numel()
+
+
+def _read(ptr: int, nbytes: int) -> bytes:
+    return ctypes.string_at(ptr, nbytes)
+
+
+@pytest.mark.parametrize(
+    "kind, layout, runs_per_page",
+    [("mha", "layer_first", 6), ("mha", "page_first", 2), ("mha", "page_first_direct", 2), ("mha", "page_head", 2),
+     ("mla", "page_first_kv_split", 2), ("mha_asym", "page_first", 2), ("page_rows", "page_first", 1)],
+)  # fmt: skip
+def test_page_buffer_meta_points_at_the_page(kind, layout, runs_per_page, direct_only):
+    dev = device_pool(kind, 4)
+    host = hc.make_host_pool(dev, layout=layout, io_backend="reference", size=16, registry=direct_only)
+    fill_random(device_tensors(dev), seed=1)
+    h, d = random_page_slots(4, 2, 4, seed=2), random_page_slots(6, 2, 4, seed=3, first=1)
+    host.backup_from_device_all_layer(dev, h, d, "reference")
+    ptrs, sizes = host.get_page_buffer_meta(h)
+    assert len(ptrs) == len(sizes) == 2 * runs_per_page
+    total = sum(t.numel() * t.element_size() for t in host.plan.host_buffers.values()) // host.page_num
+    assert sum(sizes[:runs_per_page]) == total
+    page_bytes = b"".join(_read(p, n) for p, n in zip(ptrs[:runs_per_page], sizes[:runs_per_page]))
+    flat = host.get_data_page(int(h[0]))
+    assert page_bytes == bytes(flat.reshape(-1).view(torch.uint8).tolist())

@@ -1,0 +1,193 @@
+"""Bad input gets a clear error before any byte moves, and both pools stay as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import device_pool, device_tensors, fill_random, host_tensors, random_page_slots, snapshot
+
+import hicache_core as hc
+
+
+@pytest.fixture(params=["direct", "reference"])
+def pools(request, direct_only):
+    dev = device_pool("mha", 4, pages=6, sharded=True)
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend=request.param, size=16, registry=direct_only)
+    fill_random(device_tensors(dev) + host_tensors(host), seed=7)
+    before = snapshot(device_tensors(dev) + host_tensors(host))
+    yield dev, host, request.param
+    after = snapshot(device_tensors(dev) + host_tensors(host))
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "a rejected call changed a pool"
+
+
+H = random_page_slots(4, 2, 4, seed=1)
+D = random_page_slots(6, 2, 4, seed=2, first=1)
+
+
+def test_length_mismatch(pools):
+    dev, host, io = pools
+    with pytest.raises(ValueError, match=r"1-D and of equal length, got \(8,\) and \(7,\)"):
+        host.load_to_device_per_layer(dev, H, D[:7], 1, io)
+
+
+def test_wrong_dtype(pools):
+    dev, host, io = pools
+    with pytest.raises(TypeError, match="indices must be int32 or int64, got host torch.float32"):
+        host.backup_from_device_all_layer(dev, H.float(), D, io)
+
+
+def test_not_a_tensor(pools):
+    dev, host, io = pools
+    with pytest.raises(TypeError, match="must be torch tensors"):
+        host.backup_from_device_per_layer(dev, H.tolist(), D, 1, io)
+
+
+@pytest.mark.parametrize("layer_id", [3, -1, 100])
+def test_layer_out_of_range(pools, layer_id):
+    dev, host, io = pools
+    with pytest.raises(IndexError, match=rf"layer_id {layer_id} is out of range \[0, 3\)"):
+        host.load_to_device_per_layer(dev, H, D, layer_id, io)
+
+
+def test_layer_not_owned_is_a_no_op(pools):
+    dev, host, io = pools
+    host.load_to_device_per_layer(dev, H, D, 0, io)  # layer 0 belongs to another rank
+
+
+def test_draft_layer_without_draft_pool(pools):
+    dev, host, io = pools
+    with pytest.raises(IndexError, match="draft layer_id 3 is out of range"):
+        host.load_to_device_per_layer(dev, H, D, 3, io, is_draft=True)
+
+
+def test_wrong_device_pool(pools):
+    dev, host, io = pools
+    with pytest.raises(ValueError, match="not the device pool this host pool was made for"):
+        host.load_to_device_per_layer(device_pool("mha", 4, pages=6, sharded=True), H, D, 1, io)
+
+
+def test_io_backend_not_resolved(pools):
+    dev, host, io = pools
+    with pytest.raises(ValueError, match="io_backend 'kernel' was not resolved for this host pool"):
+        host.load_to_device_per_layer(dev, H, D, 1, "kernel")
+    with pytest.raises(ValueError, match="io_backend None was not resolved"):
+        host.backup_from_device_all_layer(dev, H, D, None)
+
+
+def test_out_of_range_indices_direct(direct_only):
+    dev = device_pool("mla", 4, pages=6)
+    host = hc.make_host_pool(dev, layout="page_first_direct", io_backend="direct", size=16, registry=direct_only)
+    fill_random(device_tensors(dev) + host_tensors(host), seed=7)
+    before = snapshot(device_tensors(dev) + host_tensors(host))
+    bad = torch.arange(16, 24)  # host pool holds slots [0, 16)
+    with pytest.raises(IndexError, match=r"indices out of range: host \[16, 23\] of \[0, 16\)"):
+        host.backup_from_device_all_layer(dev, bad, D, "direct")
+    with pytest.raises(IndexError, match=r"device \[1000, 1007\] of \[0, 28\)"):
+        host.load_to_device_per_layer(dev, H, torch.arange(1000, 1008), 0, "direct")
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(device_tensors(dev) + host_tensors(host))))
+
+
+def test_validating_mode_checks_bounds_for_every_implementation(direct_only):
+    dev = device_pool("mha", 4, pages=6)
+    host = hc.make_host_pool(
+        dev, layout="page_head", io_backend="reference", size=16, validate=True, registry=direct_only
+    )
+    with pytest.raises(IndexError, match=r"host_indices out of range: min 16, max 23, valid \[0, 16\)"):
+        host.backup_from_device_all_layer(dev, torch.arange(16, 24), D, "reference")
+
+
+def test_page_rows_need_whole_pages(direct_only):
+    dev = device_pool("page_rows", 4, pages=6)
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", size=16, registry=direct_only,
+                             validate=True)  # fmt: skip
+    fill_random(device_tensors(dev) + host_tensors(host), seed=7)
+    before = snapshot(device_tensors(dev) + host_tensors(host))
+    with pytest.raises(ValueError, match="indices must come in whole pages: got 6 slots with page_size 4"):
+        host.backup_from_device_all_layer(dev, H[:6], D[:6], "direct")
+    with pytest.raises(ValueError, match="host_indices must come in whole pages of 4 consecutive slots"):
+        host.backup_from_device_all_layer(dev, H.flip(0), D, "direct")
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(device_tensors(dev) + host_tensors(host))))
+
+
+def test_unknown_layout(direct_only):
+    with pytest.raises(hc.UnsupportedCombinationError, match="Unknown layout 'page_last'. Registered layouts: "):
+        hc.make_host_pool(device_pool("mha"), layout="page_last", io_backend="direct", registry=direct_only)
+
+
+def test_none_device_pool(direct_only):
+    with pytest.raises(ValueError, match="device_pool is None"):
+        hc.make_host_pool(None, layout="layer_first", io_backend="direct", registry=direct_only)
+
+
+def test_not_a_device_pool(direct_only):
+    with pytest.raises(ValueError, match="cannot tell the pool kind of object"):
+        hc.make_host_pool(object(), layout="layer_first", io_backend="direct", registry=direct_only)
+
+
+def test_unknown_operation(direct_only):
+    with pytest.raises(ValueError, match="unknown operation 'load'"):
+        hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="direct", operations=["load"],
+                          registry=direct_only)  # fmt: skip
+
+
+def test_unpinned_host_memory_where_pinned_is_declared(direct_only):
+    class NeedsPinned(hc.Implementation):
+        name = "test.pinned"
+        io_backend = "pinnedonly"
+        device_types = frozenset({"cpu"})
+        needs_pinned_host = True
+
+        def load_to_device_per_layer(self, h, d, layer):  # never reached
+            raise AssertionError
+
+        def backup_from_device_all_layer(self, h, d):
+            raise AssertionError
+
+        def backup_from_device_per_layer(self, h, d, layer):
+            raise AssertionError
+
+    class Plugin:
+        @hc.hookimpl
+        def hicache_register_backends(self, register):
+            register(NeedsPinned)
+
+    direct_only.add_plugin(Plugin(), "pinned")
+    with pytest.raises(hc.UnsupportedCombinationError) as err:
+        hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="pinnedonly", registry=direct_only)
+    assert "needs pinned host memory, but the host pool is not pinned (pin_memory=False, or no CUDA)" in str(err.value)
+
+
+def test_refused_combination_lists_reasons_and_alternatives(direct_only):
+    dev = device_pool("mha", 4)
+    with pytest.raises(hc.UnsupportedCombinationError) as err:
+        hc.make_host_pool(dev, layout="page_first", io_backend="direct", registry=direct_only)
+    e = err.value
+    assert isinstance(e, ValueError)
+    assert (e.io_backend, e.layout, e.pool_kind, e.operation) == ("direct", "page_first", "mha", hc.LOAD)
+    text = str(e)
+    assert text.startswith("No implementation of io backend 'direct' can run load_to_device_per_layer with:")
+    assert "direct.copy_engine (plugin direct, priority 10):" in text
+    assert "stores a layer's tokens strided on the host (token-major)" in text
+    assert "layouts for io backend 'direct': 'layer_first', 'page_first_direct'" in text
+
+
+@pytest.mark.parametrize(
+    "kind, layout", [("mha", "page_first_kv_split"), ("page_rows", "page_head"), ("mla", "page_head")]
+)
+def test_layout_that_cannot_store_the_pool_kind(kind, layout, direct_only):
+    with pytest.raises(hc.UnsupportedCombinationError) as err:
+        hc.make_host_pool(device_pool(kind), layout=layout, io_backend="direct", registry=direct_only)
+    assert f"layout {layout!r} cannot store pool kind {kind!r}" in str(err.value)
+
+
+def test_forcing_an_implementation_that_refuses(direct_only):
+    with pytest.raises(hc.UnsupportedCombinationError) as err:
+        hc.make_host_pool(device_pool("mha"), layout="page_head", io_backend="direct",
+                          implementation="direct.copy_engine", registry=direct_only)  # fmt: skip
+    assert str(err.value).startswith("The forced implementation 'direct.copy_engine' cannot run")
+
+
+def test_forcing_an_unknown_implementation(direct_only):
+    with pytest.raises(hc.UnsupportedCombinationError, match="Unknown implementation 'nope' was forced"):
+        hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="direct", implementation="nope",
+                          registry=direct_only)  # fmt: skip

@@ -1,0 +1,57 @@
+"""The hicache command."""
+
+from __future__ import annotations
+
+import json
+
+from hicache_core.cli import main
+
+
+def test_plugins_json(capsys):
+    assert main(["plugins", "--json"]) == 0
+    records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    direct = records["direct"]
+    assert direct["distribution"] == "hicache-direct" and direct["status"] == "loaded"
+    impl = direct["implementations"][0]
+    assert impl["name"] == "direct.copy_engine" and impl["io_backend"] == "direct" and impl["priority"] == 10
+    assert "page_first" in records["hicache_core"]["layouts"]
+
+
+def test_plugins_text(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "direct (hicache-direct" in out and "implementation direct.copy_engine: io backend 'direct'" in out
+
+
+def test_matrix(capsys):
+    assert main(["matrix", "--pool", "mla", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines()]
+    header = next(line for line in lines if line[:2] == ["pool", "layout"])
+    direct = header.index("direct")
+    kv_split = next(line for line in lines if line[:2] == ["mla", "page_first_kv_split"])
+    assert kv_split[direct] == "direct.copy_engine"
+    page_first = next(line for line in lines if line[:2] == ["mla", "page_first"])
+    assert page_first[direct] == "-"
+
+
+def test_matrix_json(capsys):
+    assert main(["matrix", "--json", "--device", "cpu", "--sharded"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["pool"] for r in rows} == {"mha", "mha_asym", "mla", "page_rows"}
+    row = next(r for r in rows if (r["pool"], r["layout"], r["operation"]) ==
+               ("mha", "layer_first", "backup_from_device_per_layer"))  # fmt: skip
+    assert row["io_backends"]["direct"] == "direct.copy_engine"
+
+
+def test_explain_text(capsys):
+    code = main(["explain", "--pool", "mha", "--layout", "page_head", "--op", "load_to_device_per_layer",
+                 "--io-backend", "direct"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 1 and "splits each item across heads" in out
+
+
+def test_explain_unknown_layout(capsys):
+    code = main(["explain", "--pool", "mha", "--layout", "nope", "--op", "load_to_device_per_layer",
+                 "--io-backend", "direct", "--json"])  # fmt: skip
+    assert code == 1 and "Unknown layout 'nope'" in json.loads(capsys.readouterr().out)["error"]
