@@ -160,12 +160,12 @@ class HostPool:
         self.allocator = SlotAllocator(self.size, self.page_size)
 
         instances: dict[type[Implementation], Implementation] = {}
-        self._impls: dict[tuple[str, str], tuple[Implementation, torch.device, frozenset]] = {}
+        self._impls: dict[tuple[str, str], tuple[Implementation, bool, frozenset, torch.device]] = {}
         self.implementations: dict[str, str] = {}
         for op, cls in resolved.items():
             impl = instances.get(cls) or instances.setdefault(cls, cls(plan))
             target = plan.device if cls.index_device == "device" else torch.device("cpu")
-            entry = (impl, target, cls.index_dtypes)
+            entry = (impl, target.type == "cuda", cls.index_dtypes, target)
             for name in {io_backend, cls.io_backend}:
                 self._impls[(op, name)] = entry
             self.implementations[op] = cls.name
@@ -214,11 +214,11 @@ class HostPool:
         A layer this rank does not own is a no-op; ``is_draft`` addresses MTP draft layer
         ``layer_id - layer_num`` (device layer 0 of the draft pool passed).
         """
-        impl, where, dtypes = self._impl(LOAD, io_backend)
+        impl, want_cuda, dtypes, target = self._impl(LOAD, io_backend)
         layer = self._host_layer(device_pool, layer_id, is_draft)
         if layer is None:
             return
-        h, d = self._indices(host_indices, device_indices, where, dtypes)
+        h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target)
         if h is not None:
             try:
                 impl.load_to_device_per_layer(h, d, layer)
@@ -239,11 +239,11 @@ class HostPool:
         is_draft: bool = False,
     ) -> None:
         """Copy one layer of the given slots device -> host (what a layer-sharded pool runs per owned layer)."""
-        impl, where, dtypes = self._impl(BACKUP_LAYER, io_backend)
+        impl, want_cuda, dtypes, target = self._impl(BACKUP_LAYER, io_backend)
         layer = self._host_layer(device_pool, layer_id, is_draft)
         if layer is None:
             return
-        h, d = self._indices(host_indices, device_indices, where, dtypes)
+        h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target)
         if h is not None:
             try:
                 impl.backup_from_device_per_layer(h, d, layer)
@@ -257,10 +257,10 @@ class HostPool:
         self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
     ) -> None:
         """Copy every owned layer and every draft layer of the given slots device -> host."""
-        impl, where, dtypes = self._impl(BACKUP_ALL, io_backend)
+        impl, want_cuda, dtypes, target = self._impl(BACKUP_ALL, io_backend)
         if device_pool is not self.device_pool:
             raise ValueError("device_pool is not the device pool this host pool was made for")
-        h, d = self._indices(host_indices, device_indices, where, dtypes)
+        h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target)
         if h is not None:
             try:
                 impl.backup_from_device_all_layer(h, d)
@@ -304,22 +304,21 @@ class HostPool:
         layer = layer_id - self.start_layer
         return layer if 0 <= layer < self._owned else None
 
-    def _indices(self, host_indices, device_indices, where: torch.device, dtypes: frozenset):
-        if not isinstance(host_indices, torch.Tensor) or not isinstance(device_indices, torch.Tensor):
-            raise TypeError(
-                "host_indices and device_indices must be torch tensors of int32/int64 slots, "
-                f"got {type(host_indices).__name__} and {type(device_indices).__name__}"
+    def _indices(self, host_indices, device_indices, want_cuda: bool, dtypes: frozenset, target: torch.device):
+        # The hot path: a handful of attribute reads, no allocation unless indices must move.
+        try:
+            hd, dd, n = host_indices.dtype, device_indices.dtype, host_indices.numel()
+            ok = (
+                (hd is torch.int64 or hd is torch.int32)
+                and (dd is torch.int64 or dd is torch.int32)
+                and device_indices.numel() == n
+                and host_indices.dim() == 1
+                and device_indices.dim() == 1
             )
-        if host_indices.dtype not in _INDEX_DTYPES or device_indices.dtype not in _INDEX_DTYPES:
-            raise TypeError(
-                f"indices must be int32 or int64, got host {host_indices.dtype} and device {device_indices.dtype}"
-            )
-        n = host_indices.numel()
-        if device_indices.numel() != n or host_indices.dim() != 1 or device_indices.dim() != 1:
-            raise ValueError(
-                "host_indices and device_indices must be 1-D and of equal length, got "
-                f"{tuple(host_indices.shape)} and {tuple(device_indices.shape)}"
-            )
+        except (AttributeError, TypeError):
+            ok = False
+        if not ok:
+            _reject_indices(host_indices, device_indices)
         if n == 0:
             return None, None
         if self._items_are_pages:
@@ -336,10 +335,10 @@ class HostPool:
         if self.validate:
             check_bounds(host_indices, self._num_items, "host_indices")
             check_bounds(device_indices, self._device_rows, "device_indices")
-        if host_indices.device != where or host_indices.dtype not in dtypes:
-            host_indices = host_indices.to(where, torch.int64 if host_indices.dtype not in dtypes else None, True)
-        if device_indices.device != where or device_indices.dtype not in dtypes:
-            device_indices = device_indices.to(where, torch.int64 if device_indices.dtype not in dtypes else None, True)
+        if host_indices.is_cuda is not want_cuda or hd not in dtypes:
+            host_indices = _move(host_indices, dtypes, target)
+        if device_indices.is_cuda is not want_cuda or dd not in dtypes:
+            device_indices = _move(device_indices, dtypes, target)
         return host_indices, device_indices
 
     # ---- pages, for L3 storage backends ------------------------------------------------------
@@ -444,6 +443,27 @@ def _contiguous_runs(view: torch.Tensor) -> list[tuple[int, int]]:
         offset = sum(i * s for i, s in zip(idx, strides[:cut]))
         runs.append((view.data_ptr() + offset * view.element_size(), inner * view.element_size()))
     return runs
+
+
+def _move(indices: torch.Tensor, dtypes: frozenset, target: torch.device) -> torch.Tensor:
+    """Indices where and as the implementation declared it wants them (what SGLang's controller did)."""
+    dtype = indices.dtype if indices.dtype in dtypes else torch.int64
+    return indices.to(target, dtype, non_blocking=True)
+
+
+def _reject_indices(host_indices, device_indices) -> None:
+    """Raise the precise error for indices the hot path's combined check refused."""
+    for what, idx in (("host_indices", host_indices), ("device_indices", device_indices)):
+        if not isinstance(idx, torch.Tensor):
+            raise TypeError(f"{what} must be a torch tensor of int32/int64 slots, got {type(idx).__name__}")
+    if host_indices.dtype not in _INDEX_DTYPES or device_indices.dtype not in _INDEX_DTYPES:
+        raise TypeError(
+            f"indices must be int32 or int64, got host {host_indices.dtype} and device {device_indices.dtype}"
+        )
+    raise ValueError(
+        "host_indices and device_indices must be 1-D and of equal length, got "
+        f"{tuple(host_indices.shape)} and {tuple(device_indices.shape)}"
+    )
 
 
 def check_bounds(indices: torch.Tensor, limit: int, what: str) -> None:

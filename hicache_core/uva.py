@@ -217,6 +217,8 @@ def layer_offset_table(
                 ]
             )
         rows.append(entries)
-    return torch.tensor(rows, dtype=torch.int64).reshape(plan.num_layers, len(chosen), TABLE_COLUMNS).to(
-        anchor.device if device is None else device
+    return (
+        torch.tensor(rows, dtype=torch.int64)
+        .reshape(plan.num_layers, len(chosen), TABLE_COLUMNS)
+        .to(anchor.device if device is None else device)
     )

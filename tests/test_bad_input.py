@@ -38,7 +38,7 @@ def test_wrong_dtype(pools):
 
 def test_not_a_tensor(pools):
     dev, host, io = pools
-    with pytest.raises(TypeError, match="must be torch tensors"):
+    with pytest.raises(TypeError, match="host_indices must be a torch tensor of int32/int64 slots, got list"):
         host.backup_from_device_per_layer(dev, H.tolist(), D, 1, io)
 
 

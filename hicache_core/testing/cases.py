@@ -87,7 +87,9 @@ def _one_pool(pool_kind: str, page_size: int, device: torch.device, layer_range:
             size, page_size, DTYPE, KV_LORA_RANK, QK_ROPE_HEAD_DIM, layer_num, device, start_layer=start, end_layer=end
         )
     if pool_kind == "page_rows":
-        return PageRowsDevicePool(size // page_size, page_size, ROW_BYTES, layer_num, device, start_layer=start, end_layer=end)
+        return PageRowsDevicePool(
+            size // page_size, page_size, ROW_BYTES, layer_num, device, start_layer=start, end_layer=end
+        )
     raise ValueError(f"the conformance kit has no shape for pool kind {pool_kind!r}")
 
 
