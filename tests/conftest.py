@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,8 @@ from hicache_core.registry import Registry
 
 KINDS = ("mha", "mha_asym", "mla", "page_rows")
 LAYERS = 3
+#: Device pools live here; the GPU machine runs the same tests with HICACHE_TEST_DEVICE=cuda.
+DEVICE = os.environ.get("HICACHE_TEST_DEVICE", "cpu")
 
 
 def device_pool(kind: str, page_size: int = 4, *, pages: int = 6, sharded: bool = False, layers: int = LAYERS):
@@ -17,12 +21,12 @@ def device_pool(kind: str, page_size: int = 4, *, pages: int = 6, sharded: bool 
     kw = dict(start_layer=1, end_layer=layers) if sharded else {}
     size = pages * page_size
     if kind == "mha":
-        return hc.MHADevicePool(size, page_size, torch.bfloat16, 2, 8, layers, "cpu", **kw)
+        return hc.MHADevicePool(size, page_size, torch.bfloat16, 2, 8, layers, DEVICE, **kw)
     if kind == "mha_asym":
-        return hc.MHADevicePool(size, page_size, torch.bfloat16, 2, 8, layers, "cpu", v_head_dim=4, **kw)
+        return hc.MHADevicePool(size, page_size, torch.bfloat16, 2, 8, layers, DEVICE, v_head_dim=4, **kw)
     if kind == "mla":
-        return hc.MLADevicePool(size, page_size, torch.bfloat16, 16, 8, layers, "cpu", **kw)
-    return hc.PageRowsDevicePool(pages + 1, page_size, 24, layers, "cpu", **kw)
+        return hc.MLADevicePool(size, page_size, torch.bfloat16, 16, 8, layers, DEVICE, **kw)
+    return hc.PageRowsDevicePool(pages + 1, page_size, 24, layers, DEVICE, **kw)
 
 
 def draft_pool(kind: str, page_size: int = 4, pages: int = 6):
@@ -38,15 +42,15 @@ def fill_random(tensors, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for t in tensors:
         flat = t.view(-1).view(torch.uint8)
-        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen).to(t.device))
 
 
 def snapshot(tensors) -> list[torch.Tensor]:
-    return [t.reshape(-1).view(torch.uint8).clone() for t in tensors]
+    return [t.reshape(-1).view(torch.uint8).cpu().clone() for t in tensors]
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return torch.equal(a.reshape(-1).view(torch.uint8).cpu(), b.reshape(-1).view(torch.uint8).cpu())
 
 
 def random_page_slots(num_pages: int, count: int, page_size: int, seed: int, first: int = 0) -> torch.Tensor:

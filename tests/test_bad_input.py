@@ -134,7 +134,7 @@ def test_unpinned_host_memory_where_pinned_is_declared(direct_only):
     class NeedsPinned(hc.Implementation):
         name = "test.pinned"
         io_backend = "pinnedonly"
-        device_types = frozenset({"cpu"})
+        device_types = frozenset({"cpu", "cuda"})
         needs_pinned_host = True
 
         def load_to_device_per_layer(self, h, d, layer):  # never reached
@@ -153,7 +153,8 @@ def test_unpinned_host_memory_where_pinned_is_declared(direct_only):
 
     direct_only.add_plugin(Plugin(), "pinned")
     with pytest.raises(hc.UnsupportedCombinationError) as err:
-        hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="pinnedonly", registry=direct_only)
+        hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="pinnedonly", pin_memory=False,
+                          registry=direct_only)  # fmt: skip
     assert "needs pinned host memory, but the host pool is not pinned (pin_memory=False, or no CUDA)" in str(err.value)
 
 

@@ -77,7 +77,7 @@ class _ByteFlipLayout:
         name = "testplugin.loop"
         io_backend = "loopcopy"
         priority = 5
-        device_types = frozenset({"cpu"})
+        device_types = frozenset({"cpu", "cuda"})
         index_dtypes = frozenset({torch.int64, torch.int32})
         calls: list = []
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import device_tensors, fill_random, random_page_slots, same_bytes
+from conftest import DEVICE, device_tensors, fill_random, random_page_slots, same_bytes
 
 import hicache_core as hc
 from hicache_core.cli import main
@@ -18,7 +18,7 @@ def _kernel_installed(registry) -> bool:
 
 # 1. MHA, head_dim != v_head_dim, io_backend="kernel", page_first_direct, load one layer
 def test_scenario_1_without_kernel_plugin_says_what_to_install(without_kernel):
-    dev = hc.MHADevicePool(64, 16, torch.bfloat16, 2, 8, 2, "cpu", v_head_dim=4)
+    dev = hc.MHADevicePool(64, 16, torch.bfloat16, 2, 8, 2, DEVICE, v_head_dim=4)
     with pytest.raises(hc.UnsupportedCombinationError) as err:
         hc.make_host_pool(
             dev, layout="page_first_direct", io_backend="kernel", operations=[hc.LOAD], registry=without_kernel
@@ -32,7 +32,7 @@ def test_scenario_1_without_kernel_plugin_says_what_to_install(without_kernel):
 
 # 2. MLA, layer-sharded (context parallelism), page_first_kv_split, backup
 def test_scenario_2_sharded_mla_kv_split_backup_works(registry):
-    dev = hc.MLADevicePool(64, 16, torch.bfloat16, 16, 8, 4, "cpu", start_layer=2, end_layer=4)
+    dev = hc.MLADevicePool(64, 16, torch.bfloat16, 16, 8, 4, DEVICE, start_layer=2, end_layer=4)
     host = hc.make_host_pool(dev, layout="page_first_kv_split", io_backend="auto", size=64, registry=registry)
     ref = hc.make_host_pool(dev, layout="page_first_kv_split", io_backend="reference", size=64, registry=registry)
     fill_random(device_tensors(dev), seed=1)
@@ -50,7 +50,7 @@ def test_scenario_2_sharded_mla_kv_split_backup_works(registry):
 
 # 3. paged page-row pool, backup all layers, io backend nobody implements
 def test_scenario_3_unknown_io_backend_names_what_exists(registry):
-    dev = hc.PageRowsDevicePool(8, 64, 8448, 3, "cpu")
+    dev = hc.PageRowsDevicePool(8, 64, 8448, 3, DEVICE)
     with pytest.raises(hc.UnsupportedCombinationError) as err:
         hc.make_host_pool(dev, layout="page_first", io_backend="kdma", registry=registry)
     message = str(err.value)
@@ -64,7 +64,7 @@ def test_scenario_3_unknown_io_backend_names_what_exists(registry):
 # 4. asymmetric MHA, load one layer with io backend "memcpy" / None
 @pytest.mark.parametrize("io_backend", ["memcpy", None])
 def test_scenario_4_invalid_io_backend_lists_valid_ones(io_backend, registry):
-    dev = hc.MHADevicePool(64, 16, torch.bfloat16, 2, 8, 2, "cpu", v_head_dim=4)
+    dev = hc.MHADevicePool(64, 16, torch.bfloat16, 2, 8, 2, DEVICE, v_head_dim=4)
     with pytest.raises(hc.UnsupportedCombinationError) as err:
         hc.make_host_pool(dev, layout="page_first_direct", io_backend=io_backend, registry=registry)
     message = str(err.value)
@@ -74,7 +74,7 @@ def test_scenario_4_invalid_io_backend_lists_valid_ones(io_backend, registry):
 
 # 5. DSA indexer, layer-sharded, page_first, io_backend="kernel", backup per layer
 def test_scenario_5_without_kernel_plugin_says_what_to_install(without_kernel):
-    dev = hc.PageRowsDevicePool(8, 64, 8448, 4, "cpu", start_layer=2, end_layer=4)
+    dev = hc.PageRowsDevicePool(8, 64, 8448, 4, DEVICE, start_layer=2, end_layer=4)
     with pytest.raises(hc.UnsupportedCombinationError) as err:
         hc.make_host_pool(
             dev, layout="page_first", io_backend="kernel", operations=[hc.BACKUP_LAYER], registry=without_kernel
