@@ -448,7 +448,8 @@ def _contiguous_runs(view: torch.Tensor) -> list[tuple[int, int]]:
 def _move(indices: torch.Tensor, dtypes: frozenset, target: torch.device) -> torch.Tensor:
     """Indices where and as the implementation declared it wants them (what SGLang's controller did)."""
     dtype = indices.dtype if indices.dtype in dtypes else torch.int64
-    return indices.to(target, dtype, non_blocking=True)
+    # Host-to-device may run ahead on the stream; device-to-host must land before the CPU reads it.
+    return indices.to(target, dtype, non_blocking=target.type == "cuda")
 
 
 def _reject_indices(host_indices, device_indices) -> None:

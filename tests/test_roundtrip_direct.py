@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 from conftest import (
+    DEVICE,
     KINDS,
     device_pool,
     device_tensors,
@@ -44,7 +45,8 @@ def test_direct_round_trip(case, direct_only):
     drafts = [draft_pool(kind, page_size, pages)] if variant == "draft" else []
     impl = direct_only.implementations["direct.copy_engine"]
     geometry = hc.geometry_of(dev, draft_pools=tuple(drafts))
-    requests = [hc.TransferRequest("direct", op, geometry, direct_only.layouts[layout], False) for op in hc.OPERATIONS]
+    pinned = DEVICE == "cuda"
+    requests = [hc.TransferRequest("direct", op, geometry, direct_only.layouts[layout], pinned) for op in hc.OPERATIONS]
     if any(reasons_for(impl, r) for r in requests):
         with pytest.raises(hc.UnsupportedCombinationError):
             hc.make_host_pool(dev, layout=layout, io_backend="direct", draft_pools=drafts, registry=direct_only)

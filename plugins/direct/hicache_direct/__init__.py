@@ -1,4 +1,4 @@
-"""hicache-direct: io backend ``"direct"``, the copy engine (``copy_`` per contiguous run), no kernel."""
+"""hicache-direct: io backend ``"direct"``, the copy engine (one copy per contiguous run), no kernel."""
 
 from hicache_core import hookimpl
 

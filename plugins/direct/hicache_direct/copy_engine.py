@@ -1,4 +1,4 @@
-"""The copy-engine implementation: one ``copy_`` per contiguous run, layer and part.
+"""The copy-engine implementation: one raw-pointer copy per contiguous run, layer and part.
 
 Runs are maximal sequences of items where host and device slots both advance by
 one and the host bytes stay contiguous (within a page, or across pages where the
@@ -12,9 +12,11 @@ import torch
 
 from hicache_core import OPERATIONS, Implementation, TransferPlan, TransferRequest
 
+from .memcpy import copier_for
+
 
 class DirectCopy(Implementation):
-    """Copy engine only: ``copy_`` per contiguous run, layer and part, on the current stream."""
+    """Copy engine only: one ``cudaMemcpyAsync`` per contiguous run, layer and part, on the current stream."""
 
     name = "direct.copy_engine"
     io_backend = "direct"
@@ -23,7 +25,7 @@ class DirectCopy(Implementation):
     device_types = frozenset({"cpu", "cuda"})
     index_dtypes = frozenset({torch.int64})
     index_device = "cpu"
-    description = "copy engine: one copy_ per contiguous run, layer and part"
+    description = "copy engine: one cudaMemcpyAsync per contiguous run, layer and part"
 
     @classmethod
     def not_supported_reasons(cls, request: TransferRequest) -> list[str]:
@@ -55,7 +57,8 @@ class DirectCopy(Implementation):
         self.tokens_per_page = plan.tokens_per_page
         self.host_items = plan.num_items
         self.device_rows = plan.device_rows
-        self.parts = [_PartCopier(part) for part in plan.parts]
+        self.parts = [_PartAddresses(part) for part in plan.parts]
+        self.copier = copier_for(plan.device)
         # Items of a page are adjacent (the claim guarantees it); runs may also cross a page
         # boundary only where every part keeps whole pages adjacent too.
         self.pages_adjacent = all(p.page_stride == plan.tokens_per_page * p.item_bytes for p in plan.parts)
@@ -90,40 +93,38 @@ class DirectCopy(Implementation):
 
     def _copy(self, host_indices, device_indices, layers, *, to_device: bool) -> None:
         runs = self.runs(host_indices, device_indices)
-        dsts, srcs = [], []
+        copier = self.copier
+        copier.begin()
         for layer in layers:
             for part in self.parts:
+                host_base = part.host_base + layer * part.layer_stride
+                dev_base = part.device_bases[layer]
                 for h0, d0, n in runs:
-                    host_view, device_view = part.views(layer, h0, d0, n, self.tokens_per_page)
-                    if to_device:
-                        dsts.append(device_view)
-                        srcs.append(host_view)
+                    page, token = divmod(h0, self.tokens_per_page)
+                    host = host_base + page * part.page_stride + token * part.token_stride
+                    dev = dev_base + d0 * part.row_bytes
+                    if part.whole_row:
+                        if to_device:
+                            copier.copy(dev, host, n * part.item_bytes)
+                        else:
+                            copier.copy(host, dev, n * part.item_bytes)
+                    elif to_device:
+                        copier.copy2d(dev, part.row_bytes, host, part.item_bytes, part.item_bytes, n)
                     else:
-                        dsts.append(host_view)
-                        srcs.append(device_view)
-        for dst, src in zip(dsts, srcs):
-            dst.copy_(src, non_blocking=self.non_blocking)
+                        copier.copy2d(host, part.item_bytes, dev, part.row_bytes, part.item_bytes, n)
 
 
-class _PartCopier:
-    """Slices of one part: host bytes of a run, device rows of a run."""
+class _PartAddresses:
+    """Base addresses and byte strides of one part, computed once per pool."""
 
     def __init__(self, part) -> None:
-        self.host = part.host
-        self.host_offset = part.host_offset
+        self.host_base = part.host.data_ptr() + part.host_offset
         self.page_stride = part.page_stride
         self.token_stride = part.token_stride
         self.layer_stride = part.layer_stride
         self.item_bytes = part.item_bytes
-        self.device_layers = part.device_layers
+        self.row_bytes = part.device_row_bytes
+        self.device_bases = [t.data_ptr() + part.device_offset for t in part.device_layers]
+        # A part that is a whole device row is one linear run; a slice of each row (the MLA
+        # latent or rope half) is a 2-D copy: rows of item_bytes at the device row pitch.
         self.whole_row = part.device_offset == 0 and part.item_bytes == part.device_row_bytes
-        self.device_slice = slice(part.device_offset, part.device_offset + part.piece_bytes)
-
-    def views(self, layer: int, h0: int, d0: int, n: int, tokens_per_page: int):
-        page, token = divmod(h0, tokens_per_page)
-        start = self.host_offset + page * self.page_stride + token * self.token_stride + layer * self.layer_stride
-        host = self.host[start : start + n * self.item_bytes]
-        rows = self.device_layers[layer][d0 : d0 + n]
-        if self.whole_row:
-            return host, rows.reshape(-1)
-        return host.view(n, self.item_bytes), rows[:, self.device_slice]
