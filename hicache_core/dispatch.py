@@ -58,8 +58,12 @@ class UnsupportedCombinationError(ValueError):
         self.forced = forced
 
 
-def reasons_for(impl: type[Implementation], request: TransferRequest) -> list[str]:
-    """An implementation's reasons, plus the one it cannot give itself: the layout's pool kinds."""
+def reasons_for(impl: type[Implementation], request: TransferRequest, registry: Registry | None = None) -> list[str]:
+    """An implementation's reasons, plus the one it cannot give itself: the layout's pool kinds.
+
+    An exception from ``not_supported_reasons`` becomes a reason; with ``registry`` given it is
+    also warned about, naming the plugin, since another implementation may win silently.
+    """
     reasons = []
     if request.pool_kind not in request.layout.pool_kinds:
         kinds = ", ".join(sorted(request.layout.pool_kinds))
@@ -70,12 +74,18 @@ def reasons_for(impl: type[Implementation], request: TransferRequest) -> list[st
         reasons += impl.not_supported_reasons(request)
     except Exception as exc:  # noqa: BLE001 - a plugin bug must not hide behind a traceback in dispatch
         reasons.append(f"not_supported_reasons raised {type(exc).__name__}: {exc}")
+        if registry is not None:
+            warnings.warn(
+                f"hicache: {impl.name} (plugin {registry.plugin_of(impl.name)}) raised in not_supported_reasons "
+                f"and is treated as refusing: {type(exc).__name__}: {exc}",
+                stacklevel=3,
+            )
     return list(dict.fromkeys(reasons))
 
 
 def claims(registry: Registry, request: TransferRequest) -> type[Implementation] | None:
     """The best implementation claiming ``request``, or ``None``."""
-    winners = [impl for impl in registry.candidates(request.io_backend) if not reasons_for(impl, request)]
+    winners = [impl for impl in registry.candidates(request.io_backend) if not reasons_for(impl, request, registry)]
     if not winners:
         return None
     best = winners[0]

@@ -34,7 +34,7 @@ class PluginRecord:
     name: str
     distribution: str | None = None
     version: str | None = None
-    status: str = "loaded"  # loaded | failed | filtered
+    status: str = "loaded"  # loaded | failed | filtered | missing (named in HICACHE_PLUGINS, not installed)
     errors: list[str] = field(default_factory=list)
     implementations: list[str] = field(default_factory=list)
     layouts: list[str] = field(default_factory=list)
@@ -99,34 +99,65 @@ class Registry:
 
     def load_entry_points(self, allow: set[str] | None = None) -> None:
         self.allow = allow
+        seen = {CORE_PLUGIN, "hicache-core"}
         for ep in sorted(_entry_points(), key=lambda e: e.name):
             dist = getattr(getattr(ep, "dist", None), "name", None)
             version = getattr(getattr(ep, "dist", None), "version", None)
+            seen.update((ep.name, dist))
             if allow is not None and ep.name not in allow and dist not in allow:
                 self.plugins[ep.name] = PluginRecord(ep.name, dist, version, status="filtered")
                 continue
             try:
                 plugin = ep.load()
             except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's, and is reported
-                self.plugins[ep.name] = PluginRecord(ep.name, dist, version, "failed", [_error_text(exc)])
+                key = self._record_key(ep.name, dist)
+                self.plugins[key] = PluginRecord(key, dist, version, "failed", [_error_text(exc)])
                 continue
             self.add_plugin(plugin, ep.name, distribution=dist, version=version)
+        for name in sorted((allow or set()) - seen):  # a typo in HICACHE_PLUGINS must not pass silently
+            self.plugins[name] = PluginRecord(
+                name,
+                status="missing",
+                errors=[f"{ENV_PLUGINS} names {name!r}, but no installed plugin has that entry point or distribution"],
+            )
 
     def add_plugin(self, plugin: object, name: str, *, distribution: str | None = None, version: str | None = None):
         """Register one plugin object and run its registration hooks (layouts first)."""
-        record = PluginRecord(name, distribution, version)
-        self.plugins[name] = record
+        key = self._record_key(name, distribution)
+        record = PluginRecord(key, distribution, version)
+        if key != name:  # two plugins chose one entry point name: keep both, and say so
+            other = self.plugins[name].distribution or "another plugin"
+            record.errors.append(f"entry point name {name!r} is also used by {other}; loaded as {key!r}")
+        self.plugins[key] = record
         try:
-            self.pm.register(plugin, name=name)
+            self.pm.register(plugin, name=key)
         except Exception as exc:  # noqa: BLE001 - pluggy validation errors name the bad hook
-            record.status, record.errors = "failed", [_error_text(exc)]
+            record.status, record.errors = "failed", [*record.errors, _error_text(exc)]
             return record
-        record.hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin) or [])
+        callers = self.pm.get_hookcallers(plugin) or []
+        record.hooks = sorted(h.name for h in callers)
+        known = sorted(n for n in dir(hookspecs) if n.startswith(f"{hookspecs.PROJECT}_"))
+        unknown = [h.name for h in callers if h.spec is None]
+        if unknown:
+            record.errors.append(f"implements {', '.join(unknown)}, not a hicache hook (hooks: {', '.join(known)})")
+        if len(unknown) == len(callers):
+            unmarked = [n for n in known if callable(getattr(plugin, n, None))]
+            hint = f" ({', '.join(unmarked)} defined but not marked)" if unmarked else ""
+            record.status = "failed"
+            record.errors.append(f"implements no hicache hook{hint}: mark hook functions with @hicache_core.hookimpl")
         self._call(plugin, record, "hicache_register_layouts", self._layout_registrar(record))
         self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
         self._resolved.clear()
         self._sorted.clear()
         return record
+
+    def _record_key(self, name: str, distribution: str | None) -> str:
+        """``name``, or ``name@distribution`` when another plugin already holds that name."""
+        key, n = name, 1
+        while key in self.plugins:
+            n += 1
+            key = f"{name}@{distribution or 'unknown'}" + (f"#{n}" if n > 2 else "")
+        return key
 
     def _call(self, plugin, record, hook_name, register) -> None:
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
+from ..geometry import COMPONENT_ATTRS, pool_kind_of
 from ..implementation import BACKUP_ALL, BACKUP_LAYER, LOAD
 
 #: Ways a pool can be built: whole model, a layer shard (context/pipeline parallelism), or with an MTP draft layer.
@@ -110,8 +111,6 @@ def build_device_pools(
 
 def device_tensors(pool: Any, drafts: tuple[Any, ...]) -> dict[str, torch.Tensor]:
     """Every per-layer device tensor of a pool and its drafts, by a readable name."""
-    from ..geometry import COMPONENT_ATTRS, pool_kind_of
-
     out = {}
     for attr in COMPONENT_ATTRS[pool_kind_of(pool)]:
         for i, t in enumerate(getattr(pool, attr)):

@@ -1,0 +1,294 @@
+"""The conformance kit itself: cases come from claims, correct code passes, each kind of broken code fails."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from hicache_core.testing import Case, ConformanceTests
+from hicache_core.testing.conformance import _CASES
+
+pytest_plugins = ["pytester"]
+
+#: Implementations for the kit to judge: one correct, and one per kind of mistake it must catch.
+IMPLS = '''
+import torch
+
+import hicache_core as hc
+from hicache_core import hookimpl
+
+
+class Good(hc.Implementation):
+    """Correct: the reference copy, behind a bounds check."""
+
+    name = "kit.good"
+    io_backend = "kit_good"
+    device_types = frozenset({"cpu", "cuda"})
+    index_dtypes = frozenset({torch.int32, torch.int64})
+
+    def check(self, h, d):
+        if int(h.min()) < 0 or int(h.max()) >= self.plan.num_items:
+            raise IndexError("host index out of range")
+        if int(d.min()) < 0 or int(d.max()) >= self.plan.device_rows:
+            raise IndexError("device index out of range")
+
+    def load_to_device_per_layer(self, h, d, layer):
+        self.check(h, d)
+        hc.reference_copy(self.plan, h, d, [layer], to_device=True)
+
+    def backup_from_device_per_layer(self, h, d, layer):
+        self.check(h, d)
+        hc.reference_copy(self.plan, h, d, [layer], to_device=False)
+
+    def backup_from_device_all_layer(self, h, d):
+        self.check(h, d)
+        hc.reference_copy(self.plan, h, d, range(self.plan.num_layers), to_device=False)
+
+
+class OffByOne(Good):
+    """Loads into the device row after the right one."""
+
+    name = "kit.off_by_one"
+    io_backend = "kit_off_by_one"
+
+    def load_to_device_per_layer(self, h, d, layer):
+        hc.reference_copy(self.plan, h, (d + 1) % self.plan.device_rows, [layer], to_device=True)
+
+
+class WritesOutside(Good):
+    """Correct bytes, plus a stray write to the last device row or host item."""
+
+    name = "kit.writes_outside"
+    io_backend = "kit_writes_outside"
+
+    def load_to_device_per_layer(self, h, d, layer):
+        super().load_to_device_per_layer(h, d, layer)
+        self.plan.parts[0].device_layer_view(layer)[-1].fill_(0x5A)
+
+    def backup_from_device_per_layer(self, h, d, layer):
+        super().backup_from_device_per_layer(h, d, layer)
+        self.plan.parts[0].host_layer_view(layer)[-1, -1].fill_(0x5A)
+
+    def backup_from_device_all_layer(self, h, d):
+        super().backup_from_device_all_layer(h, d)
+        self.plan.parts[0].host_layer_view(0)[-1, -1].fill_(0x5A)
+
+
+class ThroughFloat(Good):
+    """Loads through a bf16 -> float32 -> bf16 round trip, which rewrites NaN bit patterns."""
+
+    name = "kit.through_float"
+    io_backend = "kit_through_float"
+
+    def load_to_device_per_layer(self, h, d, layer):
+        super().load_to_device_per_layer(h, d, layer)
+        for part in self.plan.parts:
+            view = part.device_layer_view(layer)
+            rows = view[d.long()]
+            view[d.long()] = rows.view(torch.bfloat16).float().to(torch.bfloat16).view(torch.uint8)
+
+
+class NoBoundsCheck(Good):
+    """Trusts its indices: a negative one wraps around to the last row."""
+
+    name = "kit.no_bounds_check"
+    io_backend = "kit_no_bounds_check"
+
+    def check(self, h, d):
+        pass
+
+
+class SortsHostOnly(Good):
+    """Sorts host indices without carrying the device indices along."""
+
+    name = "kit.sorts_host_only"
+    io_backend = "kit_sorts_host_only"
+
+    def load_to_device_per_layer(self, h, d, layer):
+        hc.reference_copy(self.plan, torch.sort(h).values, d, [layer], to_device=True)
+
+
+class NoDrafts(Good):
+    """Correct, but claims only layer_first, and no pools with draft layers."""
+
+    name = "kit.no_drafts"
+    io_backend = "kit_no_drafts"
+    draft = False
+    layouts = frozenset({"layer_first"})
+
+
+class LoadOnly(Good):
+    name = "kit.load_only"
+    io_backend = "kit_load_only"
+    operations = frozenset({"load_to_device_per_layer"})
+
+
+class KitPlugin:
+    @hookimpl
+    def hicache_register_backends(self, register):
+        for impl in (Good, OffByOne, WritesOutside, ThroughFloat, NoBoundsCheck, SortsHostOnly, NoDrafts, LoadOnly):
+            register(impl)
+'''
+
+
+def kit_file(impl: str, **narrow) -> str:
+    """A test module running the kit on one of :data:`IMPLS`, narrowed to keep the run short."""
+    narrow = {"only_pool_kinds": ("mla",), "page_sizes": (64,), "index_dtypes": ("int64",), **narrow}
+    lines = [f"    {key} = {value!r}" for key, value in narrow.items() if value is not None]
+    return (
+        textwrap.dedent(
+            """
+        from hicache_core.testing import ConformanceTests
+        from kitimpls import KitPlugin
+
+
+        class TestKit(ConformanceTests):
+            implementation = {impl!r}
+            plugins = {{"kitplugin": KitPlugin()}}
+        """
+        ).format(impl=impl)
+        + "\n".join(lines)
+        + "\n"
+    )
+
+
+@pytest.fixture
+def kit(pytester):
+    pytester.makepyfile(kitimpls=IMPLS)
+    pytester.syspathinsert()
+
+    def run(impl: str, *args: str, **narrow):
+        pytester.makepyfile(test_kit=kit_file(impl, **narrow))
+        return pytester.runpytest("-p", "no:cacheprovider", "-rs", *args)
+
+    return run
+
+
+def test_a_correct_implementation_passes_everything_it_claims(kit):
+    result = kit("kit.good", only_pool_kinds=("mla", "page_rows"))
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 0, result.stdout.str()
+    assert outcomes["passed"] > 50
+    # on a CPU machine only the CUDA-only tests skip, and they say why
+    result.stdout.fnmatch_lines(["*needs CUDA*"])
+
+
+def test_ids_are_readable(kit):
+    result = kit("kit.good", "--collect-only", "-q", only_pool_kinds=None, page_sizes=(1, 64), index_dtypes=None)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_round_trip[[]mla-page_first-backup_from_device_per_layer-sharded-p64-int32[]]",
+            "*test_round_trip[[]page_rows-layer_first-load_to_device_per_layer-draft-p1-int64[]]",
+            "*test_indices_in_any_order[[]mha-page_head-backup_from_device_all_layer-plain-p64-int64-shuffled[]]",
+            "*test_rejects_bad_input[[]page_rows-*-not_whole_pages[]]",
+        ],
+        consecutive=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "impl, test, message",
+    [
+        ("kit.off_by_one", "test_round_trip", "is not byte-exact"),
+        ("kit.writes_outside", "test_pool_untouched_outside_indices", "outside the indices it was given"),
+        ("kit.through_float", "test_round_trip", "is not byte-exact"),
+        ("kit.sorts_host_only", "test_indices_in_any_order", "is not byte-exact"),
+        ("kit.no_bounds_check", "test_rejects_bad_input", "neither raised nor dropped the bad item"),
+    ],
+)
+def test_each_kind_of_mistake_fails_with_a_message_that_names_it(kit, impl, test, message):
+    result = kit(impl, "-k", test)
+    assert result.parseoutcomes().get("failed", 0) > 0, result.stdout.str()
+    result.stdout.fnmatch_lines([f"*{impl} (plugin kitplugin) [[]mla-*{message}*"])
+    if message == "is not byte-exact":
+        result.stdout.fnmatch_lines(["  device kv_buffer[[]*]: * bytes differ from the reference (first at byte *"])
+
+
+def test_refused_combinations_are_skipped_with_the_dispatchers_reasons(kit):
+    result = kit("kit.no_drafts", "-k", "test_round_trip", only_pool_kinds=("mla", "mha"))
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 0 and outcomes["passed"] > 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["SKIPPED *kit.no_drafts refuses: pools with MTP draft layers are not claimed"])
+    # only claimed layouts are generated at all
+    result.stdout.no_fnmatch_line("*page_first*")
+
+
+def test_only_claimed_operations_are_generated():
+    class Narrow(ConformanceTests):
+        implementation = "kit.load_only"
+        plugins = {"kitplugin": _load_kit_plugin()}
+        only_pool_kinds = ("mha",)
+
+    cases = [case for case, _ in _CASES["round_trip"](Narrow)]
+    assert cases and {c.operation for c in cases} == {"load_to_device_per_layer"}
+    assert {c.variant for c in cases} == {"plain", "sharded", "draft"}
+    assert {c.page_size for c in cases} == {1, 64} and {c.index_dtype for c in cases} == {"int32", "int64"}
+    assert Case("mla", "page_first", "backup_from_device_per_layer", "sharded", 64, "int32").id == (
+        "mla-page_first-backup_from_device_per_layer-sharded-p64-int32"
+    )
+
+
+def test_the_implementation_may_be_given_as_its_class_and_the_matrix_narrowed(pytester):
+    pytester.makepyfile(
+        """
+        from hicache_core.testing import ConformanceTests
+        from hicache_direct import DirectCopy
+
+
+        class TestDirectByClass(ConformanceTests):
+            implementation = DirectCopy
+            device = "cpu"
+            only_layouts = ("page_first_direct",)
+            only_operations = ("backup_from_device_per_layer",)
+            variants = ("sharded",)
+            page_sizes = (1,)
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rs", "-v")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 0 and outcomes["passed"] > 10, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "*test_round_trip[[]page_rows-page_first_direct-backup_from_device_per_layer-sharded-p1-int32[]] PASSED*",
+            "*test_partial_last_page[[]no-cases[]] SKIPPED*",
+        ],
+        consecutive=False,
+    )
+    result.stdout.fnmatch_lines(["SKIPPED *no case of this test fits what direct.copy_engine claims*"])
+    result.stdout.no_fnmatch_line("*test_round_trip[[]*-layer_first-*")
+
+
+def test_an_implementation_that_is_not_registered_is_a_clear_collection_error(kit):
+    result = kit("kit.missing")
+    assert result.ret != 0
+    result.stdout.fnmatch_lines(["*implementation 'kit.missing' is not registered. Registered: *kit.good*"])
+
+
+def test_without_the_pytest_plugin_the_kit_says_how_to_load_it(kit):
+    result = kit("kit.good", "-p", "no:hicache", "-k", "test_round_trip")
+    assert result.parseoutcomes().get("errors", 0) > 0
+    result.stdout.fnmatch_lines(["*pytest plugin is not loaded*-p hicache_core.testing.pytest_plugin*"])
+
+
+def test_the_pytest_plugin_is_harmless_for_ordinary_tests(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+
+        class TestPlain:
+            @pytest.mark.parametrize("x", [1, 2])
+            def test_x(self, x):
+                assert x
+
+        def test_loaded(pytestconfig):
+            assert pytestconfig.pluginmanager.has_plugin("hicache")
+        """
+    )
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=3)
+
+
+def _load_kit_plugin():
+    namespace: dict = {"__name__": "kitimpls_inline"}
+    exec(compile(IMPLS, "kitimpls_inline", "exec"), namespace)
+    return namespace["KitPlugin"]()
