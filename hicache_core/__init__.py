@@ -2,42 +2,74 @@
 
 The core owns pools, layouts, hook specs and the dispatcher; every transfer
 implementation is a plugin found through the ``hicache`` entry point group.
+
+Names are loaded on first use, so that importing a submodule (the conformance
+kit's pytest plugin, the hook markers) does not import torch.
 """
 
-from .device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
-from .dispatch import UnsupportedCombinationError, explain_refusal, resolve
-from .geometry import PoolGeometry, geometry_of
-from .hookspecs import hookimpl
-from .host_pool import HostPool, make_host_pool
-from .implementation import (
-    BACKUP_ALL,
-    BACKUP_LAYER,
-    LOAD,
-    OPERATIONS,
-    Implementation,
-    TransferRequest,
-)
-from .layouts import AXES, POOL_KINDS, Layout
-from .plan import BoundPart, TransferPlan
-from .reference import reference_copy
-from .registry import Registry, get_registry, reset_registry
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
+    from .dispatch import UnsupportedCombinationError, explain_refusal, resolve
+    from .geometry import PoolGeometry, geometry_of
+    from .hookspecs import hookimpl
+    from .host_pool import HostPool, TransferError, make_host_pool
+    from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
+    from .layouts import AXES, POOL_KINDS, Layout
+    from .plan import BoundPart, TransferPlan
+    from .reference import reference_copy
+    from .registry import Registry, get_registry, reset_registry
+
+_EXPORTS = {
+    "MHADevicePool": "device_pools",
+    "MLADevicePool": "device_pools",
+    "PageRowsDevicePool": "device_pools",
+    "UnsupportedCombinationError": "dispatch",
+    "explain_refusal": "dispatch",
+    "resolve": "dispatch",
+    "PoolGeometry": "geometry",
+    "geometry_of": "geometry",
+    "hookimpl": "hookspecs",
+    "HostPool": "host_pool",
+    "TransferError": "host_pool",
+    "make_host_pool": "host_pool",
+    "BACKUP_ALL": "implementation",
+    "BACKUP_LAYER": "implementation",
+    "LOAD": "implementation",
+    "OPERATIONS": "implementation",
+    "Implementation": "implementation",
+    "TransferRequest": "implementation",
+    "AXES": "layouts",
+    "POOL_KINDS": "layouts",
+    "Layout": "layouts",
+    "BoundPart": "plan",
+    "TransferPlan": "plan",
+    "reference_copy": "reference",
+    "Registry": "registry",
+    "get_registry": "registry",
+    "reset_registry": "registry",
+}
 __all__ = [
     "AXES",
     "BACKUP_ALL",
     "BACKUP_LAYER",
-    "LOAD",
-    "OPERATIONS",
-    "POOL_KINDS",
     "BoundPart",
     "HostPool",
     "Implementation",
+    "LOAD",
     "Layout",
     "MHADevicePool",
     "MLADevicePool",
+    "OPERATIONS",
+    "POOL_KINDS",
     "PageRowsDevicePool",
     "PoolGeometry",
     "Registry",
+    "TransferError",
     "TransferPlan",
     "TransferRequest",
     "UnsupportedCombinationError",
@@ -50,3 +82,16 @@ __all__ = [
     "reset_registry",
     "resolve",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicache_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

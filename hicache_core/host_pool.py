@@ -97,7 +97,9 @@ def make_host_pool(
     plan = TransferPlan(geometry, spec, buffers, device_layers)
     if validate is None:
         validate = os.environ.get(ENV_VALIDATE, "") not in ("", "0")
-    return HostPool(device_pool, tuple(draft_pools), geometry, spec, plan, resolved, deferred, io_backend, validate)
+    return HostPool(
+        device_pool, tuple(draft_pools), geometry, spec, plan, resolved, deferred, io_backend, validate, registry
+    )
 
 
 def default_operations(geometry: PoolGeometry) -> list[str]:
@@ -133,8 +135,10 @@ class HostPool:
         deferred: dict[str, UnsupportedCombinationError],
         io_backend: str,
         validate: bool,
+        registry: Registry,
     ) -> None:
         self.device_pool = device_pool
+        self.registry = registry
         self.draft_pools = draft_pools
         self.geometry = geometry
         self.spec = spec
@@ -163,7 +167,12 @@ class HostPool:
         self._impls: dict[tuple[str, str], tuple[Implementation, bool, frozenset, torch.device]] = {}
         self.implementations: dict[str, str] = {}
         for op, cls in resolved.items():
-            impl = instances.get(cls) or instances.setdefault(cls, cls(plan))
+            impl = instances.get(cls)
+            if impl is None:
+                try:
+                    impl = instances[cls] = cls(plan)
+                except Exception as exc:
+                    raise TransferError(cls, registry.plugin_of(cls.name), "binding to the host pool", exc) from exc
             target = plan.device if cls.index_device == "device" else torch.device("cpu")
             entry = (impl, target.type == "cuda", cls.index_dtypes, target)
             for name in {io_backend, cls.io_backend}:
@@ -175,6 +184,9 @@ class HostPool:
         self._items_are_pages = geometry.items_are_pages
         self._num_items = plan.num_items
         self._device_rows = plan.device_rows
+
+    def _plugin_of(self, impl: Implementation) -> str:
+        return self.registry.plugin_of(impl.name)
 
     def implementation_for(self, operation: str, io_backend: str | None = None) -> Implementation:
         """The implementation instance serving ``operation`` (to inspect it, or tune it, e.g. ``max_ctas``)."""
@@ -226,7 +238,7 @@ class HostPool:
                 _note(impl, "load_to_device_per_layer", exc)
                 raise
             except Exception as exc:
-                raise TransferError(impl, "load_to_device_per_layer", exc) from exc
+                raise TransferError(impl, self._plugin_of(impl), "load_to_device_per_layer", exc) from exc
 
     def backup_from_device_per_layer(
         self,
@@ -251,7 +263,7 @@ class HostPool:
                 _note(impl, "backup_from_device_per_layer", exc)
                 raise
             except Exception as exc:
-                raise TransferError(impl, "backup_from_device_per_layer", exc) from exc
+                raise TransferError(impl, self._plugin_of(impl), "backup_from_device_per_layer", exc) from exc
 
     def backup_from_device_all_layer(
         self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
@@ -268,7 +280,7 @@ class HostPool:
                 _note(impl, "backup_from_device_all_layer", exc)
                 raise
             except Exception as exc:
-                raise TransferError(impl, "backup_from_device_all_layer", exc) from exc
+                raise TransferError(impl, self._plugin_of(impl), "backup_from_device_all_layer", exc) from exc
 
     def _impl(self, op: str, io_backend: str):
         entry = self._impls.get((op, io_backend))
@@ -406,16 +418,15 @@ class HostPool:
 
 
 class TransferError(RuntimeError):
-    """An implementation raised while moving bytes; names the implementation and its plugin."""
+    """An implementation raised while moving bytes (or while binding to a pool); names it and its plugin."""
 
-    def __init__(self, impl: Implementation, operation: str, cause: BaseException) -> None:
-        from .registry import get_registry
-
+    def __init__(self, impl: type[Implementation] | Implementation, plugin: str, operation: str,
+                 cause: BaseException) -> None:  # fmt: skip
         self.implementation = impl.name
-        self.plugin = get_registry().plugin_of(impl.name)
+        self.plugin = plugin
         self.operation = operation
         super().__init__(
-            f"{impl.name} (plugin {self.plugin}, io backend {impl.io_backend!r}) raised during {operation}: "
+            f"{impl.name} (plugin {plugin}, io backend {impl.io_backend!r}) raised during {operation}: "
             f"{type(cause).__name__}: {cause}"
         )
 

@@ -100,6 +100,7 @@ class Registry:
     def load_entry_points(self, allow: set[str] | None = None) -> None:
         self.allow = allow
         seen = {CORE_PLUGIN, "hicache-core"}
+        loaded = []
         for ep in sorted(_entry_points(), key=lambda e: e.name):
             dist = getattr(getattr(ep, "dist", None), "name", None)
             version = getattr(getattr(ep, "dist", None), "version", None)
@@ -113,7 +114,16 @@ class Registry:
                 key = self._record_key(ep.name, dist)
                 self.plugins[key] = PluginRecord(key, dist, version, "failed", [_error_text(exc)])
                 continue
-            self.add_plugin(plugin, ep.name, distribution=dist, version=version)
+            record = self.add_plugin(plugin, ep.name, distribution=dist, version=version, run_hooks=False)
+            if record.status != "failed":
+                loaded.append((plugin, record))
+        # Two phases, as the hook specs promise: every plugin's layouts, then every plugin's backends.
+        for plugin, record in loaded:
+            self._call(plugin, record, "hicache_register_layouts", self._layout_registrar(record))
+        for plugin, record in loaded:
+            self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
+        self._resolved.clear()
+        self._sorted.clear()
         for name in sorted((allow or set()) - seen):  # a typo in HICACHE_PLUGINS must not pass silently
             self.plugins[name] = PluginRecord(
                 name,
@@ -121,8 +131,16 @@ class Registry:
                 errors=[f"{ENV_PLUGINS} names {name!r}, but no installed plugin has that entry point or distribution"],
             )
 
-    def add_plugin(self, plugin: object, name: str, *, distribution: str | None = None, version: str | None = None):
-        """Register one plugin object and run its registration hooks (layouts first)."""
+    def add_plugin(
+        self,
+        plugin: object,
+        name: str,
+        *,
+        distribution: str | None = None,
+        version: str | None = None,
+        run_hooks: bool = True,
+    ) -> PluginRecord:
+        """Register one plugin object and (unless ``run_hooks`` is false) run its registration hooks, layouts first."""
         key = self._record_key(name, distribution)
         record = PluginRecord(key, distribution, version)
         if key != name:  # two plugins chose one entry point name: keep both, and say so
@@ -145,10 +163,11 @@ class Registry:
             hint = f" ({', '.join(unmarked)} defined but not marked)" if unmarked else ""
             record.status = "failed"
             record.errors.append(f"implements no hicache hook{hint}: mark hook functions with @hicache_core.hookimpl")
-        self._call(plugin, record, "hicache_register_layouts", self._layout_registrar(record))
-        self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
-        self._resolved.clear()
-        self._sorted.clear()
+        if run_hooks:
+            self._call(plugin, record, "hicache_register_layouts", self._layout_registrar(record))
+            self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
+            self._resolved.clear()
+            self._sorted.clear()
         return record
 
     def _record_key(self, name: str, distribution: str | None) -> str:

@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 import torch
-from conftest import device_pool, device_tensors, fill_random, random_page_slots, same_bytes
+from core_helpers import device_pool, device_tensors, fill_random, random_page_slots, same_bytes
 
 import hicache_core as hc
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import device_pool, device_tensors, fill_random, host_tensors, random_page_slots, snapshot
+from core_helpers import device_pool, device_tensors, fill_random, host_tensors, random_page_slots, snapshot
 
 import hicache_core as hc
 

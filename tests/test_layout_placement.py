@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import device_pool, device_tensors, fill_random, random_page_slots, same_bytes
+from core_helpers import device_pool, device_tensors, fill_random, random_page_slots, same_bytes
 
 import hicache_core as hc
 

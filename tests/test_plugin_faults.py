@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import device_pool, device_tensors, fill_random, host_tensors, random_page_slots, same_bytes
+from core_helpers import device_pool, device_tensors, fill_random, host_tensors, random_page_slots, same_bytes
 
 import hicache_core as hc
 import hicache_core.registry as registry_module
@@ -451,11 +451,6 @@ def test_an_implementation_raising_mid_transfer_is_named_with_its_plugin(default
     works(hc.get_registry(), "direct")
 
 
-@pytest.mark.xfail(
-    reason="host_pool.TransferError looks the plugin up in the process registry, not the one the pool was made "
-    "with, so a pool built with registry=... names plugin '?'",
-    strict=False,
-)
 def test_mid_transfer_errors_name_the_plugin_with_a_custom_registry(entry_points):
     registry = entry_points(FakeEntryPoint("flaky", Registers(Flaky)))
     dev = device_pool("mha", 4)
@@ -510,11 +505,6 @@ class FailsToConstruct(hc.Implementation):
     backup_from_device_per_layer = backup_from_device_all_layer = load_to_device_per_layer
 
 
-@pytest.mark.xfail(
-    reason="HostPool.__init__ instantiates the implementation outside any handler: its exception propagates "
-    "without naming the implementation or the plugin",
-    strict=False,
-)
 def test_an_implementation_failing_to_construct_is_named(default_registry):
     default_registry(FakeEntryPoint("ctor", Registers(FailsToConstruct)))
     with pytest.raises(Exception, match=r"ctor\.fails.*plugin ctor.*could not map host memory"):

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import (
+from core_helpers import (
     DEVICE,
     KINDS,
     device_pool,

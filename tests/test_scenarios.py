@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import DEVICE, device_tensors, fill_random, random_page_slots, same_bytes
+from core_helpers import DEVICE, device_tensors, fill_random, random_page_slots, same_bytes
 
 import hicache_core as hc
 from hicache_core.cli import main
