@@ -171,6 +171,9 @@ class HostPool:
             if impl is None:
                 try:
                     impl = instances[cls] = cls(plan)
+                except (ValueError, IndexError, TypeError) as exc:
+                    _note(cls, "binding to the host pool", exc)
+                    raise
                 except Exception as exc:
                     raise TransferError(cls, registry.plugin_of(cls.name), "binding to the host pool", exc) from exc
             target = plan.device if cls.index_device == "device" else torch.device("cpu")
@@ -431,7 +434,7 @@ class TransferError(RuntimeError):
         )
 
 
-def _note(impl: Implementation, operation: str, exc: Exception) -> None:
+def _note(impl: type[Implementation] | Implementation, operation: str, exc: Exception) -> None:
     """Input errors raised inside a transfer keep their type (callers catch them as bad input) and gain a note."""
     if hasattr(exc, "add_note"):
         exc.add_note(f"(raised by {impl.name}, io backend {impl.io_backend!r}, during {operation})")
