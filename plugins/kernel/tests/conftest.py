@@ -27,3 +27,14 @@ def kernel_device() -> str:
     if torch.cuda.is_available():
         return "cuda"
     pytest.skip("no CUDA device and TRITON_INTERPRET is not 1: the kernel cannot run here")
+
+
+@pytest.fixture(autouse=True)
+def only_this_plugin(monkeypatch):
+    """These tests are about hicache-kernel: keep hicache-jit (which outranks it for one-layer operations) out."""
+    from hicache_core.registry import reset_registry
+
+    monkeypatch.setenv("HICACHE_PLUGINS", "kernel,direct")
+    reset_registry()
+    yield
+    reset_registry()

@@ -18,12 +18,15 @@ Nothing here asserts a time. Exit status 1 if any byte differs.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
 
-import hicache_core as hc
+os.environ.setdefault("HICACHE_PLUGINS", "kernel")  # this script is about hicache-kernel, not hicache-jit
+
+import hicache_core as hc  # noqa: E402
 from hicache_core.shapes import SHAPES
 
 

@@ -13,7 +13,7 @@ from hicache_kernel import TritonUVA, triton_uva
 
 import hicache_core as hc
 from hicache_core.dispatch import reasons_for
-from hicache_core.registry import Registry
+from hicache_core.registry import Registry, allowed_plugins
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head", "page_first_kv_split")
 
@@ -67,7 +67,7 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
     reasons = TritonUVA.not_supported_reasons(request)
     assert any("TRITON_INTERPRET=1" in r for r in reasons), reasons
 
-    registry = Registry.from_entry_points()
+    registry = Registry.from_entry_points(allowed_plugins())
     with pytest.raises(hc.UnsupportedCombinationError, match="TRITON_INTERPRET"):
         hc.make_host_pool(pool("mha"), layout="page_first", io_backend="kernel", size=8, registry=registry)
 
@@ -97,7 +97,7 @@ def test_missing_triton_is_a_reason(monkeypatch):
 
 def test_declaration_and_registration():
     assert TritonUVA.declaration_problems() == []
-    registry = Registry.from_entry_points()
+    registry = Registry.from_entry_points(allowed_plugins())
     assert registry.implementations.get("kernel.triton_uva") is TritonUVA
     assert registry.plugin_of("kernel.triton_uva") == "kernel"
     assert TritonUVA.index_device == "device"
@@ -117,7 +117,7 @@ def test_importing_the_plugin_is_cheap():
 
 def test_resolved_by_io_backend_kernel_and_auto(kernel_device):
     dev = hc.MLADevicePool(8, 4, torch.bfloat16, 16, 8, 2, kernel_device)
-    registry = Registry.from_entry_points()
+    registry = Registry.from_entry_points(allowed_plugins())
     for backend in ("kernel", "auto"):
         host = hc.make_host_pool(dev, layout="page_first_kv_split", io_backend=backend, size=8, registry=registry)
         assert set(host.implementations.values()) == {"kernel.triton_uva"}
@@ -128,6 +128,7 @@ def test_resolved_by_io_backend_kernel_and_auto(kernel_device):
 
 def _host(device: str, **kw):
     dev = hc.MHADevicePool(60, 4, torch.bfloat16, 2, 8, 3, device)
+    kw.setdefault("registry", Registry.from_entry_points(allowed_plugins()))
     return hc.make_host_pool(dev, layout="page_first", io_backend="kernel", size=64, **kw), dev
 
 
