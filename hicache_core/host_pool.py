@@ -229,19 +229,7 @@ class HostPool:
         A layer this rank does not own is a no-op; ``is_draft`` addresses MTP draft layer
         ``layer_id - layer_num`` (device layer 0 of the draft pool passed).
         """
-        impl, want_cuda, dtypes, target = self._impl(LOAD, io_backend)
-        layer = self._host_layer(device_pool, layer_id, is_draft)
-        if layer is None:
-            return
-        h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target)
-        if h is not None:
-            try:
-                impl.load_to_device_per_layer(h, d, layer)
-            except (ValueError, IndexError, TypeError) as exc:
-                _note(impl, "load_to_device_per_layer", exc)
-                raise
-            except Exception as exc:
-                raise TransferError(impl, self._plugin_of(impl), "load_to_device_per_layer", exc) from exc
+        self._per_layer(LOAD, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft)
 
     def backup_from_device_per_layer(
         self,
@@ -254,19 +242,7 @@ class HostPool:
         is_draft: bool = False,
     ) -> None:
         """Copy one layer of the given slots device -> host (what a layer-sharded pool runs per owned layer)."""
-        impl, want_cuda, dtypes, target = self._impl(BACKUP_LAYER, io_backend)
-        layer = self._host_layer(device_pool, layer_id, is_draft)
-        if layer is None:
-            return
-        h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target)
-        if h is not None:
-            try:
-                impl.backup_from_device_per_layer(h, d, layer)
-            except (ValueError, IndexError, TypeError) as exc:
-                _note(impl, "backup_from_device_per_layer", exc)
-                raise
-            except Exception as exc:
-                raise TransferError(impl, self._plugin_of(impl), "backup_from_device_per_layer", exc) from exc
+        self._per_layer(BACKUP_LAYER, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft)
 
     def backup_from_device_all_layer(
         self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
@@ -277,13 +253,33 @@ class HostPool:
             raise ValueError("device_pool is not the device pool this host pool was made for")
         h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target)
         if h is not None:
-            try:
-                impl.backup_from_device_all_layer(h, d)
-            except (ValueError, IndexError, TypeError) as exc:
-                _note(impl, "backup_from_device_all_layer", exc)
-                raise
-            except Exception as exc:
-                raise TransferError(impl, self._plugin_of(impl), "backup_from_device_all_layer", exc) from exc
+            self._call(impl, BACKUP_ALL, h, d)
+
+    def _per_layer(self, op, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft) -> None:
+        impl, want_cuda, dtypes, target = self._impl(op, io_backend)
+        layer = self._host_layer(device_pool, layer_id, is_draft)
+        if layer is None:
+            return
+        h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target)
+        if h is None:
+            return
+        try:  # inline rather than through _call: this is the per-layer hot path
+            getattr(impl, op)(h, d, layer)
+        except (ValueError, IndexError, TypeError) as exc:
+            _note(impl, op, exc)
+            raise
+        except Exception as exc:
+            raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
+
+    def _call(self, impl: Implementation, op: str, *args) -> None:
+        """Run the implementation; whatever it raises names it (input errors keep their type)."""
+        try:
+            getattr(impl, op)(*args)
+        except (ValueError, IndexError, TypeError) as exc:
+            _note(impl, op, exc)
+            raise
+        except Exception as exc:
+            raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
 
     def _impl(self, op: str, io_backend: str):
         entry = self._impls.get((op, io_backend))
