@@ -154,11 +154,13 @@ class Case:
         fill_random([t for p in self.host.plan.parts for t in p.device_layers], gen)
         self.items_are_pages = self.host.geometry.items_are_pages
         self.impls: dict[str, Implementation] = {}
+        self.claimed: dict[str, tuple[str, ...]] = {}  # operations each implementation claims here
         for cls in impls:
-            requests = [TransferRequest(cls.io_backend, op, self.host.geometry, registry.layouts[layout], True)
-                        for op in OPS]  # fmt: skip
-            if not any(reasons_for(cls, r) for r in requests):
+            decl, geometry = registry.layouts[layout], self.host.geometry
+            ops = tuple(op for op in OPS if not reasons_for(cls, TransferRequest(cls.io_backend, op, geometry, decl)))
+            if ops:
                 self.impls[cls.name] = cls(self.host.plan)
+                self.claimed[cls.name] = ops
         self.gen = gen
 
     def indices(self, tokens: int, impl: Implementation) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,7 +273,7 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
                 budgets = (8, None)  # the bars: at most 8 CTAs, and unlimited
             for tokens in token_counts:
                 h, d = case.indices(tokens, impl)
-                for op in OPS:
+                for op in case.claimed[name]:
                     for budget in budgets if tokens >= 4096 else (8,) if budgets[0] is not None else (None,):
                         if hasattr(impl, "max_ctas"):
                             impl.max_ctas = budget if budget is not None else 0
@@ -285,7 +287,7 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
                             "max_ctas": getattr(impl, "max_ctas", None), "bytes": nbytes, "seconds": seconds,
                             "gbps": nbytes / seconds / 1e9, "fraction_of_ceiling": nbytes / seconds / 1e9 / link,
                         })  # fmt: skip
-                if tokens == 64:
+                if tokens == 64 and LOAD in case.claimed[name]:
                     if hasattr(impl, "max_ctas"):
                         impl.max_ctas = 8
                     records.append({
@@ -295,6 +297,8 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
                     })  # fmt: skip
         if shape.name == "deepseek-mla" and layout in ("page_first", "layer_first") and p == 64:
             for name, impl in case.impls.items():
+                if LOAD not in case.claimed[name]:
+                    continue
                 h, d = case.indices(4096, impl)
                 for budget in (8, None) if hasattr(impl, "max_ctas") else (None,):
                     if hasattr(impl, "max_ctas"):
