@@ -309,10 +309,14 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
                                     "max_ctas": budget, **result})  # fmt: skip
         del case
         torch.cuda.empty_cache()
+        # Written after every pool, so a run cut short by a time limit still leaves its results.
+        _write(Path(out), "quick" if quick else "sweep", {"environment": env, "ceiling": ceiling,
+               "dispatch_overhead": overhead, "complete": False}, records, plot=False)  # fmt: skip
     summary = _summary(records)
     print(summary)
     path = _write(Path(out), "quick" if quick else "sweep",
-                  {"environment": env, "ceiling": ceiling, "dispatch_overhead": overhead, "summary": summary},
+                  {"environment": env, "ceiling": ceiling, "dispatch_overhead": overhead, "summary": summary,
+                   "complete": True},
                   records)  # fmt: skip
     print(f"wrote {path}")
     return 0
@@ -345,11 +349,11 @@ def _span(values: list[float] | None) -> str:
     return f"{lo:.2f}" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}-{hi:.2f}"
 
 
-def _write(out: Path, name: str, meta: dict, records: list[dict]) -> Path:
+def _write(out: Path, name: str, meta: dict, records: list[dict], plot: bool = True) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     path.write_text(json.dumps({**meta, "records": records}, indent=1, default=str))
-    if records:
+    if records and plot:
         _plot(out / f"{name}.png", records)
     return path
 
