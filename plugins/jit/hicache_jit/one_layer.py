@@ -19,7 +19,6 @@ imported on the first transfer.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 import time
@@ -29,6 +28,9 @@ from typing import Any
 import torch
 
 from hicache_core import BACKUP_ALL, BACKUP_LAYER, LOAD, POOL_KINDS, Implementation, TransferPlan, TransferRequest, uva
+from hicache_core.triton_support import CudaOrInterpreter, interpreting, triton_available
+from hicache_core.triton_support import cuda_current_functions as _cuda_current_functions
+from hicache_core.triton_support import env_int as _env_int
 
 ENV_VARIANT = "HICACHE_JIT_VARIANT"
 ENV_MAX_CTAS = "HICACHE_JIT_MAX_CTAS"
@@ -86,29 +88,6 @@ VARIANTS: dict[str, Variant] = {
 #: Chosen on the H200 (benchmarks/results/jit-variants-h200.json): "rows" was within 0.01 of the best variant
 #: at 8 CTAs on 16 of 20 (shape, layout, operation) rows; the pipelined variant gained nothing measurable.
 DEFAULT_VARIANT = "rows"
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-_triton_found: bool | None = None
-
-
-def triton_available() -> bool:
-    """Whether triton can be imported (looked up once, without importing it)."""
-    global _triton_found
-    if _triton_found is None:
-        _triton_found = importlib.util.find_spec("triton") is not None
-    return _triton_found
-
-
-class _DeviceTypes:
-    """``device_types`` read at dispatch time: CUDA, and the CPU while the Triton interpreter is on."""
-
-    def __get__(self, obj: object, owner: type | None = None) -> frozenset[str]:
-        return frozenset({"cuda", "cpu"}) if interpreting() else frozenset({"cuda"})
 
 
 # ---- the process-wide table of specialisations ----------------------------------------------------
@@ -250,32 +229,7 @@ def _direct_launchers(compiled: Any) -> dict[int, tuple[Any, tuple]]:
     return out
 
 
-def _cuda_current():
-    """The cheapest callables for (current device index, current raw stream of a device)."""
-    get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get_stream is None:
-
-        def get_stream(index: int) -> int:
-            return torch.cuda.current_stream(index).cuda_stream
-
-    return get_device, get_stream
-
-
 # ---- configuration helpers ----------------------------------------------------------------------
-
-
-def _env_int(name: str, default: int | None, *, minimum: int) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
 
 
 def _pow2_near(x: float) -> int:
@@ -369,7 +323,7 @@ class JitOneLayer(Implementation):
     pool_kinds = frozenset(POOL_KINDS)
     layouts = None  # any layout whose per-layer host view is rows of one item: see not_supported_reasons
     operations = frozenset({LOAD, BACKUP_LAYER})
-    device_types = _DeviceTypes()  # type: ignore[assignment]
+    device_types = CudaOrInterpreter()  # type: ignore[assignment]
     sharded = True
     draft = True
     item_alignment = 1  # any byte size: the word narrows (16/8/4/2/1 bytes) to what sizes and strides allow
@@ -465,7 +419,7 @@ class JitOneLayer(Implementation):
 
         self._get_device = self._get_stream = None
         if self._cuda:
-            self._get_device, self._get_stream = _cuda_current()
+            self._get_device, self._get_stream = _cuda_current_functions()
         self._fast_launch = 0
         self._max_ctas: int | None = None
         self._cap = self._sm_count

@@ -13,7 +13,6 @@ allocates no tensor and never synchronises.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,9 @@ from typing import Any
 import torch
 
 from hicache_core import OPERATIONS, Implementation, TransferPlan, TransferRequest, uva
+from hicache_core.triton_support import CudaOrInterpreter, interpreting, triton_available
+from hicache_core.triton_support import cuda_current_functions as _cuda_current_functions
+from hicache_core.triton_support import env_int as _env_int
 
 ENV_MAX_CTAS = "HICACHE_KERNEL_MAX_CTAS"
 ENV_TILE_WORDS = "HICACHE_KERNEL_TILE_WORDS"
@@ -36,42 +38,6 @@ MAX_TILE_WORDS = 4096
 #: CTAs for "unlimited" where there are no SMs to count (the interpreter runs them in turn).
 _CPU_PROGRAMS = 4
 _INT32_MAX = 2**31 - 1
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (read now, as Triton reads it at first use)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-_triton_found: bool | None = None
-
-
-def triton_available() -> bool:
-    """Whether triton can be imported (looked up without importing it)."""
-    global _triton_found
-    if _triton_found is None:
-        _triton_found = importlib.util.find_spec("triton") is not None
-    return _triton_found
-
-
-class _ClaimedDeviceTypes:
-    """``device_types`` as seen now: CUDA, plus the CPU while the Triton interpreter is on (tests, CI)."""
-
-    def __get__(self, obj: object, owner: type | None = None) -> frozenset[str]:
-        return frozenset({"cuda", "cpu"}) if interpreting() else frozenset({"cuda"})
-
-
-def _env_int(name: str, default: int | None, *, minimum: int) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -112,7 +78,7 @@ class TritonUVA(Implementation):
     pool_kinds = None
     layouts = None
     operations = frozenset(OPERATIONS)
-    device_types = _ClaimedDeviceTypes()  # type: ignore[assignment]
+    device_types = CudaOrInterpreter()  # type: ignore[assignment]
     sharded = True
     draft = True
     item_alignment = 1  # any byte size: narrower words for odd sizes
@@ -363,18 +329,6 @@ def _load_kernel():
     except ImportError:  # older Triton: no knobs, no launch hooks to honour
         _runtime_knobs = None
     return _kernels.uva_copy
-
-
-def _cuda_current_functions():
-    """The cheapest callables for (current device index, current raw stream of a device)."""
-    get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get_stream is None:
-
-        def get_stream(index: int) -> int:
-            return torch.cuda.current_stream(index).cuda_stream
-
-    return get_device, get_stream
 
 
 def _no_launch_hooks() -> bool:

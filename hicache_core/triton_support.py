@@ -1,0 +1,62 @@
+"""Small helpers every plugin that launches Triton kernels needs (no triton import here).
+
+Claims must be honest without importing triton (importing it is slow) and must follow
+Triton's interpreter switch, which is how CI tests kernels on CPUs; the launch path
+wants the cheapest way to read torch's current device and stream.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+
+import torch
+
+_triton_found: bool | None = None
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``), read now."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_available() -> bool:
+    """Whether triton can be imported (looked up once, without importing it)."""
+    global _triton_found
+    if _triton_found is None:
+        _triton_found = importlib.util.find_spec("triton") is not None
+    return _triton_found
+
+
+class CudaOrInterpreter:
+    """A ``device_types`` claim read at dispatch time: CUDA, plus the CPU while the interpreter is on."""
+
+    def __get__(self, obj: object, owner: type | None = None) -> frozenset[str]:
+        return frozenset({"cuda", "cpu"}) if interpreting() else frozenset({"cuda"})
+
+
+def env_int(name: str, default: int | None, *, minimum: int) -> int | None:
+    """An integer knob from the environment (unset or blank: ``default``); refuses junk with a clear error."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def cuda_current_functions() -> tuple[Callable[[], int], Callable[[int], int]]:
+    """The cheapest callables for (current device index, current raw stream of a device)."""
+    get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get_stream is None:
+
+        def get_stream(index: int) -> int:
+            return torch.cuda.current_stream(index).cuda_stream
+
+    return get_device, get_stream
