@@ -25,9 +25,15 @@ def random_pages(num_pages: int, count: int, page_size: int, generator: torch.Ge
 
 
 def fill_random(tensors, generator: torch.Generator) -> None:
+    """Random bytes, drawn on each tensor's own device (a CPU generator over GBs of GPU memory takes minutes)."""
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    per_device: dict[torch.device, torch.Generator] = {}
     for t in tensors:
+        gen = per_device.get(t.device)
+        if gen is None:
+            gen = per_device[t.device] = torch.Generator(device=t.device).manual_seed(seed)
         flat = t.view(-1).view(torch.uint8)
-        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=generator).to(t.device))
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, device=t.device, generator=gen))
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
