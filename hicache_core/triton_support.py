@@ -60,3 +60,25 @@ def cuda_current_functions() -> tuple[Callable[[], int], Callable[[int], int]]:
             return torch.cuda.current_stream(index).cuda_stream
 
     return get_device, get_stream
+
+
+def bind_uva_device(name: str, plan, cpu_programs: int) -> tuple[bool, int, int]:
+    """Check that implementation ``name`` can reach ``plan`` through UVA; return (CUDA?, device index, programs).
+
+    On CUDA the host buffers must be pinned, and the interpreter must be off (it runs kernels on
+    host copies of CUDA tensors, so addresses computed from the pools would point elsewhere). On
+    the CPU (interpreter) the device index is -1 and ``cpu_programs`` stands in for the SM count.
+    """
+    device = plan.device
+    if device.type != "cuda":
+        return False, -1, cpu_programs
+    if interpreting():
+        raise ValueError(
+            f"{name} cannot run CUDA pools while TRITON_INTERPRET=1 (the Triton interpreter copies CUDA "
+            "tensors to the host, so addresses into the pools would be wrong); unset it, or test with CPU pools"
+        )
+    unpinned = [attr for attr, t in plan.host_buffers.items() if not t.is_pinned()]
+    if unpinned:
+        raise ValueError(f"{name} needs pinned host buffers on CUDA (UVA); not pinned: {', '.join(unpinned)}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return True, index, torch.cuda.get_device_properties(index).multi_processor_count

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hicache_core import BACKUP_ALL, BACKUP_LAYER, LOAD, POOL_KINDS, Implementation, TransferPlan, TransferRequest, uva
-from hicache_core.triton_support import CudaOrInterpreter, interpreting, triton_available
+from hicache_core.triton_support import CudaOrInterpreter, bind_uva_device, interpreting, triton_available
 from hicache_core.triton_support import cuda_current_functions as _cuda_current_functions
 from hicache_core.triton_support import env_int as _env_int
 
@@ -362,25 +362,8 @@ class JitOneLayer(Implementation):
     def __init__(self, plan: TransferPlan) -> None:
         super().__init__(plan)
         device = plan.device
-        self._cuda = device.type == "cuda"
-        if self._cuda and interpreting():
-            raise ValueError(
-                f"{self.name} cannot run CUDA pools while TRITON_INTERPRET=1 (the Triton interpreter copies CUDA "
-                "tensors to the host, so addresses into the pools would be wrong); unset it, or test with CPU pools"
-            )
-        if self._cuda:
-            unpinned = [name for name, t in plan.host_buffers.items() if not t.is_pinned()]
-            if unpinned:
-                raise ValueError(
-                    f"{self.name} needs pinned host buffers on CUDA (UVA); not pinned: {', '.join(unpinned)}"
-                )
-            self._dev_index = device.index if device.index is not None else torch.cuda.current_device()
-            self._sm_count = torch.cuda.get_device_properties(self._dev_index).multi_processor_count
-            self._device_name = f"cuda:{self._dev_index}"
-        else:
-            self._dev_index = -1
-            self._sm_count = _CPU_PROGRAMS
-            self._device_name = "cpu"
+        self._cuda, self._dev_index, self._sm_count = bind_uva_device(self.name, plan, _CPU_PROGRAMS)
+        self._device_name = f"cuda:{self._dev_index}" if self._cuda else "cpu"
         for part in plan.parts:
             if not (part.host_item_contiguous and part.device_item_contiguous):
                 raise ValueError(

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hicache_core import OPERATIONS, Implementation, TransferPlan, TransferRequest, uva
-from hicache_core.triton_support import CudaOrInterpreter, interpreting, triton_available
+from hicache_core.triton_support import CudaOrInterpreter, bind_uva_device, interpreting, triton_available
 from hicache_core.triton_support import cuda_current_functions as _cuda_current_functions
 from hicache_core.triton_support import env_int as _env_int
 
@@ -107,25 +107,7 @@ class TritonUVA(Implementation):
     def __init__(self, plan: TransferPlan) -> None:
         super().__init__(plan)
         device = plan.device
-        self._cuda = device.type == "cuda"
-        if self._cuda and interpreting():
-            # The interpreter runs kernels on host copies of CUDA tensors, so the addresses this
-            # implementation computes from the device pool would point at the wrong memory.
-            raise ValueError(
-                f"{self.name} cannot run CUDA pools while TRITON_INTERPRET=1 (the Triton interpreter copies CUDA "
-                "tensors to the host); unset it, or test with CPU pools"
-            )
-        if self._cuda:
-            unpinned = [name for name, t in plan.host_buffers.items() if not t.is_pinned()]
-            if unpinned:
-                raise ValueError(
-                    f"{self.name} needs pinned host buffers on CUDA (UVA); not pinned: {', '.join(unpinned)}"
-                )
-            self._dev_index = device.index if device.index is not None else torch.cuda.current_device()
-            self._sm_count = torch.cuda.get_device_properties(self._dev_index).multi_processor_count
-        else:
-            self._dev_index = -1
-            self._sm_count = _CPU_PROGRAMS
+        self._cuda, self._dev_index, self._sm_count = bind_uva_device(self.name, plan, _CPU_PROGRAMS)
 
         self.word_bytes = uva.plan_word_bytes(plan)
         elem_dtype, self._vec = uva.word_element(self.word_bytes)
