@@ -26,6 +26,8 @@ class SlotAllocator:
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """The first ``need_size`` free slots (a multiple of the page size), or ``None`` if too few are free."""
+        if need_size < 0:
+            raise ValueError(f"alloc() takes a size >= 0, got {need_size}")
         if need_size % self.page_size != 0:
             raise ValueError("The requested size should be a multiple of the page size.")
         with self._lock:

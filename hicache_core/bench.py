@@ -166,7 +166,8 @@ class Case:
     def indices(self, tokens: int, impl: Implementation) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.page_size
         host = random_pages(self.host.page_num + 1, tokens // p, p, self.gen) - p  # any host page, random order
-        dev = random_pages(self.dev.size // p + 1, tokens // p, p, self.gen)
+        rows = self.host.plan.device_rows  # device pages: rows // p for token pools, rows for page rows
+        dev = random_pages(rows if self.items_are_pages else rows // p, tokens // p, p, self.gen)
         if self.items_are_pages:
             host, dev = host[::p] // p, dev[::p] // p
         where = self.host.plan.device if impl.index_device == "device" else torch.device("cpu")

@@ -97,7 +97,11 @@ def geometry_of(device_pool: Any, *, page_size: int | None = None, draft_pools: 
     start = int(getattr(device_pool, "start_layer", 0) or 0)
     end = getattr(device_pool, "end_layer", None)
     end = start + len(layers[0]) if end is None else int(end)
-    layer_num = int(getattr(device_pool, "layer_num", end))
+    if end == start + len(layers[0]) - 1:
+        # SGLang's own pools keep end_layer inclusive (end_layer = layer_num - 1) and count only their
+        # own layers in layer_num; hicache's are exclusive and count the model's layers.
+        end += 1
+    layer_num = max(int(getattr(device_pool, "layer_num", end)), end)
     if not 0 <= start < end <= layer_num:
         raise ValueError(f"device pool layer range [{start}, {end}) is not inside [0, {layer_num})")
     for attr, per_layer in zip(attrs, layers):
@@ -127,20 +131,35 @@ def geometry_of(device_pool: Any, *, page_size: int | None = None, draft_pools: 
     for draft in draft_pools:
         if pool_kind_of(draft) != kind:
             raise ValueError(f"draft pool kind {pool_kind_of(draft)!r} differs from the target's {kind!r}")
-        for attr in attrs:
+        for attr, per_layer in zip(attrs, layers):
             draft_layers = list(getattr(draft, attr))
-            if not draft_layers or draft_layers[0].shape[1:] != getattr(device_pool, attr)[0].shape[1:]:
-                raise ValueError(f"draft pool {attr}[0] must have the target's row shape")
+            t, target = (draft_layers[0] if draft_layers else None), per_layer[0]
+            # Transfers address every host layer's device rows alike: a draft layer must be the
+            # target's twin (same rows, dtype, device, contiguous), or bounds checks would lie.
+            if t is None or t.shape != target.shape or t.dtype != target.dtype or t.device != target.device:
+                raise ValueError(
+                    f"draft pool {attr}[0] must match the target's {attr}[0]: shape {tuple(target.shape)}, "
+                    f"dtype {target.dtype}, device {target.device}; got "
+                    + ("nothing" if t is None else f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}")
+                )
+            if not t.is_contiguous():
+                raise ValueError(f"draft pool {attr}[0] must be contiguous")
         drafts += 1
     extras = tuple(
         (name, int(getattr(device_pool, name)))
         for name in ("kv_lora_rank", "qk_rope_head_dim")
         if getattr(device_pool, name, None) is not None
     )
+    device_page_size = getattr(device_pool, "page_size", None)
     if page_size is None:
-        page_size = int(getattr(device_pool, "page_size", 1))
+        page_size = int(device_page_size or 1)
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if kind == "page_rows" and device_page_size is not None and page_size != int(device_page_size):
+        raise ValueError(
+            f"page_size={page_size} differs from the page-row device pool's page_size={device_page_size}: "
+            "each device row is one whole device page"
+        )
     dtype = torch.uint8 if kind == "page_rows" else first.dtype
     return PoolGeometry(
         kind=kind,

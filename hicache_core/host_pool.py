@@ -68,7 +68,8 @@ def make_host_pool(
         )
     pinned = bool(pin_memory) and geometry.device_type == "cuda" and torch.cuda.is_available()
     required = list(operations) if operations is not None else default_operations(geometry)
-    for op in required:
+    named = list(implementation) if isinstance(implementation, Mapping) else []
+    for op in required + named:
         if op not in OPERATIONS:
             raise ValueError(f"unknown operation {op!r}; operations: {', '.join(OPERATIONS)}")
     resolved: dict[str, type[Implementation]] = {}
@@ -341,14 +342,23 @@ class HostPool:
             if self.validate:
                 check_whole_pages(host_indices, self.page_size, "host_indices")
                 check_whole_pages(device_indices, self.page_size, "device_indices")
+            else:  # the cheap part, always: each run of page_size slots starts at a page start
+                for what, idx in (("host_indices", host_indices), ("device_indices", device_indices)):
+                    if not idx.is_cuda and bool((idx[:: self.page_size] % self.page_size).any()):
+                        raise ValueError(f"{what} must come in whole pages: a run of {self.page_size} slots "
+                                         "starts off a page start (page-row pools move whole pages)")  # fmt: skip
             host_indices = host_indices[:: self.page_size] // self.page_size
             device_indices = device_indices[:: self.page_size] // self.page_size
         if self.validate:
             check_bounds(host_indices, self._num_items, "host_indices")
             check_bounds(device_indices, self._device_rows, "device_indices")
-        if host_indices.is_cuda is not want_cuda or hd not in dtypes:
+        if host_indices.is_cuda is not want_cuda or hd not in dtypes or (want_cuda and host_indices.device != target):
             host_indices = _move(host_indices, dtypes, target)
-        if device_indices.is_cuda is not want_cuda or dd not in dtypes:
+        if (
+            device_indices.is_cuda is not want_cuda
+            or dd not in dtypes
+            or (want_cuda and device_indices.device != target)
+        ):
             device_indices = _move(device_indices, dtypes, target)
         return host_indices, device_indices
 
@@ -391,7 +401,8 @@ class HostPool:
         """Pointers and byte sizes of the contiguous host runs of each page (zero-copy L3 I/O).
 
         ``indices`` are token slots in whole pages; one entry per contiguous run of each page,
-        in buffer order then outer-axis order (e.g. ``layer_first``: one per part and layer).
+        in buffer order then outer-axis order, K and V of a layer together (``layer_first``:
+        K0 V0 K1 V1 ...).
         """
         slots = indices.to("cpu", torch.int64).reshape(-1)
         if slots.numel() % self.page_size:
@@ -401,11 +412,42 @@ class HostPool:
         ptrs: list[int] = []
         sizes: list[int] = []
         for start in slots[:: self.page_size].tolist():
-            for view in self._page_views(start):
-                for ptr, nbytes in _contiguous_runs(view):
+            for view, spec in zip(self._page_views(start), self.spec.buffers):
+                runs = _contiguous_runs(view)
+                axes = [a for a in spec.axes if a != "page"]
+                if "component" in axes and "layer" in axes and axes.index("component") < axes.index("layer"):
+                    # Runs come component-major (K0 K1 .. V0 V1 ..); SGLang lists K and V of a layer
+                    # together (K0 V0 K1 V1 ..), and L3 objects must stay compatible with its.
+                    k = view.shape[axes.index("component")]
+                    per = len(runs) // k
+                    if per > 1 and per * k == len(runs):
+                        runs = [runs[c * per + i] for i in range(per) for c in range(k)]
+                for ptr, nbytes in runs:
                     ptrs.append(ptr)
                     sizes.append(nbytes)
         return ptrs, sizes
+
+    def get_ksize_per_token(self) -> int:
+        """Host bytes per token slot of the first part (K, or the MLA latent part), all host layers."""
+        part = self.plan.parts[0]
+        per_item = part.item_bytes * self.layer_num
+        return per_item // self.page_size if self.geometry.items_are_pages else per_item
+
+    def is_stride_page_aligned(self, alignment: int = 4096) -> bool:
+        """Whether every page of every host buffer starts on an ``alignment``-byte boundary (O_DIRECT I/O)."""
+        for buf, spec in zip(self.plan.host_buffers.values(), self.spec.buffers):
+            page_axis = spec.axes.index("page")
+            stride = buf.view(spec.full_shape).stride(page_axis) * buf.element_size()
+            if buf.data_ptr() % alignment or stride % alignment:
+                return False
+        return True
+
+    def destroy(self) -> None:
+        """Release the host buffers (SGLang unregisters its pinned memory here); the pool is unusable after."""
+        for attr in list(self.plan.host_buffers):
+            self.plan.host_buffers[attr] = torch.empty(0, dtype=self.dtype)
+        self.kv_buffer = self.k_buffer = self.v_buffer = None
+        self._impls.clear()
 
     def get_size_per_token(self) -> int:
         """Host bytes per token slot, all host layers and parts."""

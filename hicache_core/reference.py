@@ -25,6 +25,10 @@ def reference_copy(
 ) -> None:
     """Copy items between host and device for the given host layers."""
     host_items = host_items.to("cpu", torch.int64)
+    # Checked once, before any layer moves: the oracle must never half-write a pool either.
+    for what, idx, limit in (("host", host_items, plan.num_items), ("device", device_items, plan.device_rows)):
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= limit):
+            raise IndexError(f"{what} indices out of range [0, {limit}): min {int(idx.min())}, max {int(idx.max())}")
     pages = host_items // plan.tokens_per_page
     tokens = host_items % plan.tokens_per_page
     for layer in layers:

@@ -89,6 +89,23 @@ def test_page_buffer_meta_points_at_the_page(kind, layout, runs_per_page, direct
     assert len(ptrs) == len(sizes) == 2 * runs_per_page
     total = sum(t.numel() * t.element_size() for t in host.plan.host_buffers.values()) // host.page_num
     assert sum(sizes[:runs_per_page]) == total
-    page_bytes = b"".join(_read(p, n) for p, n in zip(ptrs[:runs_per_page], sizes[:runs_per_page]))
+    # In memory order within each buffer, the runs spell the page exactly as get_data_page does.
+    buffers = list(host.plan.host_buffers.values())
+
+    def where(ptr: int) -> tuple[int, int]:
+        b = next(i for i, t in enumerate(buffers) if t.data_ptr() <= ptr < t.data_ptr() + t.numel() * t.element_size())
+        return b, ptr
+
+    first = sorted(zip(ptrs[:runs_per_page], sizes[:runs_per_page]), key=lambda run: where(run[0]))
+    page_bytes = b"".join(_read(p, n) for p, n in first)
     flat = host.get_data_page(int(h[0]))
     assert page_bytes == bytes(flat.reshape(-1).view(torch.uint8).tolist())
+
+
+def test_page_buffer_meta_lists_k_and_v_of_a_layer_together_like_sglang(direct_only):
+    host = hc.make_host_pool(device_pool("mha", 4), layout="layer_first", io_backend="reference", size=16,
+                             registry=direct_only)  # fmt: skip
+    ptrs, sizes = host.get_page_buffer_meta(torch.arange(8, 12))
+    kv = host.kv_buffer  # (2, L, S, H, D)
+    expected = [kv[c, layer, 8].data_ptr() for layer in range(3) for c in range(2)]
+    assert ptrs == expected and sizes == [4 * 2 * 8 * 2] * 6

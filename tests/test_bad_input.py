@@ -192,3 +192,48 @@ def test_forcing_an_unknown_implementation(direct_only):
     with pytest.raises(hc.UnsupportedCombinationError, match="Unknown implementation 'nope' was forced"):
         hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="direct", implementation="nope",
                           registry=direct_only)  # fmt: skip
+
+
+def test_draft_pool_must_be_the_targets_twin(direct_only):
+    dev = device_pool("mla", 4, pages=6)
+    small = device_pool("mla", 4, pages=2, layers=1)  # fewer rows: its bounds would differ from the target's
+    with pytest.raises(ValueError, match=r"draft pool kv_buffer\[0\] must match the target's kv_buffer\[0\]"):
+        hc.make_host_pool(dev, layout="layer_first", io_backend="direct", draft_pools=[small], registry=direct_only)
+
+
+def test_page_rows_page_size_must_be_the_devices(direct_only):
+    with pytest.raises(ValueError, match="page_size=2 differs from the page-row device pool's page_size=4"):
+        hc.make_host_pool(device_pool("page_rows", 4), layout="layer_first", io_backend="direct", page_size=2,
+                          registry=direct_only)  # fmt: skip
+
+
+def test_page_rows_reject_runs_off_a_page_start_even_without_validation(direct_only):
+    dev = device_pool("page_rows", 4, pages=6)
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", size=16, registry=direct_only)
+    fill_random(device_tensors(dev) + host_tensors(host), seed=7)
+    before = snapshot(device_tensors(dev) + host_tensors(host))
+    with pytest.raises(ValueError, match="host_indices must come in whole pages"):
+        host.backup_from_device_all_layer(dev, torch.arange(2, 10), D, "direct")
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(device_tensors(dev) + host_tensors(host))))
+
+
+def test_negative_alloc(direct_only):
+    host = hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="direct", registry=direct_only)
+    with pytest.raises(ValueError, match="alloc\\(\\) takes a size >= 0"):
+        host.alloc(-4)
+
+
+def test_implementation_mapping_with_an_unknown_operation(direct_only):
+    with pytest.raises(ValueError, match="unknown operation 'load'"):
+        hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="direct",
+                          implementation={"load": "reference"}, registry=direct_only)  # fmt: skip
+
+
+def test_reference_rejects_out_of_range_before_moving_anything(direct_only):
+    dev = device_pool("mha", 4, pages=6)
+    host = hc.make_host_pool(dev, layout="page_head", io_backend="reference", size=16, registry=direct_only)
+    fill_random(device_tensors(dev) + host_tensors(host), seed=7)
+    before = snapshot(device_tensors(dev) + host_tensors(host))
+    with pytest.raises(IndexError, match=r"host indices out of range \[0, 16\): min -1"):
+        host.backup_from_device_all_layer(dev, torch.tensor([-1, 0, 1, 2]), D[:4], "reference")
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(device_tensors(dev) + host_tensors(host))))

@@ -90,13 +90,20 @@ class ThroughFloat(Good):
 
 
 class NoBoundsCheck(Good):
-    """Trusts its indices: a negative one wraps around to the last row."""
+    """Trusts its indices: a negative one wraps around to the last row (as raw pointer arithmetic would)."""
 
     name = "kit.no_bounds_check"
     io_backend = "kit_no_bounds_check"
 
-    def check(self, h, d):
-        pass
+    def load_to_device_per_layer(self, h, d, layer):
+        hc.reference_copy(self.plan, h % self.plan.num_items, d % self.plan.device_rows, [layer], to_device=True)
+
+    def backup_from_device_per_layer(self, h, d, layer):
+        hc.reference_copy(self.plan, h % self.plan.num_items, d % self.plan.device_rows, [layer], to_device=False)
+
+    def backup_from_device_all_layer(self, h, d):
+        layers = range(self.plan.num_layers)
+        hc.reference_copy(self.plan, h % self.plan.num_items, d % self.plan.device_rows, layers, to_device=False)
 
 
 class SortsHostOnly(Good):

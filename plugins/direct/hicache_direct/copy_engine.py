@@ -94,7 +94,7 @@ class DirectCopy(Implementation):
     def _copy(self, host_indices, device_indices, layers, *, to_device: bool) -> None:
         runs = self.runs(host_indices, device_indices)
         copier = self.copier
-        copier.begin()
+        stream = copier.begin()
         for layer in layers:
             for part in self.parts:
                 host_base = part.host_base + layer * part.layer_stride
@@ -105,13 +105,13 @@ class DirectCopy(Implementation):
                     dev = dev_base + d0 * part.row_bytes
                     if part.whole_row:
                         if to_device:
-                            copier.copy(dev, host, n * part.item_bytes)
+                            copier.copy(dev, host, n * part.item_bytes, stream)
                         else:
-                            copier.copy(host, dev, n * part.item_bytes)
+                            copier.copy(host, dev, n * part.item_bytes, stream)
                     elif to_device:
-                        copier.copy2d(dev, part.row_bytes, host, part.item_bytes, part.item_bytes, n)
+                        copier.copy2d(dev, part.row_bytes, host, part.item_bytes, part.item_bytes, n, stream)
                     else:
-                        copier.copy2d(host, part.item_bytes, dev, part.row_bytes, part.item_bytes, n)
+                        copier.copy2d(host, part.item_bytes, dev, part.row_bytes, part.item_bytes, n, stream)
 
 
 class _PartAddresses:

@@ -22,15 +22,15 @@ _DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addr
 class HostCopier:
     """Copies between CPU addresses (device pools on the CPU: tests and demos)."""
 
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         ctypes.memmove(dst, src, nbytes)
 
-    def copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
+    def copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
         for row in range(height):
             ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
 
-    def begin(self) -> None:
-        pass
+    def begin(self) -> int:
+        return 0
 
 
 class CudaCopier:
@@ -46,19 +46,19 @@ class CudaCopier:
         self._memcpy2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                                    ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]  # fmt: skip
         self._memcpy2d.restype = ctypes.c_int
-        self.stream = 0
 
-    def begin(self) -> None:
-        """Bind the caller's current stream (once per operation, not per copy)."""
-        self.stream = torch.cuda.current_stream(self.device).cuda_stream
+    def begin(self) -> int:
+        """The caller's current stream, read once per operation (returned, not stored: two threads may
+        run a load and a backup of one pool on two streams at once)."""
+        return torch.cuda.current_stream(self.device).cuda_stream
 
-    def copy(self, dst: int, src: int, nbytes: int) -> None:
-        err = self._memcpy(dst, src, nbytes, _DEFAULT, self.stream)
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        err = self._memcpy(dst, src, nbytes, _DEFAULT, stream)
         if err:
             raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {err} ({nbytes} bytes)")
 
-    def copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
-        err = self._memcpy2d(dst, dpitch, src, spitch, width, height, _DEFAULT, self.stream)
+    def copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
+        err = self._memcpy2d(dst, dpitch, src, spitch, width, height, _DEFAULT, stream)
         if err:
             raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err} ({height} rows of {width} bytes)")
 
@@ -75,12 +75,19 @@ def cudart() -> ctypes.CDLL:
         pass
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     candidates += glob.glob(os.path.join(torch_lib, "libcudart*.so*"))
-    candidates += ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
+    # Last resort, by name: accepted only if its major version is torch's (never a second runtime).
+    major = (torch.version.cuda or "0").split(".")[0]
+    candidates += [f"libcudart.so.{major}", "libcudart.so"]
     errors = []
     for path in candidates:
         try:
             lib = ctypes.CDLL(path)
             lib.cudaMemcpyAsync  # noqa: B018 - probe the symbol
+            version = ctypes.c_int(0)
+            lib.cudaRuntimeGetVersion(ctypes.byref(version))
+            if str(version.value // 1000) != major:
+                errors.append(f"{path}: CUDA runtime {version.value} is not torch's CUDA {torch.version.cuda}")
+                continue
             return lib
         except (OSError, AttributeError) as exc:
             errors.append(f"{path}: {exc}")
