@@ -134,13 +134,13 @@ def geometry_of(device_pool: Any, *, page_size: int | None = None, draft_pools: 
         for attr, per_layer in zip(attrs, layers):
             draft_layers = list(getattr(draft, attr))
             t, target = (draft_layers[0] if draft_layers else None), per_layer[0]
-            # Transfers address every host layer's device rows alike: a draft layer must be the
-            # target's twin (same rows, dtype, device, contiguous), or bounds checks would lie.
-            if t is None or t.shape != target.shape or t.dtype != target.dtype or t.device != target.device:
+            # A draft layer's rows must be shaped, typed and placed like the target's; only their
+            # number may differ (bounds are checked against each layer's own rows).
+            if t is None or t.shape[1:] != target.shape[1:] or t.dtype != target.dtype or t.device != target.device:
                 raise ValueError(
-                    f"draft pool {attr}[0] must match the target's {attr}[0]: shape {tuple(target.shape)}, "
+                    f"draft pool {attr}[0] must match the target's {attr}[0]: rows of {tuple(target.shape[1:])}, "
                     f"dtype {target.dtype}, device {target.device}; got "
-                    + ("nothing" if t is None else f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}")
+                    + ("nothing" if t is None else f"rows of {tuple(t.shape[1:])}, dtype {t.dtype}, device {t.device}")
                 )
             if not t.is_contiguous():
                 raise ValueError(f"draft pool {attr}[0] must be contiguous")

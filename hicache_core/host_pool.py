@@ -187,7 +187,7 @@ class HostPool:
         self._owned = geometry.owned_layers
         self._items_are_pages = geometry.items_are_pages
         self._num_items = plan.num_items
-        self._device_rows = plan.device_rows
+        self._rows = plan.device_rows_per_layer
 
     def _plugin_of(self, impl: Implementation) -> str:
         return self.registry.plugin_of(impl.name)
@@ -261,7 +261,7 @@ class HostPool:
         layer = self._host_layer(device_pool, layer_id, is_draft)
         if layer is None:
             return
-        h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target)
+        h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target, layer)
         if h is None:
             return
         try:  # inline rather than through _call: this is the per-layer hot path
@@ -316,7 +316,8 @@ class HostPool:
         layer = layer_id - self.start_layer
         return layer if 0 <= layer < self._owned else None
 
-    def _indices(self, host_indices, device_indices, want_cuda: bool, dtypes: frozenset, target: torch.device):
+    def _indices(self, host_indices, device_indices, want_cuda: bool, dtypes: frozenset, target: torch.device,
+                 layer: int | None = None):  # fmt: skip
         # The hot path: a handful of attribute reads, no allocation unless indices must move.
         try:
             hd, dd, n = host_indices.dtype, device_indices.dtype, host_indices.numel()
@@ -351,7 +352,8 @@ class HostPool:
             device_indices = device_indices[:: self.page_size] // self.page_size
         if self.validate:
             check_bounds(host_indices, self._num_items, "host_indices")
-            check_bounds(device_indices, self._device_rows, "device_indices")
+            rows = self._rows[layer] if layer is not None else min(self._rows)  # all layers: the fewest rows
+            check_bounds(device_indices, rows, "device_indices")
         if host_indices.is_cuda is not want_cuda or hd not in dtypes or (want_cuda and host_indices.device != target):
             host_indices = _move(host_indices, dtypes, target)
         if (

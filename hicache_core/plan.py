@@ -113,3 +113,8 @@ class TransferPlan:
             parts.append(bound)
         self.parts: tuple[BoundPart, ...] = tuple(parts)
         self.device_rows = self.parts[0].device_layers[0].shape[0]
+        #: Device rows of each host layer (a draft layer may have fewer than the target's).
+        self.device_rows_per_layer: tuple[int, ...] = tuple(
+            min(part.device_layers[layer].shape[0] for part in self.parts) for layer in range(self.num_layers)
+        )
+        self.min_device_rows = min(self.device_rows_per_layer)

@@ -25,8 +25,10 @@ def reference_copy(
 ) -> None:
     """Copy items between host and device for the given host layers."""
     host_items = host_items.to("cpu", torch.int64)
+    layers = list(layers)
+    rows = min((plan.device_rows_per_layer[layer] for layer in layers), default=plan.device_rows)
     # Checked once, before any layer moves: the oracle must never half-write a pool either.
-    for what, idx, limit in (("host", host_items, plan.num_items), ("device", device_items, plan.device_rows)):
+    for what, idx, limit in (("host", host_items, plan.num_items), ("device", device_items, rows)):
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= limit):
             raise IndexError(f"{what} indices out of range [0, {limit}): min {int(idx.min())}, max {int(idx.max())}")
     pages = host_items // plan.tokens_per_page

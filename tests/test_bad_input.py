@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from core_helpers import device_pool, device_tensors, fill_random, host_tensors, random_page_slots, snapshot
+from core_helpers import DEVICE, device_pool, device_tensors, fill_random, host_tensors, random_page_slots, snapshot
 
 import hicache_core as hc
 
@@ -194,11 +194,29 @@ def test_forcing_an_unknown_implementation(direct_only):
                           registry=direct_only)  # fmt: skip
 
 
-def test_draft_pool_must_be_the_targets_twin(direct_only):
+def test_draft_pool_rows_must_be_shaped_like_the_targets(direct_only):
     dev = device_pool("mla", 4, pages=6)
-    small = device_pool("mla", 4, pages=2, layers=1)  # fewer rows: its bounds would differ from the target's
+    other = hc.MLADevicePool(24, 4, torch.bfloat16, 16, 4, 1, DEVICE)  # rows of 20 elements, not 24
     with pytest.raises(ValueError, match=r"draft pool kv_buffer\[0\] must match the target's kv_buffer\[0\]"):
-        hc.make_host_pool(dev, layout="layer_first", io_backend="direct", draft_pools=[small], registry=direct_only)
+        hc.make_host_pool(dev, layout="layer_first", io_backend="direct", draft_pools=[other], registry=direct_only)
+
+
+@pytest.mark.parametrize("io_backend", ["direct", "reference"])
+def test_a_smaller_draft_bounds_its_own_layer(io_backend, direct_only):
+    dev = device_pool("mla", 4, pages=6)  # 28 rows
+    small = device_pool("mla", 4, pages=1, layers=1)  # 8 rows
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend=io_backend, size=16, draft_pools=[small],
+                             registry=direct_only)  # fmt: skip
+    fill_random(device_tensors(dev) + device_tensors(small) + host_tensors(host), seed=7)
+    before = snapshot(device_tensors(dev) + device_tensors(small) + host_tensors(host))
+    rows = torch.arange(20, 24)  # inside the target's rows, past the draft's
+    host.load_to_device_per_layer(dev, H[:4], rows, 1, io_backend)  # a target layer: fine
+    with pytest.raises(IndexError, match=r"\[0, 8\)"):
+        host.load_to_device_per_layer(small, H[:4], rows, 3, io_backend, is_draft=True)
+    with pytest.raises(IndexError, match=r"\[0, 8\)"):
+        host.backup_from_device_all_layer(dev, H[:4], rows, io_backend)
+    after = snapshot(device_tensors(small) + host_tensors(host))
+    assert all(torch.equal(a, b) for a, b in zip(before[len(device_tensors(dev)) :], after))
 
 
 def test_page_rows_page_size_must_be_the_devices(direct_only):

@@ -56,7 +56,7 @@ class DirectCopy(Implementation):
         self.non_blocking = plan.device.type == "cuda"
         self.tokens_per_page = plan.tokens_per_page
         self.host_items = plan.num_items
-        self.device_rows = plan.device_rows
+        self.rows_per_layer = plan.device_rows_per_layer
         self.parts = [_PartAddresses(part) for part in plan.parts]
         self.copier = copier_for(plan.device)
         # Items of a page are adjacent (the claim guarantees it); runs may also cross a page
@@ -72,14 +72,14 @@ class DirectCopy(Implementation):
     def backup_from_device_all_layer(self, host_indices, device_indices):
         self._copy(host_indices, device_indices, range(self.plan.num_layers), to_device=False)
 
-    def runs(self, host: torch.Tensor, device: torch.Tensor) -> list[tuple[int, int, int]]:
+    def runs(self, host: torch.Tensor, device: torch.Tensor, device_rows: int) -> list[tuple[int, int, int]]:
         """``(host start, device start, length)`` of each contiguous run, after sorting by host slot."""
         lo_h, hi_h = int(host.min()), int(host.max())
         lo_d, hi_d = int(device.min()), int(device.max())
-        if lo_h < 0 or hi_h >= self.host_items or lo_d < 0 or hi_d >= self.device_rows:
+        if lo_h < 0 or hi_h >= self.host_items or lo_d < 0 or hi_d >= device_rows:
             raise IndexError(
                 f"indices out of range: host [{lo_h}, {hi_h}] of [0, {self.host_items}), "
-                f"device [{lo_d}, {hi_d}] of [0, {self.device_rows}); nothing was copied"
+                f"device [{lo_d}, {hi_d}] of [0, {device_rows}); nothing was copied"
             )
         if host.numel() > 1 and not bool((host[1:] >= host[:-1]).all()):
             host, order = torch.sort(host)
@@ -92,7 +92,8 @@ class DirectCopy(Implementation):
         return list(zip(host[starts].tolist(), device[starts].tolist(), lengths.tolist()))
 
     def _copy(self, host_indices, device_indices, layers, *, to_device: bool) -> None:
-        runs = self.runs(host_indices, device_indices)
+        # Every layer moves the same rows: bound them by the layer with the fewest (a small draft layer).
+        runs = self.runs(host_indices, device_indices, min(self.rows_per_layer[layer] for layer in layers))
         copier = self.copier
         stream = copier.begin()
         for layer in layers:
