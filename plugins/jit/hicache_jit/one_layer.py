@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hicache_core import BACKUP_ALL, BACKUP_LAYER, LOAD, POOL_KINDS, Implementation, TransferPlan, TransferRequest, uva
-from hicache_core.triton_support import CudaOrInterpreter, bind_uva_device, interpreting, triton_available
+from hicache_core.triton_support import CudaOrInterpreter, SMBudget, bind_uva_device, interpreting, triton_available
 from hicache_core.triton_support import cuda_current_functions as _cuda_current_functions
 from hicache_core.triton_support import env_int as _env_int
 
@@ -305,7 +305,7 @@ def _row_problems(request: TransferRequest) -> list[str]:
 # ---- the implementation -------------------------------------------------------------------------
 
 
-class JitOneLayer(Implementation):
+class JitOneLayer(SMBudget, Implementation):
     """One-layer loads and backups with Triton kernels specialised per pool shape, compiled on first use.
 
     Claims the one-layer operations of io backend ``"kernel"`` (priority 60, above
@@ -423,18 +423,6 @@ class JitOneLayer(Implementation):
         self._configure()
 
     # ---- tuning ------------------------------------------------------------------------------
-
-    @property
-    def max_ctas(self) -> int | None:
-        """At most this many CTAs per launch (``0``/``None``: one per tile, up to the SM count)."""
-        return self._max_ctas
-
-    @max_ctas.setter
-    def max_ctas(self, value: int | None) -> None:
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"max_ctas must be None or an int >= 0, got {value!r}")
-        self._max_ctas = value
-        self._cap = value or self._sm_count
 
     @property
     def variant(self) -> str:

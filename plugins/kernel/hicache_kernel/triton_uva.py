@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hicache_core import OPERATIONS, Implementation, TransferPlan, TransferRequest, uva
-from hicache_core.triton_support import CudaOrInterpreter, bind_uva_device, interpreting, triton_available
+from hicache_core.triton_support import CudaOrInterpreter, SMBudget, bind_uva_device, interpreting, triton_available
 from hicache_core.triton_support import cuda_current_functions as _cuda_current_functions
 from hicache_core.triton_support import env_int as _env_int
 
@@ -61,7 +61,7 @@ class _Group:
     fast: dict[tuple, tuple] = field(default_factory=dict)
 
 
-class TritonUVA(Implementation):
+class TritonUVA(SMBudget, Implementation):
     """One generic Triton kernel family over UVA-mapped pinned host memory; claims every layout.
 
     Tuning, per instance (``host.implementation_for(op)``): ``max_ctas`` (the SM budget:
@@ -155,18 +155,6 @@ class TritonUVA(Implementation):
         self.tile_words = _env_int(ENV_TILE_WORDS, self._tile_words, minimum=1)
 
     # ---- tuning ------------------------------------------------------------------------------
-
-    @property
-    def max_ctas(self) -> int | None:
-        """The SM budget: at most this many CTAs per launch (``0``/``None``: one per tile, up to the SMs)."""
-        return self._max_ctas
-
-    @max_ctas.setter
-    def max_ctas(self, value: int | None) -> None:
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"max_ctas must be None or an int >= 0, got {value!r}")
-        self._max_ctas = value
-        self._cap = value or self._sm_count
 
     @property
     def tile_words(self) -> int:
