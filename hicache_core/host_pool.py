@@ -17,6 +17,7 @@ import torch
 
 from .allocator import SlotAllocator
 from .dispatch import UnsupportedCombinationError, resolve
+from .drops import DropReport
 from .geometry import HostLayoutSpec, PoolGeometry, geometry_of, host_layout_spec, pages_for
 from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
 from .plan import TransferPlan
@@ -95,7 +96,7 @@ def make_host_pool(
         b.attr: torch.empty(b.shape, dtype=geometry.dtype, device="cpu", pin_memory=pinned) for b in spec.buffers
     }
     device_layers = _device_layers(device_pool, tuple(draft_pools), geometry)
-    plan = TransferPlan(geometry, spec, buffers, device_layers)
+    plan = TransferPlan(geometry, spec, buffers, device_layers, DropReport(pinned))
     if validate is None:
         validate = os.environ.get(ENV_VALIDATE, "") not in ("", "0")
     return HostPool(
@@ -188,6 +189,7 @@ class HostPool:
         self._items_are_pages = geometry.items_are_pages
         self._num_items = plan.num_items
         self._rows = plan.device_rows_per_layer
+        self._drops = plan.drop_report
 
     def _plugin_of(self, impl: Implementation) -> str:
         return self.registry.plugin_of(impl.name)
@@ -195,6 +197,16 @@ class HostPool:
     def implementation_for(self, operation: str, io_backend: str | None = None) -> Implementation:
         """The implementation instance serving ``operation`` (to inspect it, or tune it, e.g. ``max_ctas``)."""
         return self._impl(operation, self.io_backend if io_backend is None else io_backend)[0]
+
+    def check_dropped(self, synchronize: bool = True) -> None:
+        """Raise :class:`~hicache_core.drops.DroppedIndicesError` if a kernel masked indices of an earlier call.
+
+        Every transfer call checks this itself, without waiting for the GPU; this waits for the
+        device first (``synchronize=True``), so that transfers already launched are covered too.
+        """
+        if synchronize and self.plan.device.type == "cuda":
+            torch.cuda.synchronize(self.plan.device)
+        self._drops.raise_if_dropped()
 
     # ---- allocator ---------------------------------------------------------------------------
 
@@ -254,6 +266,10 @@ class HostPool:
             raise ValueError("device_pool is not the device pool this host pool was made for")
         h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target)
         if h is not None:
+            drops = self._drops
+            if drops._value.value:
+                drops.raise_if_dropped()
+            drops.begin(BACKUP_ALL, None, h.shape[0])
             self._call(impl, BACKUP_ALL, h, d)
 
     def _per_layer(self, op, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft) -> None:
@@ -264,6 +280,10 @@ class HostPool:
         h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target, layer)
         if h is None:
             return
+        drops = self._drops
+        if drops._value.value:
+            drops.raise_if_dropped()
+        drops.begin(op, layer_id, h.shape[0])
         try:  # inline rather than through _call: this is the per-layer hot path
             getattr(impl, op)(h, d, layer)
         except (ValueError, IndexError, TypeError) as exc:

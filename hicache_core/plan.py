@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .drops import DropReport
 from .geometry import HostLayoutSpec, HostPart, PoolGeometry
 
 
@@ -77,6 +78,7 @@ class TransferPlan:
         spec: HostLayoutSpec,
         host_buffers: dict[str, torch.Tensor],
         device_layers: dict[str, list[torch.Tensor]],
+        drop_report: DropReport | None = None,
     ) -> None:
         self.geometry = geometry
         self.spec = spec
@@ -86,6 +88,8 @@ class TransferPlan:
         self.num_items = spec.num_items
         self.host_buffers = host_buffers
         self.device = next(iter(device_layers.values()))[0].device
+        #: Where an implementation that masks out-of-range indices reports them (see :mod:`hicache_core.drops`).
+        self.drop_report = drop_report if drop_report is not None else DropReport(pinned=False)
         it = geometry.itemsize
         parts = []
         for part in spec.parts:

@@ -1,0 +1,99 @@
+"""Reporting indices a kernel masked, without a host sync on the hot path.
+
+A kernel that runs asynchronously cannot raise: by the time it meets an
+out-of-range index, the call that launched it has long returned. hicache's
+kernels mask such indices (no memory outside the pools is ever touched), and
+each host pool carries one :class:`DropReport`: a pinned 8-byte word the GPU can
+write through UVA. The pool numbers its calls; before each call it sets
+:attr:`DropReport.seq`, and an implementation that masks an index stores that
+number into the word (a masked store, so nothing crosses the link when every
+index is good). At the start of every later call on the pool, the pool reads the
+word (a plain host load, no CUDA call) and, if it is set, raises
+:class:`DroppedIndicesError` naming the earlier call, before any byte of the new
+call moves.
+
+So a dropped index is reported by the first call on the pool that starts after
+the faulty transfer has run on the GPU, or at once by
+:meth:`hicache_core.HostPool.check_dropped` (which synchronises). Implementations
+that check bounds on the host (``direct``, the reference) raise in the call itself
+and never need the word.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+#: Calls remembered for naming the one that dropped indices (older ones are named by number only).
+HISTORY = 256
+
+
+class DroppedIndicesError(IndexError):
+    """An earlier transfer on this host pool was given out-of-range indices, which a kernel masked.
+
+    No memory outside the pools was touched, but the masked items did not move: the
+    destination still holds its old bytes for them. ``call`` is the number of the faulty call
+    on the pool (counting from 1), ``operation`` and ``layer_id`` what it was (``None`` when
+    it is older than the pool's memory of calls).
+    """
+
+    def __init__(self, message: str, call: int, operation: str | None, layer_id: int | None) -> None:
+        super().__init__(message)
+        self.call = call
+        self.operation = operation
+        self.layer_id = layer_id
+
+
+class DropReport:
+    """One host pool's drop word: where implementations report masked indices (see the module doc).
+
+    For implementations: before every call the pool sets :attr:`seq` to the call's number
+    (always >= 1). A kernel that masks an index stores ``seq`` as an ``int64`` at
+    :attr:`address` (a host address, reachable from the GPU through UVA where the host pool is
+    pinned, and plain process memory on the CPU). Storing from many threads is fine: they all
+    store the same value. Never store anything else there.
+    """
+
+    def __init__(self, pinned: bool) -> None:
+        self.word = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
+        #: Host address of the drop word (int64).
+        self.address: int = self.word.data_ptr()
+        self._value = ctypes.c_int64.from_address(self.address)
+        #: Number of the call in progress (set by the pool before it calls an implementation).
+        self.seq: int = 0
+        self._calls: list[tuple[str, int | None, int] | None] = [None] * HISTORY
+
+    def begin(self, operation: str, layer_id: int | None, items: int) -> int:
+        """Number a new call (the pool calls this; implementations read :attr:`seq`)."""
+        seq = self.seq = self.seq + 1
+        self._calls[seq % HISTORY] = (operation, layer_id, items)
+        return seq
+
+    def dropped(self) -> int:
+        """The number of a call whose indices a kernel masked since the last check, or 0."""
+        return self._value.value
+
+    def raise_if_dropped(self) -> None:
+        """Raise :class:`DroppedIndicesError` for a flagged earlier call, and clear the word."""
+        seq = self._value.value
+        if not seq:
+            return
+        self._value.value = 0
+        remembered = self._calls[seq % HISTORY] if self.seq - seq < HISTORY else None
+        operation, layer_id, items = remembered if remembered is not None else (None, None, 0)
+        what = (
+            f"call #{seq} on this host pool ({operation}"
+            + (f", layer_id {layer_id}" if layer_id is not None else "")
+            + f", {items} indices)"
+            if operation is not None
+            else f"call #{seq} on this host pool"
+        )
+        raise DroppedIndicesError(
+            f"an earlier transfer, {what}, was given out-of-range indices: the kernel masked them, so no "
+            "memory outside the pools was touched, but those items did not move and their destination holds "
+            "stale bytes. Set HICACHE_VALIDATE=1 (or validate=True) to have the faulty call itself raise.",
+            seq,
+            operation,
+            layer_id,
+        )
