@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
     from .dispatch import UnsupportedCombinationError, explain_refusal, resolve
+    from .drops import DroppedIndicesError, DropReport
     from .geometry import PoolGeometry, geometry_of
     from .hookspecs import hookimpl
     from .host_pool import HostPool, TransferError, make_host_pool
     from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
-    from .layouts import AXES, POOL_KINDS, Layout
+    from .layouts import AXES, Layout
     from .plan import BoundPart, TransferPlan
+    from .pool_kinds import POOL_KINDS, ComponentDecl, PoolKind
     from .reference import reference_copy
     from .registry import Registry, get_registry, reset_registry
 
@@ -44,8 +46,12 @@ _EXPORTS = {
     "Implementation": "implementation",
     "TransferRequest": "implementation",
     "AXES": "layouts",
-    "POOL_KINDS": "layouts",
     "Layout": "layouts",
+    "POOL_KINDS": "pool_kinds",
+    "ComponentDecl": "pool_kinds",
+    "PoolKind": "pool_kinds",
+    "DroppedIndicesError": "drops",
+    "DropReport": "drops",
     "BoundPart": "plan",
     "TransferPlan": "plan",
     "reference_copy": "reference",
@@ -58,6 +64,9 @@ __all__ = [
     "BACKUP_ALL",
     "BACKUP_LAYER",
     "BoundPart",
+    "ComponentDecl",
+    "DropReport",
+    "DroppedIndicesError",
     "HostPool",
     "Implementation",
     "LOAD",
@@ -68,6 +77,7 @@ __all__ = [
     "POOL_KINDS",
     "PageRowsDevicePool",
     "PoolGeometry",
+    "PoolKind",
     "Registry",
     "TransferError",
     "TransferPlan",

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import operator
 import threading
 
 import torch
 
+from .indices import INDEX_DTYPES, whole_pages_mask
+
+# Slot states: never handed out since the last clear(), handed out, given back.
+_NEVER, _ALLOCATED, _FREED = 0, 1, 2
+
 
 class SlotAllocator:
-    """Free list of host token slots, with double-allocation and double-free detection."""
+    """Free list of host token slots, in whole pages, refusing double allocation and double free."""
 
     def __init__(self, size: int, page_size: int) -> None:
         self.size = size
@@ -19,13 +25,20 @@ class SlotAllocator:
     def clear(self) -> None:
         with self._lock:
             self.free_slots = torch.arange(self.size, dtype=torch.int64)
-            self.slot_used = torch.zeros(self.size, dtype=torch.bool)
+            self.slot_state = torch.full((self.size,), _NEVER, dtype=torch.int8)
 
     def available_size(self) -> int:
         return int(self.free_slots.numel())
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """The first ``need_size`` free slots (a multiple of the page size), or ``None`` if too few are free."""
+        if isinstance(need_size, bool):
+            raise TypeError(f"alloc() takes an int number of slots, got bool {need_size!r}")
+        try:
+            need_size = operator.index(need_size)
+        except TypeError:
+            what = f"{type(need_size).__name__} {need_size!r}"
+            raise TypeError(f"alloc() takes an int number of slots, got {what}") from None
         if need_size < 0:
             raise ValueError(f"alloc() takes a size >= 0, got {need_size}")
         if need_size % self.page_size != 0:
@@ -35,27 +48,40 @@ class SlotAllocator:
                 return None
             taken = self.free_slots[:need_size]
             self.free_slots = self.free_slots[need_size:]
-            self.slot_used[taken] = True
+            self.slot_state[taken] = _ALLOCATED
             return taken
 
     def free(self, indices: torch.Tensor) -> int:
         """Return slots to the free list; refuses slots out of range, not allocated, or not whole pages."""
-        if not isinstance(indices, torch.Tensor) or indices.dtype not in (torch.int32, torch.int64):
+        if not isinstance(indices, torch.Tensor) or indices.dtype not in INDEX_DTYPES:
             raise TypeError(f"free() takes an int32/int64 tensor of slots, got {_what(indices)}")
         indices = indices.to("cpu", torch.int64).reshape(-1)
         if indices.numel() == 0:
             return 0
-        if indices.numel() % self.page_size:
-            raise ValueError(f"free() takes whole pages: {indices.numel()} slots with page_size {self.page_size}")
         lo, hi = int(indices.min()), int(indices.max())
         if lo < 0 or hi >= self.size:
             raise IndexError(f"free() got slots outside the pool [0, {self.size}): min {lo}, max {hi}")
+        if indices.numel() % self.page_size or (self.page_size > 1 and bool(whole_pages_mask(indices, self.page_size))):
+            # A torn page would come back from a later alloc() as part of a "whole page".
+            raise ValueError(
+                f"free() takes whole pages (runs of {self.page_size} consecutive slots from a page start), "
+                f"got {indices.numel()} slots starting {indices[: self.page_size].tolist()}"
+            )
         with self._lock:
-            used = self.slot_used[indices]
-            if not bool(used.all()) or torch.unique(indices).numel() != indices.numel():
-                twice = indices[~used][:8].tolist() or "repeated slots"
-                raise ValueError(f"double free of host slots: {twice} are not allocated")
-            self.slot_used[indices] = False
+            state = self.slot_state[indices]
+            repeated = torch.unique(indices).numel() != indices.numel()
+            if repeated or not bool((state == _ALLOCATED).all()):
+                never = indices[state == _NEVER][:8].tolist()
+                freed = indices[state == _FREED][:8].tolist()
+                problems = []
+                if never:
+                    problems.append(f"slots {never} were never allocated")
+                if freed:
+                    problems.append(f"double free: slots {freed} were already freed")
+                if repeated:
+                    problems.append("the same slot appears twice in one free()")
+                raise ValueError("free() refused, nothing was freed: " + "; ".join(problems))
+            self.slot_state[indices] = _FREED
             self.free_slots = torch.cat([self.free_slots, indices])
         return int(indices.numel())
 

@@ -8,11 +8,12 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+import torch
+
 from .dispatch import UnsupportedCombinationError, resolve
 from .implementation import OPERATIONS, TransferRequest
-from .layouts import POOL_KINDS
 from .registry import Registry, get_registry
-from .shapes import SHAPE_FOR_KIND
+from .shapes import shape_for_kind
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -23,12 +24,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("matrix", help="which implementation serves each pool kind x layout x operation x io backend")
-    p.add_argument("--pool", choices=POOL_KINDS)
+    p.add_argument("--pool", help="one registered pool kind (default: all)")
     _request_flags(p)
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("explain", help="resolve one combination and say why")
-    p.add_argument("--pool", required=True, choices=POOL_KINDS)
+    p.add_argument("--pool", required=True, help="a registered pool kind (hicache plugins lists them)")
     p.add_argument("--layout", required=True)
     p.add_argument("--op", required=True, choices=OPERATIONS)
     p.add_argument("--io-backend", required=True)
@@ -63,16 +64,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sharded", action="store_true", help="a layer-sharded pool (this rank owns half the layers)")
     p.add_argument("--draft", action="store_true", help="a pool with an MTP draft layer")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="device type (default: cuda)")
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), help="device type (default: cuda where a GPU is present, else cpu)"
+    )
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--no-pin", action="store_true", help="host memory not pinned")
 
 
+def _device(args) -> str:
+    return args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _request(registry: Registry, args, pool: str, layout: str, op: str, io_backend: str) -> TransferRequest:
-    geometry = SHAPE_FOR_KIND[pool].geometry(
-        page_size=args.page_size, device_type=args.device, sharded=args.sharded, draft=args.draft
+    device = _device(args)
+    geometry = shape_for_kind(pool).geometry(
+        page_size=args.page_size, device_type=device, sharded=args.sharded, draft=args.draft
     )
-    return TransferRequest(io_backend, op, geometry, registry.layouts[layout], not args.no_pin)
+    # Host memory is pinned only where CUDA is: a CPU pool's host memory never is.
+    pinned = device == "cuda" and not args.no_pin
+    return TransferRequest(io_backend, op, geometry, registry.layouts[layout], pinned)
+
+
+def _check_pool(registry: Registry, pool: str | None) -> str | None:
+    if pool is not None and pool not in registry.pool_kinds:
+        return f"unknown pool kind {pool!r}; registered pool kinds: {', '.join(sorted(registry.pool_kinds))}"
+    return None
 
 
 def cmd_plugins(registry: Registry, as_json: bool) -> int:
@@ -87,6 +103,8 @@ def cmd_plugins(registry: Registry, as_json: bool) -> int:
     for data in records:
         version = f" {data['version']}" if data["version"] else ""
         print(f"{data['name']} ({data['distribution'] or 'no distribution'}{version}): {data['status']}")
+        for kind in data["pool_kinds"]:
+            print(f"    pool kind {kind}")
         for layout in data["layouts"]:
             print(f"    layout {layout}")
         for impl in data["implementations"]:
@@ -120,12 +138,16 @@ def _impl_dict(registry: Registry, name: str) -> dict:
 
 
 def cmd_matrix(registry: Registry, args) -> int:
-    pools = [args.pool] if args.pool else list(POOL_KINDS)
+    problem = _check_pool(registry, args.pool)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    pools = [args.pool] if args.pool else list(registry.pool_kinds)
     backends = [b for b in registry.io_backends() if b != "reference"]
     rows = []
     for pool in pools:
-        for layout, decl in sorted(registry.layouts.items()):
-            if pool not in decl.pool_kinds:
+        for layout in sorted(registry.layouts):
+            if not _request(registry, args, pool, layout, OPERATIONS[0], "reference").storable:
                 continue
             for op in OPERATIONS:
                 cells = {}
@@ -143,7 +165,7 @@ def cmd_matrix(registry: Registry, args) -> int:
         table.append([group[0]["pool"], group[0]["layout"], *[_cell(group, b) for b in backends]])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *table)]
     flags = ", ".join(f for f in ("sharded" if args.sharded else "", "draft" if args.draft else "") if f)
-    print(f"device {args.device}, page size {args.page_size}{', ' + flags if flags else ''}")
+    print(f"device {_device(args)}, page size {args.page_size}{', ' + flags if flags else ''}")
     print("cell: the implementation serving all three operations, else load/backup all/backup layer each")
     for line in [header, [("-" * w) for w in widths], *table]:
         print("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip())
@@ -165,6 +187,9 @@ def _try_resolve(registry: Registry, request: TransferRequest) -> str | None:
 
 
 def cmd_explain(registry: Registry, args) -> int:
+    problem = _check_pool(registry, args.pool)
+    if problem:
+        return _explain_out(args.json, {"resolved": False, "error": problem}, problem)
     if args.layout not in registry.layouts:
         message = f"Unknown layout {args.layout!r}. Registered layouts: {', '.join(sorted(registry.layouts))}."
         return _explain_out(args.json, {"resolved": False, "error": message}, message)

@@ -12,7 +12,7 @@ import torch
 
 from .dispatch import UnsupportedCombinationError
 from .host_pool import make_host_pool
-from .implementation import BACKUP_ALL, LOAD
+from .implementation import BACKUP_ALL, LOAD, TransferRequest
 from .progress import progress
 from .registry import get_registry
 from .shapes import SHAPES
@@ -57,7 +57,8 @@ def run_demo(device: str | None = None, tokens: int | None = None) -> int:
         (shape, layout)
         for shape in SHAPES.values()
         for layout, decl in sorted(registry.layouts.items())
-        if shape.kind in decl.pool_kinds
+        if TransferRequest("reference", LOAD, shape.geometry(page_size=page_size, device_type=device.type), decl)
+        .storable
     ]
     print(f"hicache demo on {device} ({torch.cuda.get_device_name(device) if on_gpu else 'CPU'}), "
           f"{tokens} tokens per transfer, page size {page_size}")  # fmt: skip

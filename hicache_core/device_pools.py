@@ -9,7 +9,11 @@ is a padding slot, as in SGLang.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
+
+from .pool_kinds import PoolKind
 
 
 class _LayeredPool:
@@ -84,7 +88,7 @@ class MLADevicePool(_LayeredPool):
 
 
 class PageRowsDevicePool(_LayeredPool):
-    """One row per page per layer (DSA indexer, DeepSeek-V4 paged pools): ``(num_pages, row_bytes)`` uint8.
+    """The DSA indexer's pool: one uint8 row per page per layer, ``(num_pages, row_bytes)``.
 
     Exposed as ``index_k_with_scale_buffer``; token slot ``t`` lives in row ``t // page_size``.
     """
@@ -109,3 +113,50 @@ class PageRowsDevicePool(_LayeredPool):
         self.index_k_with_scale_buffer = [
             torch.zeros(num_pages, row_bytes, dtype=torch.uint8, device=self.device) for _ in layers
         ]
+
+
+class DeclaredDevicePool(_LayeredPool):
+    """A device pool of any registered pool kind, built from its declaration (tests, demos, benchmarks).
+
+    Token kinds: each component's per-layer tensor is ``(size + page_size, heads, dim)`` (a padding
+    page, as in SGLang); page kinds: ``(num_pages, row)`` uint8, ``size = num_pages * page_size``.
+    Rows default to the declaration's examples; ``extras`` become attributes (e.g. ``kv_lora_rank``).
+    """
+
+    def __init__(
+        self,
+        kind: PoolKind | str,
+        size: int,
+        page_size: int,
+        layer_num: int,
+        device: str | torch.device,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        rows: Mapping[str, tuple[int, ...]] | None = None,
+        extras: Mapping[str, int] | None = None,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+    ) -> None:
+        if isinstance(kind, str):
+            from .registry import get_registry
+
+            kind = get_registry().pool_kinds[kind]
+        self.pool_kind = kind.name
+        self.page_size, self.device = page_size, torch.device(device)
+        layers = self._layers(layer_num, start_layer, end_layer)
+        shapes = {c.name: tuple((rows or {}).get(c.name, c.example)) for c in kind.components}
+        for name, value in (dict(kind.example_extras) | dict(extras or {})).items():
+            setattr(self, name, value)
+        if kind.items_are_pages:
+            self.num_pages = -(-size // page_size)
+            self.size, self.dtype = self.num_pages * page_size, torch.uint8
+            count = self.num_pages
+        else:
+            self.size, self.dtype = size, dtype
+            count = size + page_size
+        for comp in kind.components:
+            setattr(
+                self,
+                comp.device_attr,
+                [torch.zeros(count, *shapes[comp.name], dtype=self.dtype, device=self.device) for _ in layers],
+            )

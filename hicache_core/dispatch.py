@@ -12,15 +12,8 @@ from __future__ import annotations
 import warnings
 
 from .implementation import Implementation, TransferRequest
+from .plugin_sources import source_tree_plugins
 from .registry import ENV_PLUGINS, Registry
-
-#: First-party plugins, by distribution: the io backend each serves and how to install it.
-KNOWN_PLUGINS: dict[str, tuple[str, str]] = {
-    "hicache-direct": ("direct", "plugins/direct"),
-    "hicache-jit": ("kernel", "plugins/jit"),
-    "hicache-kernel": ("kernel", "plugins/kernel"),
-}
-assert list(KNOWN_PLUGINS) == sorted(KNOWN_PLUGINS), "keep KNOWN_PLUGINS sorted"
 
 
 class UnsupportedCombinationError(ValueError):
@@ -59,17 +52,15 @@ class UnsupportedCombinationError(ValueError):
 
 
 def reasons_for(impl: type[Implementation], request: TransferRequest, registry: Registry | None = None) -> list[str]:
-    """An implementation's reasons, plus the one it cannot give itself: the layout's pool kinds.
+    """An implementation's reasons, plus the one it cannot give itself: whether the layout can store the pool.
 
     An exception from ``not_supported_reasons`` becomes a reason; with ``registry`` given it is
     also warned about, naming the plugin, since another implementation may win silently.
     """
     reasons = []
-    if request.pool_kind not in request.layout.pool_kinds:
-        kinds = ", ".join(sorted(request.layout.pool_kinds))
-        reasons.append(
-            f"layout {request.layout.name!r} cannot store pool kind {request.pool_kind!r} (it stores: {kinds})"
-        )
+    problem = request.layout_problem
+    if problem is not None:
+        reasons.append(f"layout {request.layout.name!r} cannot store this {request.pool_kind} pool: {problem}")
     try:
         reasons += impl.not_supported_reasons(request)
     except Exception as exc:  # noqa: BLE001 - a plugin bug must not hide behind a traceback in dispatch
@@ -167,18 +158,37 @@ def claims_quietly(registry: Registry, request: TransferRequest) -> bool:
 
 
 def install_hints(registry: Registry, io_backend: str | None) -> list[str]:
+    """How to get the plugins that serve ``io_backend``: from plugin metadata, never from a list kept here.
+
+    Installed plugins that ``HICACHE_PLUGINS`` leaves out are named from their entry points (all of
+    them, unless the source tree's metadata says they serve another io backend). Plugins that are not
+    installed are found where hicache's first-party plugins live, in its source tree
+    (``plugins/*/pyproject.toml``, ``[tool.hicache] io-backends``), and named with the command that
+    installs them from there: they are on no package index.
+    """
+    wanted = None if io_backend == "auto" else io_backend
+    known = {p.distribution: p for p in source_tree_plugins()}
     hints = []
-    for dist, (backend, path) in KNOWN_PLUGINS.items():
-        if io_backend not in (backend, "auto"):
+    for record in registry.plugins.values():
+        if record.status != "filtered":
             continue
-        record = next((r for r in registry.plugins.values() if r.distribution == dist), None)
-        if record is None:
+        meta = known.get(record.distribution or "")
+        if wanted is None or meta is None or wanted in meta.io_backends:
             hints.append(
-                f"{dist} is not installed: install it to enable io backend {backend!r} "
-                f"(pip install {dist}; from a checkout: pip install -e {path})"
+                f"{record.distribution or record.name} is installed but {ENV_PLUGINS} leaves it out; "
+                f"add {record.name!r} to it"
             )
-        elif record.status == "filtered":
-            hints.append(f"{dist} is installed but {ENV_PLUGINS} leaves it out; add {record.name!r} to it")
+    installed = {r.distribution for r in registry.plugins.values() if r.distribution}
+    for plugin in known.values():
+        if plugin.distribution in installed or not plugin.io_backends:
+            continue
+        if wanted is not None and wanted not in plugin.io_backends:
+            continue
+        serves = ", ".join(repr(b) for b in plugin.io_backends)
+        hints.append(
+            f"{plugin.distribution} (io backend {serves}) is not installed; it ships in hicache's source tree "
+            f"and is on no package index: pip install -e {plugin.path}"
+        )
     return hints
 
 

@@ -56,10 +56,13 @@ class DropReport:
     """
 
     def __init__(self, pinned: bool) -> None:
-        self.word = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)
+        # Word 0: calls whose indices a kernel masked. Word 1: calls whose page-item indices on the
+        # GPU were not whole pages (the core checks those on the GPU, asynchronously, and writes here).
+        self.word = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
         #: Host address of the drop word (int64).
         self.address: int = self.word.data_ptr()
         self._value = ctypes.c_int64.from_address(self.address)
+        self._malformed = ctypes.c_int64.from_address(self.address + 8)
         #: Number of the call in progress (set by the pool before it calls an implementation).
         self.seq: int = 0
         self._calls: list[tuple[str, int | None, int] | None] = [None] * HISTORY
@@ -74,26 +77,43 @@ class DropReport:
         """The number of a call whose indices a kernel masked since the last check, or 0."""
         return self._value.value
 
+    def flagged(self) -> bool:
+        """Whether anything is to be reported (two plain host loads; the pool's hot path calls this)."""
+        return bool(self._value.value or self._malformed.value)
+
     def raise_if_dropped(self) -> None:
         """Raise :class:`DroppedIndicesError` for a flagged earlier call, and clear the word."""
+        seq = self._malformed.value
+        if seq:
+            self._malformed.value = 0
+            raise DroppedIndicesError(
+                f"an earlier transfer, {self._describe(seq)}, was given page-item indices on the GPU that were not "
+                "whole pages (runs of page_size consecutive slots from a page start); each run moved the page of "
+                "its first slot. Set HICACHE_VALIDATE=1 (or validate=True) to have the faulty call itself raise.",
+                seq,
+                *self._call(seq)[:2],
+            )
         seq = self._value.value
         if not seq:
             return
         self._value.value = 0
-        remembered = self._calls[seq % HISTORY] if self.seq - seq < HISTORY else None
-        operation, layer_id, items = remembered if remembered is not None else (None, None, 0)
-        what = (
-            f"call #{seq} on this host pool ({operation}"
-            + (f", layer_id {layer_id}" if layer_id is not None else "")
-            + f", {items} indices)"
-            if operation is not None
-            else f"call #{seq} on this host pool"
-        )
+        operation, layer_id, _ = self._call(seq)
         raise DroppedIndicesError(
-            f"an earlier transfer, {what}, was given out-of-range indices: the kernel masked them, so no "
-            "memory outside the pools was touched, but those items did not move and their destination holds "
+            f"an earlier transfer, {self._describe(seq)}, was given out-of-range indices: the kernel masked them, "
+            "so no memory outside the pools was touched, but those items did not move and their destination holds "
             "stale bytes. Set HICACHE_VALIDATE=1 (or validate=True) to have the faulty call itself raise.",
             seq,
             operation,
             layer_id,
         )
+
+    def _call(self, seq: int) -> tuple[str | None, int | None, int]:
+        remembered = self._calls[seq % HISTORY] if 0 <= self.seq - seq < HISTORY else None
+        return remembered if remembered is not None else (None, None, 0)
+
+    def _describe(self, seq: int) -> str:
+        operation, layer_id, items = self._call(seq)
+        if operation is None:
+            return f"call #{seq} on this host pool"
+        layer = f", layer_id {layer_id}" if layer_id is not None else ""
+        return f"call #{seq} on this host pool ({operation}{layer}, {items} indices)"

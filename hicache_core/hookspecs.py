@@ -16,6 +16,7 @@ import pluggy
 if TYPE_CHECKING:
     from .implementation import Implementation
     from .layouts import Layout
+    from .pool_kinds import PoolKind
 
 PROJECT = "hicache"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -54,6 +55,26 @@ def hicache_register_layouts(register: Callable[[Layout], None]) -> None:
         no change to the core, and every implementation that computes addresses
         from layout declarations can serve it. A name that is already registered
         is refused and recorded against this plugin.
+
+    Return nothing. An exception marks the plugin as failed with that error.
+    """
+
+
+@hookspec
+def hicache_register_pool_kinds(register: Callable[[PoolKind], None]) -> None:
+    """Register pool kinds this plugin declares.
+
+    Called once per process, before :func:`hicache_register_layouts` and
+    :func:`hicache_register_backends`, so layouts and implementations may refer to
+    the kinds every plugin declares.
+
+    :param register: call ``register(PoolKind(...))`` for each new
+        :class:`hicache_core.PoolKind`: its components with their device and host
+        attribute names, token or page items, how to recognise such a device pool.
+        Host pools of that kind can then be made with every layout that can be
+        derived for it, and every implementation that computes addresses from the
+        declarations serves it, with no change to the core. A name that is already
+        registered is refused and recorded against this plugin.
 
     Return nothing. An exception marks the plugin as failed with that error.
     """

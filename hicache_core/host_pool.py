@@ -1,16 +1,19 @@
 """The host pool: pinned host buffers in one layout, the slot allocator, and the transfer API.
 
-:func:`make_host_pool` resolves, once, the implementation of every operation the
-pool will run and refuses the pool there if one is missing. The transfer methods
-keep SGLang's names and arguments; per call they check arguments cheaply, map
-layers, move indices where the implementation declared it wants them, and call it.
+:func:`make_host_pool` checks its arguments, resolves, once, the implementation of
+every operation the pool will run and refuses the pool there if one is missing. The
+transfer methods keep SGLang's names and arguments; per call they check arguments
+cheaply, map layers, put indices where the implementation declared it wants them
+(:mod:`hicache_core.indices`), and call it.
 """
 
 from __future__ import annotations
 
+import gc
 import operator
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from numbers import Real
 from typing import Any
 
 import torch
@@ -20,12 +23,13 @@ from .dispatch import UnsupportedCombinationError, resolve
 from .drops import DropReport
 from .geometry import HostLayoutSpec, PoolGeometry, geometry_of, host_layout_spec, pages_for
 from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
+from .indices import IndexCache, check_bounds, check_whole_pages, reject_indices, whole_pages_mask
+from .pages import PageAccess
 from .plan import TransferPlan
 from .registry import Registry, get_registry
 
 ENV_VALIDATE = "HICACHE_VALIDATE"
 DEFAULT_HOST_TO_DEVICE_RATIO = 2.0
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def make_host_pool(
@@ -47,7 +51,9 @@ def make_host_pool(
 
     :param layout: a registered layout name (``layer_first``, ``page_first``, ...).
     :param io_backend: ``"auto"``, or the io backend every transfer must use.
-    :param size: host capacity in tokens; default ``host_to_device_ratio`` (2.0) times the device pool's.
+    :param size: host capacity in tokens (rounded up to whole pages); default
+        ``host_to_device_ratio`` (2.0) times the device pool's. Like SGLang, a host pool
+        smaller than its device pool is refused: the host tier backs the device tier up.
     :param pin_memory: pin the host buffers (where CUDA exists).
     :param draft_pools: MTP draft device pools (one layer each), stored after the target layers.
     :param operations: the operations this pool will run; each is resolved now. Default: load and
@@ -55,9 +61,17 @@ def make_host_pool(
     :param implementation: force one implementation by name (or a mapping operation -> name).
     :param validate: check index bounds and page structure on every call (default: ``HICACHE_VALIDATE``).
     :raises UnsupportedCombinationError: no installed implementation claims an operation.
+    :raises ValueError, TypeError: an argument that would otherwise be coerced silently.
     """
     registry = registry or get_registry()
-    geometry = geometry_of(device_pool, page_size=page_size, draft_pools=tuple(draft_pools))
+    if size is not None:
+        size = _count(size, "size (host capacity in tokens)")
+    ratio_ok = not isinstance(host_to_device_ratio, bool) and isinstance(host_to_device_ratio, Real)
+    if host_to_device_ratio is not None and not (ratio_ok and host_to_device_ratio > 0):
+        raise ValueError(f"host_to_device_ratio must be a number > 0, got {host_to_device_ratio!r}")
+    geometry = geometry_of(
+        device_pool, page_size=page_size, draft_pools=tuple(draft_pools), pool_kinds=registry.pool_kinds
+    )
     layout_decl = registry.layouts.get(layout) if isinstance(layout, str) else None
     if layout_decl is None:
         known = ", ".join(sorted(registry.layouts))
@@ -66,6 +80,18 @@ def make_host_pool(
             "(A plugin adds layouts through the hicache_register_layouts hook.)",
             io_backend=io_backend,
             layout=layout,
+        )
+    device_size = _device_size(device_pool)
+    if size is None:
+        if device_size is None:
+            raise ValueError("cannot size the host pool: pass size= (tokens), or a device pool with a size")
+        ratio = DEFAULT_HOST_TO_DEVICE_RATIO if host_to_device_ratio is None else float(host_to_device_ratio)
+        size = max(1, int(device_size * ratio))
+    if device_size is not None and size < device_size:
+        raise ValueError(
+            f"the host pool ({size} tokens) would be smaller than its device pool ({device_size} tokens). The host "
+            "tier backs the device tier up (SGLang refuses this too); pass size >= the device pool's size, or a "
+            "host_to_device_ratio >= 1. (size counts tokens, not bytes or GB.)"
         )
     pinned = bool(pin_memory) and geometry.device_type == "cuda" and torch.cuda.is_available()
     required = list(operations) if operations is not None else default_operations(geometry)
@@ -85,13 +111,7 @@ def make_host_pool(
                 raise
             deferred[op] = exc
 
-    device_size = int(getattr(device_pool, "size", 0) or 0)
-    if size is None:
-        ratio = DEFAULT_HOST_TO_DEVICE_RATIO if host_to_device_ratio is None else float(host_to_device_ratio)
-        size = int(device_size * ratio)
-        if size <= 0:
-            raise ValueError("cannot size the host pool: pass size= (tokens), or a device pool with a size")
-    spec = host_layout_spec(geometry, layout_decl, pages_for(int(size), geometry.page_size))
+    spec = host_layout_spec(geometry, layout_decl, pages_for(size, geometry.page_size))
     buffers = {
         b.attr: torch.empty(b.shape, dtype=geometry.dtype, device="cpu", pin_memory=pinned) for b in spec.buffers
     }
@@ -100,8 +120,31 @@ def make_host_pool(
     if validate is None:
         validate = os.environ.get(ENV_VALIDATE, "") not in ("", "0")
     return HostPool(
-        device_pool, tuple(draft_pools), geometry, spec, plan, resolved, deferred, io_backend, validate, registry
+        device_pool, tuple(draft_pools), geometry, spec, plan, resolved, deferred, io_backend, bool(validate), registry
     )
+
+
+def _device_size(device_pool: Any) -> int | None:
+    """The device pool's capacity in tokens, where it says (SGLang's pools have ``size``)."""
+    size = getattr(device_pool, "size", None)
+    try:
+        size = operator.index(size)
+    except TypeError:
+        return None
+    return size if size > 0 else None
+
+
+def _count(value: Any, what: str) -> int:
+    """A positive int, refusing floats, bools and the like instead of truncating them."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got bool {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+    if number < 1:
+        raise ValueError(f"{what} must be >= 1, got {number}")
+    return number
 
 
 def default_operations(geometry: PoolGeometry) -> list[str]:
@@ -117,13 +160,24 @@ def _device_layers(device_pool, draft_pools, geometry: PoolGeometry) -> dict[str
     }
 
 
-class HostPool:
+#: Returned by ``_host_layer`` for a layer another rank owns: the call checks its arguments and does nothing.
+_NOT_OWNED = -1
+
+
+class HostPool(PageAccess):
     """Pinned host memory mirroring a device pool in one layout (SGLang's ``HostKVCache`` API).
 
-    Attributes follow SGLang: ``kv_buffer`` (and ``k_buffer``/``v_buffer`` where a pool
-    kind splits them), ``layout``, ``page_size``, ``page_num``, ``size`` (tokens),
-    ``layer_num`` (host layers: owned plus draft), ``dtype``, ``pin_memory``.
-    ``implementations`` maps each resolved operation to the implementation serving it.
+    Attributes follow SGLang: the buffers the pool kind and layout declare (``kv_buffer``,
+    ``k_buffer``/``v_buffer``, ``index_k_with_scale_buffer``, ...), ``layout``,
+    ``page_size``, ``page_num``, ``size`` (tokens), ``layer_num`` (host layers: owned
+    plus draft), ``dtype``, ``pin_memory``. ``implementations`` maps each resolved
+    operation to the implementation serving it.
+
+    Indices: token slots (whole pages for page-item kinds), int32 or int64, on the CPU or
+    the pool's device; each implementation gets them where it declared it wants them
+    (``index_device``), converted once per index tensor (see :mod:`hicache_core.indices`).
+    Out-of-range indices raise in the call (``validate``, or implementations that check on
+    the host) or, where a kernel masks them, at the next call (:mod:`hicache_core.drops`).
     """
 
     def __init__(
@@ -159,11 +213,10 @@ class HostPool:
         self.kv_buffer = self.k_buffer = self.v_buffer = None
         for attr, tensor in plan.host_buffers.items():
             setattr(self, attr, tensor)
-        for alias, target in spec.aliases:
-            setattr(self, alias, getattr(self, target))
-        if self.k_buffer is None and self.kv_buffer is not None and len(spec.parts) == 2:
-            self.k_buffer, self.v_buffer = self.kv_buffer[0], self.kv_buffer[1]
+        for alias in spec.aliases:
+            setattr(self, alias.attr, self._alias_view(alias))
         self.allocator = SlotAllocator(self.size, self.page_size)
+        self._destroyed = False
 
         instances: dict[type[Implementation], Implementation] = {}
         self._impls: dict[tuple[str, str], tuple[Implementation, bool, frozenset, torch.device]] = {}
@@ -190,6 +243,19 @@ class HostPool:
         self._num_items = plan.num_items
         self._rows = plan.device_rows_per_layer
         self._drops = plan.drop_report
+        self._cache = IndexCache()
+        self._malformed_on_device: torch.Tensor | None = None
+
+    def _alias_view(self, alias) -> torch.Tensor:
+        buffer = getattr(self, alias.buffer)
+        if alias.component is None:
+            return buffer
+        spec = next(b for b in self.spec.buffers if b.attr == alias.buffer)
+        dim = spec.dim_of("component")
+        if dim is not None:
+            return buffer.select(dim, alias.component)
+        # The component axis is merged with another: name the component in the unmerged shape.
+        return buffer.view(spec.full_shape).select(spec.axes.index("component"), alias.component)
 
     def _plugin_of(self, impl: Implementation) -> str:
         return self.registry.plugin_of(impl.name)
@@ -204,6 +270,7 @@ class HostPool:
         Every transfer call checks this itself, without waiting for the GPU; this waits for the
         device first (``synchronize=True``), so that transfers already launched are covered too.
         """
+        self._alive()
         if synchronize and self.plan.device.type == "cuda":
             torch.cuda.synchronize(self.plan.device)
         self._drops.raise_if_dropped()
@@ -212,17 +279,21 @@ class HostPool:
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """``need_size`` free host slots (whole pages), or ``None`` when the pool is full."""
+        self._alive()
         return self.allocator.alloc(need_size)
 
     def free(self, indices: torch.Tensor) -> int:
-        """Give slots back; a slot freed twice raises."""
+        """Give slots back (whole pages); a slot never allocated, or freed twice, raises."""
+        self._alive()
         return self.allocator.free(indices)
 
     def available_size(self) -> int:
         """Free host slots, in tokens (always whole pages)."""
+        self._alive()
         return self.allocator.available_size()
 
     def clear(self) -> None:
+        self._alive()
         self.allocator.clear()
 
     # ---- transfers ---------------------------------------------------------------------------
@@ -239,8 +310,8 @@ class HostPool:
     ) -> None:
         """Copy one layer of the given slots host -> device, on the current stream.
 
-        A layer this rank does not own is a no-op; ``is_draft`` addresses MTP draft layer
-        ``layer_id - layer_num`` (device layer 0 of the draft pool passed).
+        A layer this rank does not own is a no-op (reported under ``validate``); ``is_draft``
+        addresses MTP draft layer ``layer_id - layer_num`` (device layer 0 of the draft pool passed).
         """
         self._per_layer(LOAD, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft)
 
@@ -261,29 +332,20 @@ class HostPool:
         self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
     ) -> None:
         """Copy every owned layer and every draft layer of the given slots device -> host."""
-        impl, want_cuda, dtypes, target = self._impl(BACKUP_ALL, io_backend)
+        entry = self._impl(BACKUP_ALL, io_backend)
         if device_pool is not self.device_pool:
             raise ValueError("device_pool is not the device pool this host pool was made for")
-        h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target)
+        h, d = self._indices(BACKUP_ALL, None, host_indices, device_indices, entry, None)
         if h is not None:
-            drops = self._drops
-            if drops._value.value:
-                drops.raise_if_dropped()
-            drops.begin(BACKUP_ALL, None, h.shape[0])
-            self._call(impl, BACKUP_ALL, h, d)
+            self._call(entry[0], BACKUP_ALL, h, d)
 
     def _per_layer(self, op, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft) -> None:
-        impl, want_cuda, dtypes, target = self._impl(op, io_backend)
+        entry = self._impls.get((op, io_backend)) or self._impl(op, io_backend)
         layer = self._host_layer(device_pool, layer_id, is_draft)
-        if layer is None:
-            return
-        h, d = self._indices(host_indices, device_indices, want_cuda, dtypes, target, layer)
+        h, d = self._indices(op, layer_id, host_indices, device_indices, entry, layer)
         if h is None:
             return
-        drops = self._drops
-        if drops._value.value:
-            drops.raise_if_dropped()
-        drops.begin(op, layer_id, h.shape[0])
+        impl = entry[0]
         try:  # inline rather than through _call: this is the per-layer hot path
             getattr(impl, op)(h, d, layer)
         except (ValueError, IndexError, TypeError) as exc:
@@ -306,6 +368,7 @@ class HostPool:
         entry = self._impls.get((op, io_backend))
         if entry is not None:
             return entry
+        self._alive()
         if op in self._deferred:
             raise ValueError(
                 f"this host pool was not made to run {op} (pass operations=... to make_host_pool to resolve it "
@@ -314,7 +377,15 @@ class HostPool:
         made = sorted({name for (o, name) in self._impls if o == op})
         raise ValueError(f"io_backend {io_backend!r} was not resolved for this host pool; it was made with {made}")
 
-    def _host_layer(self, device_pool: Any, layer_id: int, is_draft: bool) -> int | None:
+    def _alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError(
+                "this host pool was destroyed (destroy() released its memory): make a new one with make_host_pool"
+            )
+
+    def _host_layer(self, device_pool: Any, layer_id: int, is_draft: bool) -> int:
+        if isinstance(layer_id, bool):
+            raise TypeError(f"layer_id must be an int, got bool {layer_id!r}")
         try:
             layer_id = operator.index(layer_id)
         except TypeError:
@@ -334,10 +405,19 @@ class HostPool:
         if device_pool is not self.device_pool:
             raise ValueError("device_pool is not the device pool this host pool was made for")
         layer = layer_id - self.start_layer
-        return layer if 0 <= layer < self._owned else None
+        if 0 <= layer < self._owned:
+            return layer
+        if self.validate:
+            raise ValueError(
+                f"layer_id {layer_id} is not owned by this rank (it owns layers [{self.start_layer}, "
+                f"{self.end_layer}) of {self._model_layers}): the call would be a no-op, reported because "
+                f"{ENV_VALIDATE} / validate is set. (SGLang passes layer ids local to the rank; hicache takes "
+                "absolute ones.)"
+            )
+        return _NOT_OWNED
 
-    def _indices(self, host_indices, device_indices, want_cuda: bool, dtypes: frozenset, target: torch.device,
-                 layer: int | None = None):  # fmt: skip
+    def _indices(self, op: str, layer_id, host_indices, device_indices, entry, layer: int | None):
+        """Checked indices, where and as the implementation wants them; ``(None, None)`` when nothing moves."""
         # The hot path: a handful of attribute reads, no allocation unless indices must move.
         try:
             hd, dd, n = host_indices.dtype, device_indices.dtype, host_indices.numel()
@@ -347,135 +427,98 @@ class HostPool:
                 and device_indices.numel() == n
                 and host_indices.dim() == 1
                 and device_indices.dim() == 1
+                and not host_indices.is_meta
+                and not device_indices.is_meta
             )
         except (AttributeError, TypeError):
             ok = False
         if not ok:
-            _reject_indices(host_indices, device_indices)
-        if n == 0:
+            reject_indices(host_indices, device_indices)
+        if self._items_are_pages and n % self.page_size:
+            raise ValueError(
+                f"indices must come in whole pages: got {n} slots with page_size {self.page_size} "
+                "(page-item pools move whole pages)"
+            )
+        if n == 0 or layer == _NOT_OWNED:
+            if layer == _NOT_OWNED and self.validate and n:
+                check_bounds(host_indices, self.size, "host_indices")
             return None, None
+        drops = self._drops
+        if drops._value.value or drops._malformed.value:
+            drops.raise_if_dropped()
+        drops.begin(op, layer_id, n)
         if self._items_are_pages:
-            if n % self.page_size:
-                raise ValueError(
-                    f"indices must come in whole pages: got {n} slots with page_size {self.page_size} "
-                    "(page-row pools move whole pages)"
-                )
-            if self.validate:
-                check_whole_pages(host_indices, self.page_size, "host_indices")
-                check_whole_pages(device_indices, self.page_size, "device_indices")
-            else:  # the cheap part, always: each run of page_size slots starts at a page start
-                for what, idx in (("host_indices", host_indices), ("device_indices", device_indices)):
-                    if not idx.is_cuda and bool((idx[:: self.page_size] % self.page_size).any()):
-                        raise ValueError(f"{what} must come in whole pages: a run of {self.page_size} slots "
-                                         "starts off a page start (page-row pools move whole pages)")  # fmt: skip
-            host_indices = host_indices[:: self.page_size] // self.page_size
-            device_indices = device_indices[:: self.page_size] // self.page_size
+            host_indices = self._page_items(host_indices, "host_indices")
+            device_indices = self._page_items(device_indices, "device_indices")
         if self.validate:
             check_bounds(host_indices, self._num_items, "host_indices")
             rows = self._rows[layer] if layer is not None else min(self._rows)  # all layers: the fewest rows
             check_bounds(device_indices, rows, "device_indices")
-        if host_indices.is_cuda is not want_cuda or hd not in dtypes or (want_cuda and host_indices.device != target):
-            host_indices = _move(host_indices, dtypes, target)
-        if (
-            device_indices.is_cuda is not want_cuda
-            or dd not in dtypes
-            or (want_cuda and device_indices.device != target)
-        ):
-            device_indices = _move(device_indices, dtypes, target)
+        _, want_cuda, dtypes, target = entry
+        h_where, d_where = host_indices.device, device_indices.device
+        if host_indices.is_cuda is not want_cuda or hd not in dtypes or (want_cuda and h_where != target):
+            host_indices = self._cache.move(host_indices, hd if hd in dtypes else torch.int64, target)
+        if device_indices.is_cuda is not want_cuda or dd not in dtypes or (want_cuda and d_where != target):
+            device_indices = self._cache.move(device_indices, dd if dd in dtypes else torch.int64, target)
         return host_indices, device_indices
 
-    # ---- pages, for L3 storage backends ------------------------------------------------------
+    def _page_items(self, slots: torch.Tensor, what: str) -> torch.Tensor:
+        """Page-item pools: whole pages of token slots -> page numbers (checked; converted once per tensor)."""
+        key = ("pages", self.page_size)
+        hit = self._cache.lookup(slots, key)
+        if hit is not None:
+            return hit
+        p = self.page_size
+        if p > 1:
+            if self.validate or not slots.is_cuda:
+                check_whole_pages(slots, p, what)
+            else:
+                self._check_pages_on_device(slots)
+        return self._cache.store(slots, key, slots[::p] // p)
 
-    def _page_views(self, index: int) -> list[torch.Tensor]:
-        page = operator.index(index) // self.page_size
-        if not 0 <= page < self.page_num:
-            raise IndexError(f"page of slot {index} is outside the pool ({self.page_num} pages)")
-        views = []
-        for b in self.spec.buffers:
-            full = getattr(self, b.attr).view(b.full_shape)
-            views.append(full.select(b.axes.index("page"), page))
-        return views
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """The page holding slot ``index``, all layers and parts (flat: one 1-D copy)."""
-        views = self._page_views(index)
-        if flat:
-            return torch.cat([v.flatten() for v in views])
-        return views[0] if len(views) == 1 else tuple(views)
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(sum(v.numel() for v in self._page_views(0)), dtype=self.dtype)
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        """Write a flat page (as :meth:`get_data_page` returns it) into the page holding slot ``index``."""
-        views = self._page_views(index)
-        total = sum(v.numel() for v in views)
-        if data_page.numel() != total or data_page.dtype != self.dtype:
-            raise ValueError(
-                f"a flat page here is {total} elements of {self.dtype}, got {data_page.numel()} of {data_page.dtype}"
-            )
-        offset = 0
-        for v in views:
-            v.copy_(data_page.reshape(-1)[offset : offset + v.numel()].view(v.shape))
-            offset += v.numel()
-
-    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Pointers and byte sizes of the contiguous host runs of each page (zero-copy L3 I/O).
-
-        ``indices`` are token slots in whole pages; one entry per contiguous run of each page,
-        in buffer order then outer-axis order, K and V of a layer together (``layer_first``:
-        K0 V0 K1 V1 ...).
-        """
-        slots = indices.to("cpu", torch.int64).reshape(-1)
-        if slots.numel() % self.page_size:
-            raise ValueError(
-                f"get_page_buffer_meta takes whole pages: {slots.numel()} slots, page_size {self.page_size}"
-            )
-        ptrs: list[int] = []
-        sizes: list[int] = []
-        for start in slots[:: self.page_size].tolist():
-            for view, spec in zip(self._page_views(start), self.spec.buffers):
-                runs = _contiguous_runs(view)
-                axes = [a for a in spec.axes if a != "page"]
-                if "component" in axes and "layer" in axes and axes.index("component") < axes.index("layer"):
-                    # Runs come component-major (K0 K1 .. V0 V1 ..); SGLang lists K and V of a layer
-                    # together (K0 V0 K1 V1 ..), and L3 objects must stay compatible with its.
-                    k = view.shape[axes.index("component")]
-                    per = len(runs) // k
-                    if per > 1 and per * k == len(runs):
-                        runs = [runs[c * per + i] for i in range(per) for c in range(k)]
-                for ptr, nbytes in runs:
-                    ptrs.append(ptr)
-                    sizes.append(nbytes)
-        return ptrs, sizes
-
-    def get_ksize_per_token(self) -> int:
-        """Host bytes per token slot of the first part (K, or the MLA latent part), all host layers."""
-        part = self.plan.parts[0]
-        per_item = part.item_bytes * self.layer_num
-        return per_item // self.page_size if self.geometry.items_are_pages else per_item
-
-    def is_stride_page_aligned(self, alignment: int = 4096) -> bool:
-        """Whether every page of every host buffer starts on an ``alignment``-byte boundary (O_DIRECT I/O)."""
-        for buf, spec in zip(self.plan.host_buffers.values(), self.spec.buffers):
-            page_axis = spec.axes.index("page")
-            stride = buf.view(spec.full_shape).stride(page_axis) * buf.element_size()
-            if buf.data_ptr() % alignment or stride % alignment:
-                return False
-        return True
+    def _check_pages_on_device(self, slots: torch.Tensor) -> None:
+        """Check GPU slots for whole pages without a sync: a bad call's number reaches the drop word."""
+        flag = self._malformed_on_device
+        if flag is None or flag.device != slots.device:
+            flag = self._malformed_on_device = torch.zeros(1, dtype=torch.int64, device=slots.device)
+        bad = whole_pages_mask(slots, self.page_size).to(torch.int64) * self._drops.seq
+        # A running maximum, so that a later good call can never overwrite an earlier bad one.
+        torch.maximum(flag, bad.reshape(1), out=flag)
+        self._drops.word[1:2].copy_(flag, non_blocking=True)
 
     def destroy(self) -> None:
-        """Release the host buffers (SGLang unregisters its pinned memory here); the pool is unusable after."""
-        for attr in list(self.plan.host_buffers):
-            self.plan.host_buffers[attr] = torch.empty(0, dtype=self.dtype)
-        self.kv_buffer = self.k_buffer = self.v_buffer = None
+        """Release the host buffers and everything bound to them; every later call raises "destroyed".
+
+        Implementations, the transfer plan, the page views and cached indices all hold views of
+        the buffers, so all of them are dropped; pinned memory goes back to the system (torch's
+        pinned-memory cache is emptied). Views of the buffers that the caller kept stay valid and
+        keep their memory alive.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
         self._impls.clear()
+        self._cache.clear()
+        self._malformed_on_device = None
+        self.implementations = {}
+        for attr in [b.attr for b in self.spec.buffers] + [a.attr for a in self.spec.aliases]:
+            setattr(self, attr, None)
+        self.kv_buffer = self.k_buffer = self.v_buffer = None
+        self.plan = None  # type: ignore[assignment]
+        self.allocator = None  # type: ignore[assignment]
+        gc.collect()
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+        if self.pin_memory and empty_host_cache is not None:
+            empty_host_cache()
 
     def get_size_per_token(self) -> int:
         """Host bytes per token slot, all host layers and parts."""
+        self._alive()
         return sum(t.numel() * t.element_size() for t in self.plan.host_buffers.values()) // self.size
 
     def __repr__(self) -> str:
+        if self._destroyed:
+            return f"<HostPool {self.geometry.kind} layout={self.layout} destroyed>"
         shapes = ", ".join(f"{b.attr}{tuple(b.shape)}" for b in self.spec.buffers)
         return f"<HostPool {self.geometry.kind} layout={self.layout} {shapes} implementations={self.implementations}>"
 
@@ -498,63 +541,3 @@ def _note(impl: type[Implementation] | Implementation, operation: str, exc: Exce
     """Input errors raised inside a transfer keep their type (callers catch them as bad input) and gain a note."""
     if hasattr(exc, "add_note"):
         exc.add_note(f"(raised by {impl.name}, io backend {impl.io_backend!r}, during {operation})")
-
-
-def _contiguous_runs(view: torch.Tensor) -> list[tuple[int, int]]:
-    """Split a strided view into maximal contiguous runs (pointer, bytes)."""
-    sizes, strides = list(view.shape), list(view.stride())
-    inner, expected, cut = 1, 1, len(sizes)
-    for axis in range(len(sizes) - 1, -1, -1):
-        if strides[axis] != expected and sizes[axis] != 1:
-            break
-        expected *= sizes[axis]
-        inner *= sizes[axis]
-        cut = axis
-    if cut == 0:
-        return [(view.data_ptr(), inner * view.element_size())]
-    runs = []
-    for idx in torch.cartesian_prod(*[torch.arange(s) for s in sizes[:cut]]).reshape(-1, cut).tolist():
-        offset = sum(i * s for i, s in zip(idx, strides[:cut]))
-        runs.append((view.data_ptr() + offset * view.element_size(), inner * view.element_size()))
-    return runs
-
-
-def _move(indices: torch.Tensor, dtypes: frozenset, target: torch.device) -> torch.Tensor:
-    """Indices where and as the implementation declared it wants them (what SGLang's controller did)."""
-    dtype = indices.dtype if indices.dtype in dtypes else torch.int64
-    # Host-to-device may run ahead on the stream; device-to-host must land before the CPU reads it.
-    return indices.to(target, dtype, non_blocking=target.type == "cuda")
-
-
-def _reject_indices(host_indices, device_indices) -> None:
-    """Raise the precise error for indices the hot path's combined check refused."""
-    for what, idx in (("host_indices", host_indices), ("device_indices", device_indices)):
-        if not isinstance(idx, torch.Tensor):
-            raise TypeError(f"{what} must be a torch tensor of int32/int64 slots, got {type(idx).__name__}")
-    if host_indices.dtype not in _INDEX_DTYPES or device_indices.dtype not in _INDEX_DTYPES:
-        raise TypeError(
-            f"indices must be int32 or int64, got host {host_indices.dtype} and device {device_indices.dtype}"
-        )
-    raise ValueError(
-        "host_indices and device_indices must be 1-D and of equal length, got "
-        f"{tuple(host_indices.shape)} and {tuple(device_indices.shape)}"
-    )
-
-
-def check_bounds(indices: torch.Tensor, limit: int, what: str) -> None:
-    """Raise unless every index lies in ``[0, limit)`` (syncs when the indices live on a GPU)."""
-    lo, hi = int(indices.min()), int(indices.max())
-    if lo < 0 or hi >= limit:
-        raise IndexError(f"{what} out of range: min {lo}, max {hi}, valid [0, {limit})")
-
-
-def check_whole_pages(indices: torch.Tensor, page_size: int, what: str) -> None:
-    """Raise unless the slots form whole pages: runs of ``page_size`` consecutive slots from a page start."""
-    if indices.numel() % page_size:
-        raise ValueError(f"{what} must come in whole pages: {indices.numel()} slots with page_size {page_size}")
-    if page_size == 1:
-        return
-    pages = indices.reshape(-1, page_size).to(torch.int64)
-    offsets = torch.arange(page_size, device=pages.device)
-    if bool((pages[:, 0] % page_size).any()) or not bool((pages - pages[:, :1] == offsets).all()):
-        raise ValueError(f"{what} must come in whole pages of {page_size} consecutive slots starting at a page start")

@@ -55,8 +55,25 @@ class TransferRequest:
 
     @functools.cached_property
     def host_spec(self) -> HostLayoutSpec:
-        """Host parts and strides of one page (enough to reason about; no memory)."""
+        """Host parts and strides of one page (enough to reason about; no memory).
+
+        Raises ``ValueError`` where the layout cannot store this pool (:attr:`layout_problem` says why).
+        """
         return host_layout_spec(self.geometry, self.layout, num_pages=1)
+
+    @functools.cached_property
+    def layout_problem(self) -> str | None:
+        """Why the layout cannot store this pool (its pool kinds, the kind's layouts, a split it lacks), or None."""
+        try:
+            _ = self.host_spec
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    @property
+    def storable(self) -> bool:
+        """Whether the layout can store this pool (implementations may skip structural checks otherwise)."""
+        return self.layout_problem is None
 
     @property
     def part_bytes(self) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -21,6 +22,7 @@ import pluggy
 from . import hookspecs
 from .implementation import Implementation
 from .layouts import BUILTIN_LAYOUTS, Layout, layout_problems
+from .pool_kinds import BUILTIN_POOL_KINDS, PoolKind, pool_kind_problems
 
 ENV_PLUGINS = "HICACHE_PLUGINS"
 ENTRY_POINT_GROUP = "hicache"
@@ -39,6 +41,7 @@ class PluginRecord:
     implementations: list[str] = field(default_factory=list)
     layouts: list[str] = field(default_factory=list)
     hooks: list[str] = field(default_factory=list)
+    pool_kinds: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -48,13 +51,19 @@ class PluginRecord:
             "status": self.status,
             "errors": list(self.errors),
             "hooks": list(self.hooks),
+            "pool_kinds": list(self.pool_kinds),
             "layouts": list(self.layouts),
             "implementations": list(self.implementations),
         }
 
 
 class _CorePlugin:
-    """The core registers its built-in layouts through the same hook as everyone else."""
+    """The core registers its built-in pool kinds and layouts through the same hooks as everyone else."""
+
+    @hookspecs.hookimpl
+    def hicache_register_pool_kinds(self, register):
+        for kind in BUILTIN_POOL_KINDS:
+            register(kind)
 
     @hookspecs.hookimpl
     def hicache_register_layouts(self, register):
@@ -82,6 +91,7 @@ class Registry:
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
+        self.pool_kinds: dict[str, PoolKind] = {}
         self.layouts: dict[str, Layout] = {}
         self.implementations: dict[str, type[Implementation]] = {}
         self.owner: dict[str, str] = {}  # implementation or layout name -> plugin name
@@ -117,7 +127,9 @@ class Registry:
             record = self.add_plugin(plugin, ep.name, distribution=dist, version=version, run_hooks=False)
             if record.status != "failed":
                 loaded.append((plugin, record))
-        # Two phases, as the hook specs promise: every plugin's layouts, then every plugin's backends.
+        # Phases, as the hook specs promise: every plugin's pool kinds, then layouts, then backends.
+        for plugin, record in loaded:
+            self._call(plugin, record, "hicache_register_pool_kinds", self._pool_kind_registrar(record))
         for plugin, record in loaded:
             self._call(plugin, record, "hicache_register_layouts", self._layout_registrar(record))
         for plugin, record in loaded:
@@ -140,7 +152,7 @@ class Registry:
         version: str | None = None,
         run_hooks: bool = True,
     ) -> PluginRecord:
-        """Register one plugin object and (unless ``run_hooks`` is false) run its registration hooks, layouts first."""
+        """Register one plugin object and (unless ``run_hooks`` is false) run its registration hooks, kinds first."""
         key = self._record_key(name, distribution)
         record = PluginRecord(key, distribution, version)
         if key != name:  # two plugins chose one entry point name: keep both, and say so
@@ -164,6 +176,7 @@ class Registry:
             record.status = "failed"
             record.errors.append(f"implements no hicache hook{hint}: mark hook functions with @hicache_core.hookimpl")
         if run_hooks:
+            self._call(plugin, record, "hicache_register_pool_kinds", self._pool_kind_registrar(record))
             self._call(plugin, record, "hicache_register_layouts", self._layout_registrar(record))
             self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
             self._resolved.clear()
@@ -188,6 +201,23 @@ class Registry:
                 record.status = "failed"
                 record.errors.append(f"{hook_name} raised {_error_text(exc)}")
 
+    def _pool_kind_registrar(self, record: PluginRecord):
+        def register(kind: PoolKind) -> None:
+            if not isinstance(kind, PoolKind):
+                record.errors.append(f"registered {kind!r}, which is not a hicache_core.PoolKind")
+                return
+            problems = pool_kind_problems(kind)
+            if kind.name in self.pool_kinds:
+                problems.append(f"pool kind {kind.name!r} is already registered by {self.owner['kind:' + kind.name]}")
+            if problems:
+                record.errors.append(f"pool kind {kind.name!r} refused: " + "; ".join(problems))
+                return
+            self.pool_kinds[kind.name] = kind
+            self.owner["kind:" + kind.name] = record.name
+            record.pool_kinds.append(kind.name)
+
+        return register
+
     def _layout_registrar(self, record: PluginRecord):
         def register(layout: Layout) -> None:
             if not isinstance(layout, Layout):
@@ -196,9 +226,19 @@ class Registry:
             problems = layout_problems(layout)
             if layout.name in self.layouts:
                 problems.append(f"layout {layout.name!r} is already registered by {self.owner[layout.name]}")
+            unknown = sorted(set(layout.pool_kinds or ()) - set(self.pool_kinds))
+            if unknown:
+                problems.append(f"unknown pool kinds {unknown}; registered: {sorted(self.pool_kinds)}")
             if problems:
                 record.errors.append(f"layout {layout.name!r} refused: " + "; ".join(problems))
                 return
+            twins = [name for name, other in self.layouts.items() if other.same_arrangement(layout)]
+            if twins:
+                warnings.warn(
+                    f"hicache: layout {layout.name!r} (plugin {record.name}) arranges bytes exactly as layout "
+                    f"{twins[0]!r} (plugin {self.owner[twins[0]]}) does; both are registered, under two names",
+                    stacklevel=2,
+                )
             self.layouts[layout.name] = layout
             self.owner[layout.name] = record.name
             record.layouts.append(layout.name)

@@ -6,33 +6,34 @@ from dataclasses import dataclass
 
 import torch
 
-from .device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
-from .geometry import Component, PoolGeometry
+from .device_pools import DeclaredDevicePool
+from .geometry import PoolGeometry, example_geometry
+from .pool_kinds import PoolKind
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A named, model-like pool shape."""
+    """A named, model-like pool shape: a pool kind, its per-component rows, layers and dtype.
+
+    ``rows`` gives each component's row: ``(heads, dim)`` for token kinds, ``(row_bytes,)`` for
+    page kinds; components it leaves out keep the declaration's example.
+    """
 
     name: str
     kind: str
     layers: int
-    heads: int = 0
-    head_dim: int = 0
-    v_head_dim: int = 0
-    kv_lora_rank: int = 0
-    rope_dim: int = 0
-    row_bytes: int = 0
+    rows: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    extras: tuple[tuple[str, int], ...] = ()
     dtype: torch.dtype = torch.bfloat16
+
+    def declaration(self) -> PoolKind:
+        from .registry import get_registry
+
+        return get_registry().pool_kinds[self.kind]
 
     def item_bytes(self) -> int:
         """Bytes of one item (all parts of one token, or one page row) in one layer."""
-        it = torch.empty((), dtype=self.dtype).element_size()
-        if self.kind in ("mha", "mha_asym"):
-            return self.heads * (self.head_dim + self.v_head_dim) * it
-        if self.kind == "mla":
-            return (self.kv_lora_rank + self.rope_dim) * it
-        return self.row_bytes
+        return sum(self.geometry(page_size=1, device_type="cpu").item_bytes)
 
     def geometry(
         self,
@@ -45,30 +46,16 @@ class ModelShape:
     ) -> PoolGeometry:
         """The pool's geometry, without allocating it (sharded: this rank owns the second half)."""
         layer_num = layers or self.layers
-        start = layer_num // 2 if sharded else 0
-        if self.kind in ("mha", "mha_asym"):
-            comps = (
-                Component("k", "k_buffer", self.heads, self.head_dim),
-                Component("v", "v_buffer", self.heads, self.v_head_dim),
-            )
-            extras: tuple = ()
-        elif self.kind == "mla":
-            comps = (Component("kv", "kv_buffer", 1, self.kv_lora_rank + self.rope_dim),)
-            extras = (("kv_lora_rank", self.kv_lora_rank), ("qk_rope_head_dim", self.rope_dim))
-        else:
-            comps = (Component("row", "index_k_with_scale_buffer", None, self.row_bytes),)
-            extras = ()
-        return PoolGeometry(
-            kind=self.kind,
-            dtype=torch.uint8 if self.kind == "page_rows" else self.dtype,
+        return example_geometry(
+            self.declaration(),
             page_size=page_size,
             layer_num=layer_num,
-            start_layer=start,
-            end_layer=layer_num,
+            start_layer=layer_num // 2 if sharded else 0,
             draft_layers=1 if draft else 0,
             device_type=device_type,
-            components=comps,
-            extras=extras,
+            rows=dict(self.rows),
+            extras=dict(self.extras),
+            dtype=self.dtype,
         )
 
     def device_pool(
@@ -80,37 +67,42 @@ class ModelShape:
         layers: int | None = None,
         start_layer: int = 0,
         end_layer: int | None = None,
-    ):
+    ) -> DeclaredDevicePool:
         """Allocate a device pool of this shape holding ``tokens`` slots (plus SGLang's padding page)."""
-        layer_num = layers or self.layers
-        kw = dict(start_layer=start_layer, end_layer=end_layer)
-        if self.kind in ("mha", "mha_asym"):
-            return MHADevicePool(
-                tokens, page_size, self.dtype, self.heads, self.head_dim, layer_num, device,
-                v_head_dim=self.v_head_dim, **kw,
-            )  # fmt: skip
-        if self.kind == "mla":
-            return MLADevicePool(
-                tokens, page_size, self.dtype, self.kv_lora_rank, self.rope_dim, layer_num, device, **kw
-            )
-        return PageRowsDevicePool(tokens // page_size + 1, page_size, self.row_bytes, layer_num, device, **kw)
+        kind = self.declaration()
+        # Page kinds keep one more page than the tokens need, as SGLang's padding page.
+        size = tokens + page_size if kind.items_are_pages else tokens
+        return DeclaredDevicePool(
+            kind, size, page_size, layers or self.layers, device, dtype=self.dtype, rows=dict(self.rows),
+            extras=dict(self.extras), start_layer=start_layer, end_layer=end_layer,
+        )  # fmt: skip
+
+
+def _mla(name: str, latent: int, rope: int, dtype: torch.dtype = torch.bfloat16) -> ModelShape:
+    return ModelShape(
+        name, "mla", 61, (("kv", (1, latent + rope)),), (("kv_lora_rank", latent), ("qk_rope_head_dim", rope)), dtype
+    )
 
 
 SHAPES: dict[str, ModelShape] = {
     s.name: s
     for s in (
-        ModelShape("llama-8b", "mha", 32, heads=8, head_dim=128, v_head_dim=128),
-        ModelShape("mimo-asym", "mha_asym", 48, heads=8, head_dim=192, v_head_dim=128),
-        ModelShape("deepseek-mla", "mla", 61, kv_lora_rank=512, rope_dim=64),
-        ModelShape("deepseek-mla-fp8", "mla", 61, kv_lora_rank=528, rope_dim=128, dtype=torch.uint8),
-        ModelShape("dsa-indexer", "page_rows", 61, row_bytes=64 * 132),
+        ModelShape("llama-8b", "mha", 32, (("k", (8, 128)), ("v", (8, 128)))),
+        ModelShape("mimo-asym", "mha_asym", 48, (("k", (8, 192)), ("v", (8, 128)))),
+        ModelShape("minimax-index-k", "mha_k_only", 62, (("k", (1, 128)),)),
+        _mla("deepseek-mla", 512, 64),
+        _mla("deepseek-mla-fp8", 528, 128, torch.uint8),
+        ModelShape("dsa-indexer", "page_rows", 61, (("row", (64 * 132,)),)),
+        # DeepSeek-V4 sub-pools; the page-row sizes are illustrative (64 tokens of 656-byte fp8 rows, an 8 KiB ring).
+        ModelShape("dsv4-paged", "dsv4_paged", 61, (("row", (64 * 656,)),)),
+        ModelShape("dsv4-state", "dsv4_state", 61, (("state", (8 * 1024,)),)),
     )
 }
 
-#: The shape ``explain`` and ``matrix`` use for each pool kind.
-SHAPE_FOR_KIND: dict[str, ModelShape] = {
-    "mha": SHAPES["llama-8b"],
-    "mha_asym": SHAPES["mimo-asym"],
-    "mla": SHAPES["deepseek-mla"],
-    "page_rows": SHAPES["dsa-indexer"],
-}
+
+def shape_for_kind(kind: str) -> ModelShape:
+    """The model shape ``explain`` and ``matrix`` use for a pool kind (the declaration's example if none)."""
+    for shape in SHAPES.values():
+        if shape.kind == kind:
+            return shape
+    return ModelShape(f"{kind}-example", kind, 4)

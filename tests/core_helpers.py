@@ -11,6 +11,8 @@ import os
 import torch
 
 import hicache_core as hc
+from hicache_core.device_pools import DeclaredDevicePool
+from hicache_core.geometry import pool_kind_of
 
 KINDS = ("mha", "mha_asym", "mla", "page_rows")
 LAYERS = 3
@@ -28,7 +30,10 @@ def device_pool(kind: str, page_size: int = 4, *, pages: int = 6, sharded: bool 
         return hc.MHADevicePool(size, page_size, torch.bfloat16, 2, 8, layers, DEVICE, v_head_dim=4, **kw)
     if kind == "mla":
         return hc.MLADevicePool(size, page_size, torch.bfloat16, 16, 8, layers, DEVICE, **kw)
-    return hc.PageRowsDevicePool(pages + 1, page_size, 24, layers, DEVICE, **kw)
+    if kind == "page_rows":
+        return hc.PageRowsDevicePool(pages, page_size, 24, layers, DEVICE, **kw)
+    # Any other registered kind, built from its declaration's example rows.
+    return DeclaredDevicePool(kind, size, page_size, layers, DEVICE, **kw)
 
 
 def draft_pool(kind: str, page_size: int = 4, pages: int = 6):
@@ -36,8 +41,8 @@ def draft_pool(kind: str, page_size: int = 4, pages: int = 6):
 
 
 def device_tensors(pool) -> list[torch.Tensor]:
-    attrs = ("k_buffer", "v_buffer", "kv_buffer", "index_k_with_scale_buffer")
-    return [t for a in attrs for t in (getattr(pool, a, None) or [])]
+    kind = pool_kind_of(pool)
+    return [t for c in kind.components for t in getattr(pool, c.device_attr)]
 
 
 def fill_random(tensors, seed: int) -> None:

@@ -13,27 +13,27 @@ import hicache_core as hc
 
 @pytest.fixture
 def host(direct_only):
-    return hc.make_host_pool(device_pool("mha", 4), layout="page_first_direct", io_backend="direct", size=16,
+    return hc.make_host_pool(device_pool("mha", 4), layout="page_first_direct", io_backend="direct", size=24,
                              registry=direct_only)  # fmt: skip
 
 
 def test_alloc_free_available(host):
-    assert host.size == 16 and host.available_size() == 16
+    assert host.size == 24 and host.available_size() == 24
     a = host.alloc(8)
-    assert a.tolist() == list(range(8)) and host.available_size() == 8
-    b = host.alloc(8)
+    assert a.tolist() == list(range(8)) and host.available_size() == 16
+    b = host.alloc(16)
     assert host.alloc(4) is None  # full: SGLang returns None
     assert host.free(a) == 8 and host.available_size() == 8
-    with pytest.raises(ValueError, match="double free of host slots"):
+    with pytest.raises(ValueError, match=r"double free: slots \[0, 1, 2, 3, 4, 5, 6, 7\] were already freed"):
         host.free(a)
     with pytest.raises(ValueError, match="The requested size should be a multiple of the page size."):
         host.alloc(3)
     with pytest.raises(ValueError, match="free\\(\\) takes whole pages"):
         host.free(b[:3])
     with pytest.raises(IndexError, match="outside the pool"):
-        host.free(torch.arange(16, 20))
+        host.free(torch.arange(24, 28))
     host.free(b)
-    assert host.available_size() == 16
+    assert host.available_size() == 24
 
 
 def test_default_size_follows_the_device_pool(direct_only):
@@ -43,13 +43,22 @@ def test_default_size_follows_the_device_pool(direct_only):
     host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", host_to_device_ratio=1.0,
                              registry=direct_only)  # fmt: skip
     assert host.size == 24
-    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", size=10, registry=direct_only)
-    assert host.size == 12  # whole pages
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", size=26, registry=direct_only)
+    assert host.size == 28  # whole pages
+
+
+def test_a_host_pool_smaller_than_its_device_pool_is_refused(direct_only):
+    dev = device_pool("mla", 4, pages=6)  # 24 tokens
+    with pytest.raises(ValueError, match=r"host pool \(10 tokens\) would be smaller than its device pool \(24 tok"):
+        hc.make_host_pool(dev, layout="layer_first", io_backend="direct", size=10, registry=direct_only)
+    with pytest.raises(ValueError, match="smaller than its device pool"):
+        hc.make_host_pool(dev, layout="layer_first", io_backend="direct", host_to_device_ratio=0.5,
+                          registry=direct_only)  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
 def test_flat_data_page_round_trip(layout, direct_only):
-    host = hc.make_host_pool(device_pool("mha", 4), layout=layout, io_backend="reference", size=16,
+    host = hc.make_host_pool(device_pool("mha", 4), layout=layout, io_backend="reference", size=24,
                              registry=direct_only)  # fmt: skip
     fill_random([host.kv_buffer], seed=1)
     page = host.get_data_page(8)
@@ -81,7 +90,7 @@ def _read(ptr: int, nbytes: int) -> bytes:
 )  # fmt: skip
 def test_page_buffer_meta_points_at_the_page(kind, layout, runs_per_page, direct_only):
     dev = device_pool(kind, 4)
-    host = hc.make_host_pool(dev, layout=layout, io_backend="reference", size=16, registry=direct_only)
+    host = hc.make_host_pool(dev, layout=layout, io_backend="reference", size=24, registry=direct_only)
     fill_random(device_tensors(dev), seed=1)
     h, d = random_page_slots(4, 2, 4, seed=2), random_page_slots(6, 2, 4, seed=3, first=1)
     host.backup_from_device_all_layer(dev, h, d, "reference")
@@ -103,7 +112,7 @@ def test_page_buffer_meta_points_at_the_page(kind, layout, runs_per_page, direct
 
 
 def test_page_buffer_meta_lists_k_and_v_of_a_layer_together_like_sglang(direct_only):
-    host = hc.make_host_pool(device_pool("mha", 4), layout="layer_first", io_backend="reference", size=16,
+    host = hc.make_host_pool(device_pool("mha", 4), layout="layer_first", io_backend="reference", size=24,
                              registry=direct_only)  # fmt: skip
     ptrs, sizes = host.get_page_buffer_meta(torch.arange(8, 12))
     kv = host.kv_buffer  # (2, L, S, H, D)

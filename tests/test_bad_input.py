@@ -12,7 +12,7 @@ import hicache_core as hc
 @pytest.fixture(params=["direct", "reference"])
 def pools(request, direct_only):
     dev = device_pool("mha", 4, pages=6, sharded=True)
-    host = hc.make_host_pool(dev, layout="layer_first", io_backend=request.param, size=16, registry=direct_only)
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend=request.param, size=24, registry=direct_only)
     fill_random(device_tensors(dev) + host_tensors(host), seed=7)
     before = snapshot(device_tensors(dev) + host_tensors(host))
     yield dev, host, request.param
@@ -76,11 +76,11 @@ def test_io_backend_not_resolved(pools):
 
 def test_out_of_range_indices_direct(direct_only):
     dev = device_pool("mla", 4, pages=6)
-    host = hc.make_host_pool(dev, layout="page_first_direct", io_backend="direct", size=16, registry=direct_only)
+    host = hc.make_host_pool(dev, layout="page_first_direct", io_backend="direct", size=24, registry=direct_only)
     fill_random(device_tensors(dev) + host_tensors(host), seed=7)
     before = snapshot(device_tensors(dev) + host_tensors(host))
-    bad = torch.arange(16, 24)  # host pool holds slots [0, 16)
-    with pytest.raises(IndexError, match=r"indices out of range: host \[16, 23\] of \[0, 16\)"):
+    bad = torch.arange(24, 32)  # host pool holds slots [0, 24)
+    with pytest.raises(IndexError, match=r"indices out of range: host \[24, 31\] of \[0, 24\)"):
         host.backup_from_device_all_layer(dev, bad, D, "direct")
     with pytest.raises(IndexError, match=r"device \[1000, 1007\] of \[0, 28\)"):
         host.load_to_device_per_layer(dev, H, torch.arange(1000, 1008), 0, "direct")
@@ -90,15 +90,15 @@ def test_out_of_range_indices_direct(direct_only):
 def test_validating_mode_checks_bounds_for_every_implementation(direct_only):
     dev = device_pool("mha", 4, pages=6)
     host = hc.make_host_pool(
-        dev, layout="page_head", io_backend="reference", size=16, validate=True, registry=direct_only
+        dev, layout="page_head", io_backend="reference", size=24, validate=True, registry=direct_only
     )
-    with pytest.raises(IndexError, match=r"host_indices out of range: min 16, max 23, valid \[0, 16\)"):
-        host.backup_from_device_all_layer(dev, torch.arange(16, 24), D, "reference")
+    with pytest.raises(IndexError, match=r"host_indices out of range: min 24, max 31, valid \[0, 24\)"):
+        host.backup_from_device_all_layer(dev, torch.arange(24, 32), D, "reference")
 
 
 def test_page_rows_need_whole_pages(direct_only):
     dev = device_pool("page_rows", 4, pages=6)
-    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", size=16, registry=direct_only,
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", size=24, registry=direct_only,
                              validate=True)  # fmt: skip
     fill_random(device_tensors(dev) + host_tensors(host), seed=7)
     before = snapshot(device_tensors(dev) + host_tensors(host))
@@ -178,7 +178,11 @@ def test_refused_combination_lists_reasons_and_alternatives(direct_only):
 def test_layout_that_cannot_store_the_pool_kind(kind, layout, direct_only):
     with pytest.raises(hc.UnsupportedCombinationError) as err:
         hc.make_host_pool(device_pool(kind), layout=layout, io_backend="direct", registry=direct_only)
-    assert f"layout {layout!r} cannot store pool kind {kind!r}" in str(err.value)
+    assert f"layout {layout!r} cannot store this {kind} pool: " in str(err.value)
+    why = {"mha": "pool kind 'mha' declares no attribute to split its items at",
+           "page_rows": "layout 'page_head' cannot store pool kind 'page_rows'",
+           "mla": "layout 'page_head' cannot store pool kind 'mla'"}[kind]  # fmt: skip
+    assert why in str(err.value)
 
 
 def test_forcing_an_implementation_that_refuses(direct_only):
@@ -205,7 +209,7 @@ def test_draft_pool_rows_must_be_shaped_like_the_targets(direct_only):
 def test_a_smaller_draft_bounds_its_own_layer(io_backend, direct_only):
     dev = device_pool("mla", 4, pages=6)  # 28 rows
     small = device_pool("mla", 4, pages=1, layers=1)  # 8 rows
-    host = hc.make_host_pool(dev, layout="layer_first", io_backend=io_backend, size=16, draft_pools=[small],
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend=io_backend, size=24, draft_pools=[small],
                              registry=direct_only)  # fmt: skip
     fill_random(device_tensors(dev) + device_tensors(small) + host_tensors(host), seed=7)
     before = snapshot(device_tensors(dev) + device_tensors(small) + host_tensors(host))
@@ -220,14 +224,14 @@ def test_a_smaller_draft_bounds_its_own_layer(io_backend, direct_only):
 
 
 def test_page_rows_page_size_must_be_the_devices(direct_only):
-    with pytest.raises(ValueError, match="page_size=2 differs from the page-row device pool's page_size=4"):
+    with pytest.raises(ValueError, match="page_size=2 differs from the page_rows device pool's page_size=4"):
         hc.make_host_pool(device_pool("page_rows", 4), layout="layer_first", io_backend="direct", page_size=2,
                           registry=direct_only)  # fmt: skip
 
 
 def test_page_rows_reject_runs_off_a_page_start_even_without_validation(direct_only):
     dev = device_pool("page_rows", 4, pages=6)
-    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", size=16, registry=direct_only)
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", size=24, registry=direct_only)
     fill_random(device_tensors(dev) + host_tensors(host), seed=7)
     before = snapshot(device_tensors(dev) + host_tensors(host))
     with pytest.raises(ValueError, match="host_indices must come in whole pages"):
@@ -249,9 +253,9 @@ def test_implementation_mapping_with_an_unknown_operation(direct_only):
 
 def test_reference_rejects_out_of_range_before_moving_anything(direct_only):
     dev = device_pool("mha", 4, pages=6)
-    host = hc.make_host_pool(dev, layout="page_head", io_backend="reference", size=16, registry=direct_only)
+    host = hc.make_host_pool(dev, layout="page_head", io_backend="reference", size=24, registry=direct_only)
     fill_random(device_tensors(dev) + host_tensors(host), seed=7)
     before = snapshot(device_tensors(dev) + host_tensors(host))
-    with pytest.raises(IndexError, match=r"host indices out of range \[0, 16\): min -1"):
+    with pytest.raises(IndexError, match=r"host indices out of range \[0, 24\): min -1"):
         host.backup_from_device_all_layer(dev, torch.tensor([-1, 0, 1, 2]), D[:4], "reference")
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(device_tensors(dev) + host_tensors(host))))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import hicache_core as hc
 from hicache_core.cli import main
 
 
@@ -38,7 +39,8 @@ def test_matrix(capsys):
 def test_matrix_json(capsys):
     assert main(["matrix", "--json", "--device", "cpu", "--sharded"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {r["pool"] for r in rows} == {"mha", "mha_asym", "mla", "page_rows"}
+    assert {r["pool"] for r in rows} == set(hc.get_registry().pool_kinds) >= {
+        "mha", "mha_asym", "mha_k_only", "mla", "page_rows", "dsv4_paged", "dsv4_state"}
     row = next(r for r in rows if (r["pool"], r["layout"], r["operation"]) ==
                ("mha", "layer_first", "backup_from_device_per_layer"))  # fmt: skip
     assert row["io_backends"]["direct"] == "direct.copy_engine"

@@ -108,10 +108,10 @@ def test_a_plugin_adds_a_layout_and_an_io_backend_and_is_dispatched_to():
     registry.add_plugin(plugin, "testplugin")
     assert registry.plugins["testplugin"].layouts == ["page_layer_inner"]
     dev = device_pool("mha", 4)
-    host = hc.make_host_pool(dev, layout="page_layer_inner", io_backend="loopcopy", size=16, registry=registry)
+    host = hc.make_host_pool(dev, layout="page_layer_inner", io_backend="loopcopy", size=24, registry=registry)
     assert host.implementations["load_to_device_per_layer"] == "testplugin.loop"
     # shape follows the declaration with no core change: (P, 2, p, H, L, D)
-    assert tuple(host.kv_buffer.shape) == (4, 2, 4, 2, 3, 8)
+    assert tuple(host.kv_buffer.shape) == (6, 2, 4, 2, 3, 8)
     fill_random(device_tensors(dev), seed=3)
     h, d = random_page_slots(4, 2, 4, seed=1), random_page_slots(6, 2, 4, seed=2, first=1)
     plugin.Loop.calls.clear()
@@ -137,8 +137,8 @@ def test_a_new_layout_that_direct_can_serve():
 
     registry.add_plugin(Blob(), "blob")
     dev = device_pool("mha", 4)
-    host = hc.make_host_pool(dev, layout="page_blob_direct", io_backend="direct", size=16, registry=registry)
-    assert tuple(host.kv_buffer.shape) == (4, 2, 3, 4, 2, 8)
+    host = hc.make_host_pool(dev, layout="page_blob_direct", io_backend="direct", size=24, registry=registry)
+    assert tuple(host.kv_buffer.shape) == (6, 2, 3, 4, 2, 8)
     fill_random(device_tensors(dev), seed=3)
     h, d = random_page_slots(4, 2, 4, seed=1), random_page_slots(6, 2, 4, seed=2, first=1)
     host.backup_from_device_all_layer(dev, h, d, "direct")

@@ -13,7 +13,7 @@ from core_helpers import device_pool, device_tensors, fill_random, random_page_s
 import hicache_core as hc
 
 P_SIZE = 4
-HOST_PAGES = 5
+HOST_PAGES = 6
 L = 3
 
 
@@ -111,26 +111,53 @@ def test_mla(layout, direct_only):
                     assert same_bytes(host.v_buffer[s // P_SIZE, layer, s % P_SIZE], row[:, 16:].contiguous())
 
 
+#: SGLang's page-item host pools: DSAIndexerPoolHost keeps one 4-D shape for page_first and page_first_direct;
+#: DeepSeekV4PagedHostPool / DeepSeekV4StateHostPool keep page_first 3-D. (pool kind, host attribute, shapes)
+PAGE_ITEM_SHAPES = {
+    "page_rows": ("index_k_with_scale_buffer", {
+        "layer_first": (L, HOST_PAGES, 24), "page_first": (HOST_PAGES, L, 1, 24),
+        "page_first_direct": (HOST_PAGES, L, 1, 24)}),
+    "dsv4_paged": ("kv_buffer", {
+        "layer_first": (L, HOST_PAGES, 40), "page_first": (HOST_PAGES, L, 40),
+        "page_first_direct": (HOST_PAGES, L, 1, 40)}),
+    "dsv4_state": ("kv_buffer", {
+        "layer_first": (L, HOST_PAGES, 48), "page_first": (HOST_PAGES, L, 48),
+        "page_first_direct": (HOST_PAGES, L, 1, 48)}),
+}  # fmt: skip
+PAGE_ITEM_ROW = {
+    "layer_first": lambda buf, layer, page: buf[layer, page],
+    "page_first": lambda buf, layer, page: buf[page, layer],
+    "page_first_direct": lambda buf, layer, page: buf[page, layer, 0],
+}
+
+
+@pytest.mark.parametrize("kind", list(PAGE_ITEM_SHAPES))
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-def test_page_rows(layout, direct_only):
-    shapes = {
-        "layer_first": (L, HOST_PAGES, 24),
-        "page_first": (HOST_PAGES, L, 24),
-        "page_first_direct": (HOST_PAGES, L, 1, 24),
-    }
-    for backend in _backends(direct_only, "page_rows", layout):
-        dev, host, hs, ds = _backed_up("page_rows", layout, backend, direct_only)
-        assert tuple(host.kv_buffer.shape) == shapes[layout]
+def test_page_items(kind, layout, direct_only):
+    attr, shapes = PAGE_ITEM_SHAPES[kind]
+    device_attr = {"page_rows": "index_k_with_scale_buffer", "dsv4_paged": "device_buffers",
+                   "dsv4_state": "device_page_views"}[kind]  # fmt: skip
+    for backend in ("reference", "direct") if layout != "page_first" else ("reference",):
+        dev, host, hs, ds = _backed_up(kind, layout, backend, direct_only)
+        assert tuple(getattr(host, attr).shape) == shapes[layout]
         for layer in range(L):
             for s, d in zip(hs[::P_SIZE], ds[::P_SIZE]):
-                row = dev.index_k_with_scale_buffer[layer][d // P_SIZE]
-                if layout == "layer_first":
-                    got = host.kv_buffer[layer, s // P_SIZE]
-                elif layout == "page_first":
-                    got = host.kv_buffer[s // P_SIZE, layer]
-                else:
-                    got = host.kv_buffer[s // P_SIZE, layer, 0]
-                assert same_bytes(got, row), (backend, layout)
+                row = getattr(dev, device_attr)[layer][d // P_SIZE]
+                assert same_bytes(PAGE_ITEM_ROW[layout](getattr(host, attr), layer, s // P_SIZE), row), (backend, kind)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_mha_k_only(layout, direct_only):
+    """MiniMax's index-K pool: one k_buffer, SGLang's MHATokenToKOnlyPoolHost shapes."""
+    shapes = {"layer_first": (L, HOST_PAGES * P_SIZE, 2, 8), "page_first": (HOST_PAGES * P_SIZE, L, 2, 8),
+              "page_first_direct": (HOST_PAGES, L, P_SIZE, 2, 8)}  # fmt: skip
+    for backend in _backends(direct_only, "mha", layout):
+        dev, host, hs, ds = _backed_up("mha_k_only", layout, backend, direct_only)
+        assert host.kv_buffer is None and host.v_buffer is None
+        assert tuple(host.k_buffer.shape) == shapes[layout]
+        for layer in range(L):
+            for s, d in zip(hs, ds):
+                assert same_bytes(MHA_TOKEN[layout](host.k_buffer.unsqueeze(0), 0, layer, s), dev.k_buffer[layer][d])
 
 
 def test_sharded_host_holds_only_owned_layers(direct_only):

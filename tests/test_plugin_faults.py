@@ -118,7 +118,7 @@ def default_registry(monkeypatch):
 def works(registry: Registry, io_backend: str, layout: str = "layer_first") -> None:
     """A backup then a load through ``io_backend`` moves the right bytes."""
     dev = device_pool("mha", 4)
-    host = hc.make_host_pool(dev, layout=layout, io_backend=io_backend, size=16, registry=registry)
+    host = hc.make_host_pool(dev, layout=layout, io_backend=io_backend, size=24, registry=registry)
     fill_random(device_tensors(dev), seed=5)
     host.backup_from_device_all_layer(dev, H, D, io_backend)
     for t in device_tensors(dev):
@@ -182,7 +182,7 @@ def test_an_import_failure_reaches_the_process_registry(default_registry, tmp_pa
     )
     with pytest.raises(hc.UnsupportedCombinationError, match="broken2 \\(hicache-broken2\\): ModuleNotFoundError"):
         hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="kdma")
-    host = hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="direct", size=16)
+    host = hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="direct", size=24)
     assert host.implementations["load_to_device_per_layer"] == "direct.copy_engine"
 
 
@@ -265,7 +265,7 @@ def test_unmarked_and_misspelled_hooks_are_not_silent(entry_points):
     assert misspelled.status == "failed"
     assert misspelled.errors[0] == (
         "implements hicache_register_backend, not a hicache hook "
-        "(hooks: hicache_register_backends, hicache_register_layouts)"
+        "(hooks: hicache_register_backends, hicache_register_layouts, hicache_register_pool_kinds)"
     )
     assert not misspelled.implementations and not unmarked.implementations
     works(registry, "goodcopy")
@@ -348,7 +348,7 @@ def test_two_plugins_claiming_the_same_request_at_one_priority_warn_naming_both(
     )
     dev = device_pool("mha", 4)
     with pytest.warns(UserWarning) as caught:
-        host = hc.make_host_pool(dev, layout="layer_first", io_backend="twin", size=16, registry=registry)
+        host = hc.make_host_pool(dev, layout="layer_first", io_backend="twin", size=24, registry=registry)
     messages = {str(w.message) for w in caught}
     assert (
         "hicache: alpha.copy (plugin alpha) and beta.copy (plugin beta) claim the same request at priority 7; "
@@ -359,7 +359,7 @@ def test_two_plugins_claiming_the_same_request_at_one_priority_warn_naming_both(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         forced = hc.make_host_pool(
-            dev, layout="layer_first", io_backend="twin", size=16, registry=registry, implementation="beta.copy"
+            dev, layout="layer_first", io_backend="twin", size=24, registry=registry, implementation="beta.copy"
         )
     assert set(forced.implementations.values()) == {"beta.copy"}
 
@@ -426,7 +426,7 @@ class Flaky(hc.Implementation):
 def test_an_implementation_raising_mid_transfer_is_named_with_its_plugin(default_registry):
     default_registry(FakeEntryPoint("flaky", Registers(Flaky)))
     dev = device_pool("mha", 4)
-    host = hc.make_host_pool(dev, layout="layer_first", io_backend="flaky", size=16)
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend="flaky", size=24)
     fill_random(device_tensors(dev) + host_tensors(host), seed=9)
     with pytest.raises(TransferError) as err:
         host.load_to_device_per_layer(dev, H, D, 1, "flaky")
@@ -454,7 +454,7 @@ def test_an_implementation_raising_mid_transfer_is_named_with_its_plugin(default
 def test_mid_transfer_errors_name_the_plugin_with_a_custom_registry(entry_points):
     registry = entry_points(FakeEntryPoint("flaky", Registers(Flaky)))
     dev = device_pool("mha", 4)
-    host = hc.make_host_pool(dev, layout="layer_first", io_backend="flaky", size=16, registry=registry)
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend="flaky", size=24, registry=registry)
     with pytest.raises(TransferError, match=r"flaky.copy \(plugin flaky,"):
         host.load_to_device_per_layer(dev, H, D, 1, "flaky")
 
@@ -553,7 +553,7 @@ def test_all_faults_at_once_take_nothing_else_down(entry_points, tmp_path, monke
     works(registry, "direct")
     works(registry, "goodcopy")
     dev = device_pool("mha", 4)
-    host = hc.make_host_pool(dev, layout="layer_first", io_backend="flaky", size=16, registry=registry)
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend="flaky", size=24, registry=registry)
     with pytest.raises(TransferError, match="DMA engine hung"):
         host.load_to_device_per_layer(dev, H, D, 0, "flaky")
     works(registry, "direct")

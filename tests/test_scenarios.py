@@ -25,7 +25,8 @@ def test_scenario_1_without_kernel_plugin_says_what_to_install(without_kernel):
         )
     message = str(err.value)
     assert "No installed plugin serves io backend 'kernel'" in message
-    assert "hicache-kernel is not installed: install it to enable io backend 'kernel'" in message
+    assert "hicache-kernel (io backend 'kernel') is not installed; it ships in hicache's source tree" in message
+    assert "pip install -e " in message and message.rstrip().endswith("plugins/kernel")
     assert "io backends for layout 'page_first_direct': 'direct'" in message
     assert err.value.pool_kind == "mha_asym" and err.value.layout == "page_first_direct"
 
@@ -79,7 +80,7 @@ def test_scenario_5_without_kernel_plugin_says_what_to_install(without_kernel):
         hc.make_host_pool(
             dev, layout="page_first", io_backend="kernel", operations=[hc.BACKUP_LAYER], registry=without_kernel
         )
-    assert "hicache-kernel is not installed" in str(err.value)
+    assert "hicache-kernel (io backend 'kernel') is not installed" in str(err.value)
     assert err.value.sharded is True and err.value.operation == hc.BACKUP_LAYER
 
 
@@ -101,7 +102,7 @@ def test_scenario_5_without_kernel_plugin_says_what_to_install(without_kernel):
 )  # fmt: skip
 def test_explain_gives_the_outcomes_of_the_table(argv, resolved, capsys, monkeypatch, registry):
     monkeypatch.setattr("hicache_core.cli.get_registry", lambda: registry)
-    code = main(["explain", *argv, "--json"])
+    code = main(["explain", *argv, "--device", "cuda", "--json"])  # the scenarios are CUDA servers
     out = json.loads(capsys.readouterr().out)
     if resolved == "kernel":  # works once a kernel plugin is installed; until then, the install hint
         resolved = _kernel_installed(registry)

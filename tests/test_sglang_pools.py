@@ -24,7 +24,7 @@ def test_single_rank_pool(direct_only):
     dev = SGLangStyleMHAPool(32, 4, 2, 8, layer_num=4)
     geometry = hc.geometry_of(dev)
     assert (geometry.start_layer, geometry.end_layer, geometry.layer_num, geometry.sharded) == (0, 4, 4, False)
-    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", size=16, registry=direct_only)
+    host = hc.make_host_pool(dev, layout="layer_first", io_backend="direct", size=32, registry=direct_only)
     fill_random(dev.k_buffer + dev.v_buffer, seed=1)
     h, d = random_page_slots(4, 2, 4, seed=2), random_page_slots(8, 2, 4, seed=3, first=1)
     host.backup_from_device_all_layer(dev, h, d, "direct")
@@ -35,7 +35,7 @@ def test_pipeline_rank_owning_layers_20_to_23(direct_only):
     dev = SGLangStyleMHAPool(32, 4, 2, 8, layer_num=4, start_layer=20, end_layer=23)
     geometry = hc.geometry_of(dev)
     assert (geometry.start_layer, geometry.end_layer, geometry.owned_layers) == (20, 24, 4)
-    host = hc.make_host_pool(dev, layout="page_first_direct", io_backend="direct", size=16, registry=direct_only)
+    host = hc.make_host_pool(dev, layout="page_first_direct", io_backend="direct", size=32, registry=direct_only)
     fill_random(dev.k_buffer, seed=1)
     h, d = random_page_slots(4, 2, 4, seed=2), random_page_slots(8, 2, 4, seed=3, first=1)
     host.backup_from_device_per_layer(dev, h, d, 22, "direct")  # global layer id 22 is local layer 2

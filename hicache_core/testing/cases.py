@@ -1,9 +1,11 @@
 """The cases the conformance kit generates, and the small pools it runs them on.
 
-Shapes are deliberately tiny (two heads of eight bf16 elements, an MLA row of
-16 + 8, page rows of 24 bytes, three layers) so the whole matrix runs in seconds
-on a CPU; the bytes are random, so a transfer that moves the wrong bytes, or
-moves them through a float conversion, cannot pass by accident.
+Pools are built from each registered pool kind's declaration (its example rows:
+two heads of eight bf16 elements, an MLA row of 16 + 8, page rows of a few dozen
+bytes; three layers), so a kind a plugin registers is covered with no change here.
+Shapes are deliberately tiny so the whole matrix runs in seconds on a CPU; the bytes
+are random, so a transfer that moves the wrong bytes, or moves them through a float
+conversion, cannot pass by accident.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import Any
 
 import torch
 
-from ..device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
-from ..geometry import COMPONENT_ATTRS, pool_kind_of
+from ..device_pools import DeclaredDevicePool
+from ..geometry import pool_kind_of
 from ..implementation import BACKUP_ALL, BACKUP_LAYER, LOAD
+from ..pool_kinds import PoolKind
 
 #: Ways a pool can be built: whole model, a layer shard (context/pipeline parallelism), or with an MTP draft layer.
 VARIANTS: tuple[str, ...] = ("plain", "sharded", "draft")
@@ -24,9 +27,6 @@ PAGE_SIZES: tuple[int, ...] = (1, 64)
 INDEX_DTYPES: tuple[str, ...] = ("int32", "int64")
 OPERATION_ORDER: tuple[str, ...] = (LOAD, BACKUP_ALL, BACKUP_LAYER)
 
-HEADS, HEAD_DIM, V_HEAD_DIM = 2, 8, 4
-KV_LORA_RANK, QK_ROPE_HEAD_DIM = 16, 8
-ROW_BYTES = 24
 LAYERS = 3
 #: A sharded pool owns layers [1, 3) of 4.
 SHARD = (4, 1, 3)
@@ -62,61 +62,65 @@ class Case:
         return zlib.crc32(self.id.encode())
 
 
-def device_size(pool_kind: str, page_size: int) -> int:
+def device_size(kind: PoolKind, page_size: int) -> int:
     """Device pool size in tokens; for pages > 1 token its last page is partial (rows = size + page_size)."""
-    if pool_kind == "page_rows":
+    if kind.items_are_pages:
         return 5 * page_size
     return 40 if page_size == 1 else 4 * page_size - page_size // 2
 
 
-def host_size(pool_kind: str, page_size: int) -> int:
+def host_size(kind: PoolKind, page_size: int) -> int:
     """Host pool size in tokens (always whole pages)."""
-    return 48 if page_size == 1 and pool_kind != "page_rows" else 6 * page_size
+    return 48 if page_size == 1 and not kind.items_are_pages else 6 * page_size
 
 
-def _one_pool(pool_kind: str, page_size: int, device: torch.device, layer_range: tuple[int, int, int]) -> Any:
+def device_pages(kind: PoolKind, page_size: int) -> int:
+    """Device pages a transfer may address (rows for page kinds; the padding page included for token kinds)."""
+    if kind.items_are_pages:
+        return device_size(kind, page_size) // page_size
+    return (device_size(kind, page_size) + page_size) // page_size
+
+
+def _one_pool(kind: PoolKind, page_size: int, device: torch.device, layer_range: tuple[int, int, int]) -> Any:
     layer_num, start, end = layer_range
-    size = device_size(pool_kind, page_size)
-    if pool_kind in ("mha", "mha_asym"):
-        v_dim = HEAD_DIM if pool_kind == "mha" else V_HEAD_DIM
-        return MHADevicePool(
-            size, page_size, DTYPE, HEADS, HEAD_DIM, layer_num, device,
-            v_head_dim=v_dim, start_layer=start, end_layer=end,
-        )  # fmt: skip
-    if pool_kind == "mla":
-        return MLADevicePool(
-            size, page_size, DTYPE, KV_LORA_RANK, QK_ROPE_HEAD_DIM, layer_num, device, start_layer=start, end_layer=end
-        )
-    if pool_kind == "page_rows":
-        return PageRowsDevicePool(
-            size // page_size, page_size, ROW_BYTES, layer_num, device, start_layer=start, end_layer=end
-        )
-    raise ValueError(f"the conformance kit has no shape for pool kind {pool_kind!r}")
+    return DeclaredDevicePool(
+        kind, device_size(kind, page_size), page_size, layer_num, device, dtype=DTYPE, start_layer=start, end_layer=end
+    )
 
 
 def build_device_pools(
-    pool_kind: str, variant: str, page_size: int, device: str | torch.device
+    pool_kind: PoolKind | str, variant: str, page_size: int, device: str | torch.device
 ) -> tuple[Any, tuple[Any, ...]]:
     """A small device pool of ``pool_kind`` and its draft pools (one for the ``draft`` variant), zeroed."""
+    kind = _declaration(pool_kind)
     device = torch.device(device)
     if variant == "sharded":
-        return _one_pool(pool_kind, page_size, device, SHARD), ()
-    pool = _one_pool(pool_kind, page_size, device, (LAYERS, 0, LAYERS))
+        return _one_pool(kind, page_size, device, SHARD), ()
+    pool = _one_pool(kind, page_size, device, (LAYERS, 0, LAYERS))
     if variant == "draft":
-        return pool, (_one_pool(pool_kind, page_size, device, (1, 0, 1)),)
+        return pool, (_one_pool(kind, page_size, device, (1, 0, 1)),)
     if variant != "plain":
         raise ValueError(f"unknown variant {variant!r}; variants: {', '.join(VARIANTS)}")
     return pool, ()
 
 
-def device_tensors(pool: Any, drafts: tuple[Any, ...]) -> dict[str, torch.Tensor]:
+def _declaration(pool_kind: PoolKind | str) -> PoolKind:
+    if isinstance(pool_kind, PoolKind):
+        return pool_kind
+    from ..registry import get_registry
+
+    return get_registry().pool_kinds[pool_kind]
+
+
+def device_tensors(pool: Any, drafts: tuple[Any, ...], kind: PoolKind | None = None) -> dict[str, torch.Tensor]:
     """Every per-layer device tensor of a pool and its drafts, by a readable name."""
+    kind = kind or pool_kind_of(pool)
     out = {}
-    for attr in COMPONENT_ATTRS[pool_kind_of(pool)]:
-        for i, t in enumerate(getattr(pool, attr)):
-            out[f"device {attr}[{i}]"] = t
+    for comp in kind.components:
+        for i, t in enumerate(getattr(pool, comp.device_attr)):
+            out[f"device {comp.device_attr}[{i}]"] = t
         for j, d in enumerate(drafts):
-            out[f"draft pool {j} {attr}[0]"] = getattr(d, attr)[0]
+            out[f"draft pool {j} {comp.device_attr}[0]"] = getattr(d, comp.device_attr)[0]
     return out
 
 

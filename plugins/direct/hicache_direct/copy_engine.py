@@ -30,7 +30,7 @@ class DirectCopy(Implementation):
     @classmethod
     def not_supported_reasons(cls, request: TransferRequest) -> list[str]:
         reasons = super().not_supported_reasons(request)
-        if request.pool_kind not in request.layout.pool_kinds:
+        if not request.storable:
             return reasons
         spec = request.host_spec
         for part in spec.parts:

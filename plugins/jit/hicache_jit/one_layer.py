@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from hicache_core import BACKUP_ALL, BACKUP_LAYER, LOAD, POOL_KINDS, Implementation, TransferPlan, TransferRequest, uva
+from hicache_core import BACKUP_ALL, BACKUP_LAYER, LOAD, Implementation, TransferPlan, TransferRequest, uva
 from hicache_core.triton_support import CudaOrInterpreter, SMBudget, bind_uva_device, interpreting, triton_available
 from hicache_core.triton_support import cuda_current_functions as _cuda_current_functions
 from hicache_core.triton_support import env_int as _env_int
@@ -320,7 +320,7 @@ class JitOneLayer(SMBudget, Implementation):
     name = "jit.one_layer"
     io_backend = "kernel"
     priority = 60
-    pool_kinds = frozenset(POOL_KINDS)
+    pool_kinds = None  # every pool kind: the kernels read only the plan's strides
     layouts = None  # any layout whose per-layer host view is rows of one item: see not_supported_reasons
     operations = frozenset({LOAD, BACKUP_LAYER})
     device_types = CudaOrInterpreter()  # type: ignore[assignment]
@@ -352,11 +352,8 @@ class JitOneLayer(SMBudget, Implementation):
                 "needs pinned host memory on CUDA: GPU threads read and write the host pool in place through UVA "
                 "(pin_memory=True)"
             )
-        if request.pool_kind in request.layout.pool_kinds:
-            try:
-                reasons += _row_problems(request)
-            except ValueError as exc:  # a layout that cannot be derived for this pool
-                reasons.append(f"the layout cannot be derived for this pool: {exc}")
+        if request.storable:
+            reasons += _row_problems(request)
         return reasons
 
     def __init__(self, plan: TransferPlan) -> None:

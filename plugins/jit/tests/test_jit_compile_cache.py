@@ -16,7 +16,7 @@ def _odd_pool(device: str, head_dim: int):
 
 def _host(dev):
     return hc.make_host_pool(dev, layout="page_first", io_backend="kernel", operations=[hc.LOAD, hc.BACKUP_LAYER],
-                             implementation="jit.one_layer", size=16)  # fmt: skip
+                             implementation="jit.one_layer", size=32)  # fmt: skip
 
 
 def test_second_call_with_the_same_key_compiles_nothing(jit_device):

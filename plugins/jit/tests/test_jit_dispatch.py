@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def test_one_layer_operations_resolve_to_jit_without_hicache_kernel(which, jit_d
     assert "kernel.triton_uva" not in registry.implementations
     for kind, layout in [("mla", "page_first"), ("mha", "layer_first"), ("mla", "page_first_kv_split")]:
         dev = small_pool(kind, jit_device)
-        host = hc.make_host_pool(dev, layout=layout, io_backend="kernel", operations=ONE_LAYER, size=16,
+        host = hc.make_host_pool(dev, layout=layout, io_backend="kernel", operations=ONE_LAYER, size=32,
                                  registry=registry)  # fmt: skip
         assert host.implementations == {hc.LOAD: "jit.one_layer", hc.BACKUP_LAYER: "jit.one_layer"}
         impl = host.implementation_for(hc.LOAD)
@@ -53,7 +54,7 @@ def test_scenario_5_per_layer_backup_of_a_layer_sharded_dsa_indexer(jit_device, 
     """DSA indexer, layer-sharded, page_first, io_backend="kernel", backup per layer: layer-first -> page-first."""
     dev = small_pool("page_rows", jit_device, layers=4, start_layer=2, end_layer=4)
     host = hc.make_host_pool(dev, layout="page_first", io_backend="kernel", operations=[hc.BACKUP_LAYER],
-                             size=32, registry=jit_with_kernel_filtered)  # fmt: skip
+                             size=36, registry=jit_with_kernel_filtered)  # fmt: skip
     assert host.implementations[hc.BACKUP_LAYER] == "jit.one_layer"
     impl = host.implementation_for(hc.BACKUP_LAYER)
     rows = torch.tensor([6, 0, 3])
@@ -64,7 +65,7 @@ def test_scenario_5_per_layer_backup_of_a_layer_sharded_dsa_indexer(jit_device, 
 def test_all_layer_backup_names_hicache_kernel_when_filtered_out(jit_device, jit_with_kernel_filtered):
     dev = small_pool("mla", jit_device)
     with pytest.raises(hc.UnsupportedCombinationError) as err:  # default operations include the all-layer backup
-        hc.make_host_pool(dev, layout="page_first", io_backend="kernel", size=16, registry=jit_with_kernel_filtered)
+        hc.make_host_pool(dev, layout="page_first", io_backend="kernel", size=32, registry=jit_with_kernel_filtered)
     message = str(err.value)
     assert err.value.operation == hc.BACKUP_ALL
     assert "jit.one_layer" in message and "hicache-kernel" in message
@@ -76,11 +77,12 @@ def test_all_layer_backup_names_hicache_kernel_when_not_installed(jit_device, ji
     dev = small_pool("mla", jit_device)
     with pytest.raises(hc.UnsupportedCombinationError) as err:
         hc.make_host_pool(dev, layout="page_first", io_backend="kernel", operations=[hc.LOAD, hc.BACKUP_ALL],
-                          size=16, registry=jit_without_kernel_installed)  # fmt: skip
+                          size=32, registry=jit_without_kernel_installed)  # fmt: skip
     message = str(err.value)
     assert err.value.operation == hc.BACKUP_ALL
-    assert "hicache-kernel is not installed" in message
-    assert "pip install -e plugins/kernel" in message
+    assert "hicache-kernel (io backend 'kernel') is not installed" in message
+    tree = Path(hc.__file__).resolve().parents[1]
+    assert message.rstrip().endswith(f"pip install -e {tree / 'plugins' / 'kernel'}")
 
 
 @pytest.mark.skipif(not kernel_installed, reason="needs hicache-kernel installed beside hicache-jit")
@@ -88,7 +90,7 @@ def test_all_layer_backup_names_hicache_kernel_when_not_installed(jit_device, ji
 def test_with_both_installed_one_layer_goes_to_jit_and_all_layers_to_kernel(backend, jit_device):
     registry = Registry.from_entry_points({"jit", "kernel", "direct"})
     dev = small_pool("mla", jit_device, layers=3, start_layer=1, end_layer=3)
-    host = hc.make_host_pool(dev, layout="page_first", io_backend=backend, size=16, registry=registry,
+    host = hc.make_host_pool(dev, layout="page_first", io_backend=backend, size=32, registry=registry,
                              operations=[hc.LOAD, hc.BACKUP_LAYER, hc.BACKUP_ALL])  # fmt: skip
     assert host.implementations == {
         hc.LOAD: "jit.one_layer",
@@ -96,7 +98,7 @@ def test_with_both_installed_one_layer_goes_to_jit_and_all_layers_to_kernel(back
         hc.BACKUP_ALL: "kernel.triton_uva",
     }
     # And the bytes: back two pages up through kernel (all layers), reload them into one layer through jit.
-    ref = hc.make_host_pool(dev, layout="page_first", io_backend="reference", size=16, registry=registry,
+    ref = hc.make_host_pool(dev, layout="page_first", io_backend="reference", size=32, registry=registry,
                             operations=[hc.LOAD, hc.BACKUP_ALL])  # fmt: skip
     h, d, d2 = pages([3, 0], 4), pages([2, 6], 4), pages([1, 5], 4)
     dev_tensors = [t for p in host.plan.parts for t in p.device_layers]
@@ -125,7 +127,7 @@ def test_importing_is_cheap_and_transfers_never_import_hicache_kernel(jit_device
         r = hc.Registry.from_entry_points({"jit"})
         assert "jit.one_layer" in r.implementations, r.plugins
         dev = hc.MLADevicePool(8, 4, torch.bfloat16, 16, 8, 2, sys.argv[1])
-        host = hc.make_host_pool(dev, layout="page_first", io_backend="kernel", operations=[hc.LOAD], size=8,
+        host = hc.make_host_pool(dev, layout="page_first", io_backend="kernel", operations=[hc.LOAD], size=32,
                                  registry=r)
         assert "triton" not in sys.modules, "triton imported before the first transfer"
         if sys.argv[1] == "cpu":

@@ -28,7 +28,7 @@ SHAPES = [
 def _host(kind: str, layout: str, device: str, **pool_kw):
     dev = small_pool(kind, device, **pool_kw)
     host = hc.make_host_pool(dev, layout=layout, io_backend="kernel", operations=[hc.LOAD, hc.BACKUP_LAYER],
-                             implementation="jit.one_layer", size=32)  # fmt: skip
+                             implementation="jit.one_layer", size=36)  # fmt: skip
     return host, host.implementation_for(hc.LOAD)
 
 
