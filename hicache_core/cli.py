@@ -44,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
     p.add_argument("--quick", action="store_true", help="a short sweep (smoke test)")
     p.add_argument("--only", help="comma-separated implementation names to include")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="cpu: the CPU implementations against memcpy")
 
     args = parser.parse_args(argv)
     if args.command == "plugins":
@@ -56,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return run_demo(device=args.device, tokens=args.tokens)
+    if args.device == "cpu":
+        from .bench_cpu import run_cpu_bench
+
+        return run_cpu_bench(out=args.out, quick=args.quick)
     from .bench import run_bench
 
     return run_bench(out=args.out, quick=args.quick, only=args.only)

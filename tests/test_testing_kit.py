@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 from hicache_core.testing import Case, ConformanceTests
 from hicache_core.testing.conformance import _CASES
@@ -131,10 +132,154 @@ class LoadOnly(Good):
     operations = frozenset({"load_to_device_per_layer"})
 
 
+class NoOp(Good):
+    """Moves nothing at all."""
+
+    name = "kit.noop"
+    io_backend = "kit_noop"
+
+    def load_to_device_per_layer(self, h, d, layer):
+        self.check(h, d)
+
+    def backup_from_device_per_layer(self, h, d, layer):
+        self.check(h, d)
+
+    def backup_from_device_all_layer(self, h, d):
+        self.check(h, d)
+
+
+class SwapsKV(Good):
+    """Loads K into V's place and V into K's (MHA: equal shapes, so nothing else notices)."""
+
+    name = "kit.swaps_kv"
+    io_backend = "kit_swaps_kv"
+
+    def load_to_device_per_layer(self, h, d, layer):
+        self.check(h, d)
+        parts = self.plan.parts
+        pages, tokens = h.long() // self.plan.tokens_per_page, h.long() % self.plan.tokens_per_page
+        for part, other in zip(parts, reversed(parts)):
+            other.device_layer_view(layer)[d.long()] = part.host_layer_view(layer)[pages, tokens]
+
+
+class IgnoresLayer(Good):
+    """Always moves layer 0."""
+
+    name = "kit.ignores_layer"
+    io_backend = "kit_ignores_layer"
+
+    def load_to_device_per_layer(self, h, d, layer):
+        super().load_to_device_per_layer(h, d, 0)
+
+    def backup_from_device_per_layer(self, h, d, layer):
+        super().backup_from_device_per_layer(h, d, 0)
+
+
+class CopiesEveryLayer(Good):
+    """A per-layer call that moves every layer."""
+
+    name = "kit.copies_every_layer"
+    io_backend = "kit_copies_every_layer"
+
+    def load_to_device_per_layer(self, h, d, layer):
+        self.check(h, d)
+        hc.reference_copy(self.plan, h, d, range(self.plan.num_layers), to_device=True)
+
+    def backup_from_device_per_layer(self, h, d, layer):
+        self.check(h, d)
+        hc.reference_copy(self.plan, h, d, range(self.plan.num_layers), to_device=False)
+
+
+class OnePastTheEnd(Good):
+    """Moves one item more than it was given: the one after the last pair."""
+
+    name = "kit.one_past_the_end"
+    io_backend = "kit_one_past_the_end"
+
+    def _extend(self, h, d):
+        return torch.cat([h, h[-1:] + 1]) % self.plan.num_items, torch.cat([d, d[-1:] + 1]) % self.plan.device_rows
+
+    def load_to_device_per_layer(self, h, d, layer):
+        super().load_to_device_per_layer(*self._extend(h, d), layer)
+
+    def backup_from_device_per_layer(self, h, d, layer):
+        super().backup_from_device_per_layer(*self._extend(h, d), layer)
+
+    def backup_from_device_all_layer(self, h, d):
+        super().backup_from_device_all_layer(*self._extend(h, d))
+
+
+class HalfWrites(Good):
+    """No bounds check up front: item by item, it writes the good items before it meets the bad one."""
+
+    name = "kit.half_writes"
+    io_backend = "kit_half_writes"
+
+    def _items(self, h, d, layers, to_device):
+        for i in range(h.numel()):
+            if not (0 <= int(h[i]) < self.plan.num_items and 0 <= int(d[i]) < self.plan.device_rows):
+                raise IndexError(f"index out of range at item {i}")
+            hc.reference_copy(self.plan, h[i : i + 1], d[i : i + 1], layers, to_device=to_device)
+
+    def load_to_device_per_layer(self, h, d, layer):
+        self._items(h, d, [layer], True)
+
+    def backup_from_device_per_layer(self, h, d, layer):
+        self._items(h, d, [layer], False)
+
+    def backup_from_device_all_layer(self, h, d):
+        self._items(h, d, range(self.plan.num_layers), False)
+
+
+class PrivateStream(Good):
+    """Runs on a stream of its own instead of the caller's (CUDA only)."""
+
+    name = "kit.private_stream"
+    io_backend = "kit_private_stream"
+    device_types = frozenset({"cuda"})
+    index_device = "device"
+
+    def __init__(self, plan):
+        super().__init__(plan)
+        self.stream = torch.cuda.Stream(plan.device)
+
+    def _on_own_stream(self, op, *args):
+        with torch.cuda.stream(self.stream):
+            getattr(Good, op)(self, *args)
+
+    def load_to_device_per_layer(self, h, d, layer):
+        self._on_own_stream("load_to_device_per_layer", h, d, layer)
+
+    def backup_from_device_per_layer(self, h, d, layer):
+        self._on_own_stream("backup_from_device_per_layer", h, d, layer)
+
+    def backup_from_device_all_layer(self, h, d):
+        self._on_own_stream("backup_from_device_all_layer", h, d)
+
+
+def _blob_oracle(host, part, layer, item):
+    """What the author of blob_wrong meant: SGLang's page_blob_direct, (P, 2, L, p, H, D)."""
+    p = host.page_size
+    return host.kv_buffer[item // p, {"k": 0, "v": 1}[part], layer, item % p]
+
+
+#: Its axes say (P, 2, p, L, H, D): token and layer swapped against what the oracle states.
+BLOB_WRONG = hc.Layout("blob_wrong", ("page", "component", "token", "layer", "head", "dim"), oracle=_blob_oracle,
+                       pool_kinds=frozenset({"mha"}))
+BLOB_RIGHT = hc.Layout("blob_right", ("page", "component", "layer", "token", "head", "dim"), oracle=_blob_oracle,
+                       pool_kinds=frozenset({"mha"}))
+
+
 class KitPlugin:
     @hookimpl
+    def hicache_register_layouts(self, register):
+        register(BLOB_WRONG)
+        register(BLOB_RIGHT)
+
+    @hookimpl
     def hicache_register_backends(self, register):
-        for impl in (Good, OffByOne, WritesOutside, ThroughFloat, NoBoundsCheck, SortsHostOnly, NoDrafts, LoadOnly):
+        for impl in (Good, OffByOne, WritesOutside, ThroughFloat, NoBoundsCheck, SortsHostOnly, NoDrafts, LoadOnly,
+                     NoOp, SwapsKV, IgnoresLayer, CopiesEveryLayer, OnePastTheEnd, HalfWrites, PrivateStream):
             register(impl)
 '''
 
@@ -173,7 +318,8 @@ def kit(pytester):
 
 
 def test_a_correct_implementation_passes_everything_it_claims(kit):
-    result = kit("kit.good", only_pool_kinds=("mla", "page_rows"))
+    builtin = ("layer_first", "page_first", "page_first_direct", "page_head", "page_first_kv_split", "blob_right")
+    result = kit("kit.good", only_pool_kinds=("mla", "page_rows"), only_layouts=builtin)
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 0, result.stdout.str()
     assert outcomes["passed"] > 50
@@ -201,7 +347,7 @@ def test_ids_are_readable(kit):
         ("kit.writes_outside", "test_pool_untouched_outside_indices", "outside the indices it was given"),
         ("kit.through_float", "test_round_trip", "is not byte-exact"),
         ("kit.sorts_host_only", "test_indices_in_any_order", "is not byte-exact"),
-        ("kit.no_bounds_check", "test_rejects_bad_input", "neither raised nor dropped the bad item"),
+        ("kit.no_bounds_check", "test_rejects_bad_input", "neither raised nor dropped the bad items cleanly"),
     ],
 )
 def test_each_kind_of_mistake_fails_with_a_message_that_names_it(kit, impl, test, message):
@@ -210,6 +356,42 @@ def test_each_kind_of_mistake_fails_with_a_message_that_names_it(kit, impl, test
     result.stdout.fnmatch_lines([f"*{impl} (plugin kitplugin) [[]mla-*{message}*"])
     if message == "is not byte-exact":
         result.stdout.fnmatch_lines(["  device kv_buffer[[]*]: * bytes differ from the reference (first at byte *"])
+
+
+#: The kit's self-test: each deliberately broken implementation, and what the kit says about it.
+BROKEN = [
+    ("kit.noop", "test_round_trip", "is not byte-exact", {}),
+    ("kit.noop", "test_rejects_bad_input", "is not byte-exact", {}),  # the positive control of every bad case
+    ("kit.off_by_one", "test_round_trip", "is not byte-exact", {}),
+    ("kit.swaps_kv", "test_round_trip", "is not byte-exact", {"only_pool_kinds": ("mha",)}),
+    ("kit.ignores_layer", "test_round_trip", "is not byte-exact", {}),
+    ("kit.copies_every_layer", "test_pool_untouched_outside_indices", "outside the indices it was given", {}),
+    ("kit.one_past_the_end", "test_pool_untouched_outside_indices", "outside the indices it was given", {}),
+    ("kit.half_writes", "test_rejects_bad_input", "had already changed", {}),
+    ("kit.good", "test_layout_matches_its_oracle", "is not where layout 'blob_wrong'",
+     {"only_pool_kinds": ("mha",), "only_layouts": ("blob_wrong",)}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("impl, test, message, narrow", BROKEN, ids=[f"{b[0]}-{b[1]}" for b in BROKEN])
+def test_the_kit_fails_every_broken_implementation(kit, impl, test, message, narrow):
+    result = kit(impl, "-k", test, **narrow)
+    assert result.parseoutcomes().get("failed", 0) > 0, result.stdout.str()
+    result.stdout.fnmatch_lines([f"*{impl} (plugin kitplugin) [[]*{message}*"])
+
+
+def test_a_correct_declaration_passes_its_oracle(kit):
+    result = kit("kit.good", "-k", "test_layout_matches_its_oracle", only_pool_kinds=("mha",),
+                 only_layouts=("blob_right", "layer_first", "page_first", "page_first_direct", "page_head"))  # fmt: skip
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 0 and outcomes["passed"] >= 15, result.stdout.str()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a private stream only shows beside the caller's")
+def test_the_kit_fails_an_implementation_on_a_private_stream(kit):
+    result = kit("kit.private_stream", "-k", "test_beside_compute_stream", only_pool_kinds=("mha",))
+    assert result.parseoutcomes().get("failed", 0) > 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["*kit.private_stream (plugin kitplugin) [[]*"])
 
 
 def test_refused_combinations_are_skipped_with_the_dispatchers_reasons(kit):

@@ -139,7 +139,8 @@ class ConformanceTests:
                 f"Plugins that failed to load or register: {failed}.{left_out} Install the plugin that provides it "
                 "(e.g. `pip install -e .`), or set `plugins = {'name': plugin_module}` on the test class."
             )
-        if not isinstance(target, str) and impl is not target:
+        # Compared by qualified name: a module imported twice (pytester, reloads) gives equal classes twice.
+        if not isinstance(target, str) and _qualname(impl) != _qualname(target):
             raise LookupError(
                 f"{cls.__name__}: the implementation registered as {name!r} is {impl.__module__}.{impl.__qualname__}, "
                 f"not {target.__module__}.{target.__qualname__}"
@@ -695,6 +696,10 @@ def _reasons(impl, registry: Registry, case: Case, pool: Any, drafts: tuple, pin
 def _request(impl, registry: Registry, case: Case, geometry: PoolGeometry, pin_memory: bool) -> TransferRequest:
     pinned = pin_memory and geometry.device_type == "cuda" and torch.cuda.is_available()
     return TransferRequest(impl.io_backend, case.operation, geometry, registry.layouts[case.layout], pinned)
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _refusal(impl, reasons: list[str]) -> str:
