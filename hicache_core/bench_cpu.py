@@ -9,6 +9,7 @@ GB/s, and the fraction of the memcpy.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -75,11 +76,8 @@ def run_cpu_bench(out: str = "benchmarks/results", quick: bool = False, layers: 
                         continue
                     impl = cls(host.plan)
                     moved = h.numel() * per_item * (host.layer_num if op == BACKUP_ALL else 1)
-                    if op == LOAD:
-                        call = lambda impl=impl: impl.load_to_device_per_layer(h, d, 0)  # noqa: E731
-                    else:
-                        call = lambda impl=impl: impl.backup_from_device_all_layer(h, d)  # noqa: E731
-                    seconds, ceiling = _interleaved_seconds(call, moved)
+                    args = (h, d, 0) if op == LOAD else (h, d)
+                    seconds, ceiling = _interleaved_seconds(functools.partial(getattr(impl, op), *args), moved)
                     rows.append({
                         "shape": shape.name, "layout": layout, "operation": op, "implementation": cls.name,
                         "tokens": tokens, "page_size": page, "bytes": moved, "seconds": seconds,

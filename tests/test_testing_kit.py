@@ -381,8 +381,8 @@ def test_the_kit_fails_every_broken_implementation(kit, impl, test, message, nar
 
 
 def test_a_correct_declaration_passes_its_oracle(kit):
-    result = kit("kit.good", "-k", "test_layout_matches_its_oracle", only_pool_kinds=("mha",),
-                 only_layouts=("blob_right", "layer_first", "page_first", "page_first_direct", "page_head"))  # fmt: skip
+    layouts = ("blob_right", "layer_first", "page_first", "page_first_direct", "page_head")
+    result = kit("kit.good", "-k", "test_layout_matches_its_oracle", only_pool_kinds=("mha",), only_layouts=layouts)
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == 0 and outcomes["passed"] >= 15, result.stdout.str()
 
