@@ -15,11 +15,22 @@ from .gather import PageBlobGather
 
 __all__ = ["PAGE_BLOB_DIRECT", "PageBlobGather"]
 
+
+def page_blob_oracle(host, part: str, layer: int, item: int):
+    """Where item ``item`` of part ``part`` (K or V) of host layer ``layer`` lands, as SGLang's PR #31136 shapes it:
+    ``kv_buffer[page, k_or_v, layer, token]`` of ``(P, 2, L, p, H, D)``. Written from the shape, not from the axes,
+    so the conformance kit can check the declaration below against it."""
+    p = host.page_size
+    return host.kv_buffer[item // p, {"k": 0, "v": 1}[part], layer, item % p]
+
+
 #: SGLang's proposed ``page_blob_direct``: host shape ``(P, 2, L, p, H, D)``, so one page (every layer,
 #: K and V) is a single contiguous blob that L3 storage can write in one piece.
 PAGE_BLOB_DIRECT = Layout(
     "page_blob_direct",
     ("page", "component", "layer", "token", "head", "dim"),
+    pool_kinds=frozenset({"mha"}),
+    oracle=page_blob_oracle,
     description="one contiguous blob per page: K and V of every layer, page-major",
 )
 
