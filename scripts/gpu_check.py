@@ -1,0 +1,209 @@
+"""The GPU gate: every check CI cannot run, in one command, with one JSON record of what it tested.
+
+    scripts/dev gpu            (on the GPU machine; it calls this with the environment's python)
+
+Steps, each bounded in time and logged; one failing step does not stop the others:
+
+1. the whole test suite with ``HICACHE_TEST_DEVICE=cuda`` (conformance kits on CUDA pools);
+2. the stress checks (every shape and layout beside a GEMM, byte for byte);
+3. ``compute-sanitizer --tool memcheck`` over the safety tests and a slice of the kit;
+4. ``hicache bench --quick``;
+5. SGLang's own code on CUDA pools, where its wheels were carried (``integrations/sglang``).
+
+It writes ``benchmarks/results/gpu-check.json`` (and copies it, with the logs, to ``$OUT`` when that
+is set): the commit, the git tree hashes of ``hicache_core/`` and ``plugins/`` it ran on, the
+machine and versions, and each step's status, counts, failures and duration. ``.ci/run`` warns
+when the recorded trees are not HEAD's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+OUT = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+
+
+# ---- what was tested: git trees, from git or from the files as git would hash them ----------------------
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _object(kind: str, body: bytes) -> bytes:
+    return hashlib.sha1(f"{kind} {len(body)}\0".encode() + body).digest()
+
+
+def _tree_of(path: Path) -> bytes:
+    """The git tree hash of a folder as it is on disk (git's object format), ignoring what .gitignore ignores."""
+    entries = []
+    for child in path.iterdir():
+        if child.name in ("__pycache__", ".pytest_cache", "build", "dist") or child.name.endswith(".egg-info"):
+            continue
+        if child.is_symlink():
+            entries.append((child.name, b"120000", _object("blob", os.readlink(child).encode())))
+        elif child.is_dir():
+            if any(True for _ in child.rglob("*") if _.is_file() and "__pycache__" not in _.parts):
+                entries.append((child.name + "/", b"40000", _tree_of(child)))
+        else:
+            if child.suffix in (".pyc",):
+                continue
+            mode = b"100755" if os.access(child, os.X_OK) else b"100644"
+            entries.append((child.name, mode, _object("blob", child.read_bytes())))
+    body = b"".join(mode + b" " + name.rstrip("/").encode() + b"\0" + digest for name, mode, digest in sorted(entries))
+    return _object("tree", body)
+
+
+def trees() -> dict[str, str]:
+    """Commit and tree hashes of the code under test (git's, or computed from the files with git's format)."""
+    head = _git("rev-parse", "HEAD")
+    out: dict[str, str] = {"commit": head or "unknown (no .git in this copy)"}
+    for folder in ("hicache_core", "plugins"):
+        on_disk = _tree_of(ROOT / folder).hex()
+        committed = _git("rev-parse", f"HEAD:{folder}")
+        out[f"{folder}_tree"] = on_disk
+        if committed is not None and committed != on_disk:
+            out[f"{folder}_tree_note"] = f"differs from HEAD:{folder} ({committed}): uncommitted changes were tested"
+    return out
+
+
+# ---- the steps ----------------------------------------------------------------------------------------
+
+
+def run(name: str, argv: list[str], timeout: int, env: dict | None = None) -> dict:
+    started = time.time()
+    log = RESULTS / f"gpu-check-{name}.log"
+    print(f"\n== {name}: {' '.join(argv)} (at most {timeout} s)", flush=True)
+    try:
+        proc = subprocess.run(argv, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
+        text, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        text = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        text += f"\n[gpu-check] {name} was stopped after {timeout} s\n"
+        code = 124
+    except OSError as exc:
+        text, code = f"[gpu-check] could not run {argv[0]}: {exc}\n", 127
+    log.write_text(text)
+    tail = "\n".join(text.strip().splitlines()[-15:])
+    print(tail, flush=True)
+    return {"name": name, "command": " ".join(argv), "exit_code": code, "passed": code == 0,
+            "seconds": round(time.time() - started, 1), "log": log.name, "tail": tail}  # fmt: skip
+
+
+def junit_counts(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in root.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    counts["failed_tests"] = failed[:50]
+    return counts
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": platform.python_version(),
+           "torch": torch.__version__, "cuda": torch.version.cuda}  # fmt: skip
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env |= {"gpu": props.name, "sms": props.multi_processor_count}
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        q = subprocess.run([smi, "--query-gpu=driver_version,pcie.link.gen.max,pcie.link.width.max",
+                            "--format=csv,noheader"], capture_output=True, text=True)  # fmt: skip
+        env["driver_and_link"] = q.stdout.strip()
+    return env
+
+
+def main() -> int:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    record: dict = {"what": "scripts/dev gpu: the GPU gate", **trees(), "environment": environment(), "steps": []}
+    cuda = {"HICACHE_TEST_DEVICE": "cuda", "PYTHONUNBUFFERED": "1"}
+
+    junit = RESULTS / "gpu-check-suite.xml"
+    step = run("suite", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "plugins",
+                         f"--junitxml={junit}"], 300, cuda)  # fmt: skip
+    step |= junit_counts(junit)
+    record["steps"].append(step)
+
+    stress = [("stress-kernel", [py, "plugins/kernel/tests/gpu_stress.py", "--layers", "4", "--reps", "2"]),
+              ("stress-jit", [py, "plugins/jit/tests/gpu_check.py", "--quick"])]  # fmt: skip
+    for name, argv in stress:
+        if (ROOT / argv[1]).exists():
+            record["steps"].append(run(name, argv, 90))
+
+    sanitizer = shutil.which("compute-sanitizer") or next(
+        (str(p) for p in Path("/usr/local/cuda/bin").glob("compute-sanitizer")), None
+    )
+    if sanitizer:
+        memcheck = [sanitizer, "--tool", "memcheck", "--error-exitcode", "3", "--target-processes", "all",
+                    py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                    "plugins/kernel/tests/test_kernel_safety.py", "plugins/jit/tests/test_jit_safety.py",
+                    "plugins/kernel/tests/test_kernel_conformance.py", "plugins/direct/tests/test_conformance.py",
+                    "-k", "bad_input and mha and not mha_"]  # fmt: skip
+        step = run("memcheck", memcheck, 150, cuda)
+        errors = re.findall(r"ERROR SUMMARY: (\d+) error", (RESULTS / step["log"]).read_text())
+        step["sanitizer_errors"] = sum(int(e) for e in errors) if errors else None
+        record["steps"].append(step)
+    else:
+        record["steps"].append({"name": "memcheck", "passed": False, "tail": "compute-sanitizer not found"})
+
+    record["steps"].append(run("bench-quick", [py, "-m", "hicache_core.cli", "bench", "--quick",
+                                               "--out", str(RESULTS)], 150))  # fmt: skip
+
+    sglang_tests = ROOT / "integrations" / "sglang" / "tests"
+    if sglang_tests.is_dir():
+        try:
+            import sglang  # noqa: F401
+
+            record["steps"].append(run("sglang", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                                  str(sglang_tests)], 120, cuda))  # fmt: skip
+        except ImportError:
+            record["steps"].append({"name": "sglang", "passed": None,
+                                    "tail": "sglang is not importable here: carry its wheels (see integrations/sglang)"})
+
+    record["passed"] = all(s.get("passed") is not False for s in record["steps"])
+    path = RESULTS / "gpu-check.json"
+    path.write_text(json.dumps(record, indent=1))
+    if OUT is not None:
+        OUT.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, OUT / "gpu-check.json")
+    print("\n== summary")
+    for s in record["steps"]:
+        print(f"{s['name']:<14} {'PASS' if s.get('passed') else 'FAIL' if s.get('passed') is False else 'n/a '} "
+              f"{s.get('seconds', '-')} s  {s.get('tests', '')} {s.get('failures', '')}")  # fmt: skip
+    print(f"trees: hicache_core {record['hicache_core_tree']}, plugins {record['plugins_tree']}")
+    return 0 if record["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
