@@ -188,8 +188,8 @@ def main() -> int:
             record["steps"].append(run("sglang", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                                   str(sglang_tests)], 120, cuda))  # fmt: skip
         except ImportError:
-            record["steps"].append({"name": "sglang", "passed": None,
-                                    "tail": "sglang is not importable here: carry its wheels (see integrations/sglang)"})
+            why = "sglang is not importable here: carry its wheels (see integrations/sglang)"
+            record["steps"].append({"name": "sglang", "passed": None, "tail": why})
 
     record["passed"] = all(s.get("passed") is not False for s in record["steps"])
     path = RESULTS / "gpu-check.json"
