@@ -1,9 +1,13 @@
-"""The copy-engine implementation: one raw-pointer copy per contiguous run, layer and part.
+"""The copy-engine implementation: each operation is one batched copy of merged runs.
 
 Runs are maximal sequences of items where host and device slots both advance by
 one and the host bytes stay contiguous (within a page, or across pages where the
 layout keeps pages adjacent, as ``layer_first`` does). Pairs are sorted by host
-slot first, so scattered radix-tree pages still merge where they can.
+slot first, so scattered radix-tree pages still merge where they can. Every
+(layer, part, run) becomes one descriptor (:mod:`.descriptors`), and the whole
+list goes to the driver as one ``cudaMemcpyBatchAsync`` on the caller's current
+stream (:mod:`.memcpy`), so the copy engine works through it back to back while
+the SMs stay with the model.
 """
 
 from __future__ import annotations
@@ -12,20 +16,25 @@ import torch
 
 from hicache_core import OPERATIONS, Implementation, TransferPlan, TransferRequest
 
+from .descriptors import DescriptorBuilder, PartAddresses
 from .memcpy import copier_for
 
 
 class DirectCopy(Implementation):
-    """Copy engine only: one ``cudaMemcpyAsync`` per contiguous run, layer and part, on the current stream."""
+    """Copy engine only: one ``cudaMemcpyBatchAsync`` of merged runs per operation, on the current stream.
+
+    Tuning, per instance (``host.implementation_for(op).copier``): ``max_batch``, ``streams``,
+    ``prefer_overlap``, ``batch`` (see :class:`hicache_direct.memcpy.CudaCopier`).
+    """
 
     name = "direct.copy_engine"
     io_backend = "direct"
     priority = 10
     operations = frozenset(OPERATIONS)
     device_types = frozenset({"cpu", "cuda"})
-    index_dtypes = frozenset({torch.int64})
+    index_dtypes = frozenset({torch.int32, torch.int64})
     index_device = "cpu"
-    description = "copy engine: one cudaMemcpyAsync per contiguous run, layer and part"
+    description = "copy engine: one cudaMemcpyBatchAsync of merged contiguous runs per operation"
 
     @classmethod
     def not_supported_reasons(cls, request: TransferRequest) -> list[str]:
@@ -53,79 +62,41 @@ class DirectCopy(Implementation):
 
     def __init__(self, plan: TransferPlan) -> None:
         super().__init__(plan)
-        self.non_blocking = plan.device.type == "cuda"
-        self.tokens_per_page = plan.tokens_per_page
-        self.host_items = plan.num_items
-        self.rows_per_layer = plan.device_rows_per_layer
-        self.parts = [_PartAddresses(part) for part in plan.parts]
+        self.builder = DescriptorBuilder(
+            [PartAddresses.of(part) for part in plan.parts],
+            plan.tokens_per_page,
+            plan.num_items,
+            plan.device_rows_per_layer,
+        )
         self.copier = copier_for(plan.device)
-        # Items of a page are adjacent (the claim guarantees it); runs may also cross a page
-        # boundary only where every part keeps whole pages adjacent too.
-        self.pages_adjacent = all(p.page_stride == plan.tokens_per_page * p.item_bytes for p in plan.parts)
+        self._all = self.builder.layers_all()
+        self._describe = self.builder.describe
 
     def load_to_device_per_layer(self, host_indices, device_indices, layer):
-        self._copy(host_indices, device_indices, (layer,), to_device=True)
+        self._copy(host_indices, device_indices, (layer,), True)
 
     def backup_from_device_per_layer(self, host_indices, device_indices, layer):
-        self._copy(host_indices, device_indices, (layer,), to_device=False)
+        self._copy(host_indices, device_indices, (layer,), False)
 
     def backup_from_device_all_layer(self, host_indices, device_indices):
-        self._copy(host_indices, device_indices, range(self.plan.num_layers), to_device=False)
+        self._copy(host_indices, device_indices, self._all, False)
 
-    def runs(self, host: torch.Tensor, device: torch.Tensor, device_rows: int) -> list[tuple[int, int, int]]:
-        """``(host start, device start, length)`` of each contiguous run, after sorting by host slot."""
-        lo_h, hi_h = int(host.min()), int(host.max())
-        lo_d, hi_d = int(device.min()), int(device.max())
-        if lo_h < 0 or hi_h >= self.host_items or lo_d < 0 or hi_d >= device_rows:
-            raise IndexError(
-                f"indices out of range: host [{lo_h}, {hi_h}] of [0, {self.host_items}), "
-                f"device [{lo_d}, {hi_d}] of [0, {device_rows}); nothing was copied"
-            )
-        if host.numel() > 1 and not bool((host[1:] >= host[:-1]).all()):
-            host, order = torch.sort(host)
-            device = device[order]
-        brk = (host[1:] - host[:-1] != 1) | (device[1:] - device[:-1] != 1)
-        if not self.pages_adjacent:
-            brk |= host[1:] % self.tokens_per_page == 0
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(brk).reshape(-1) + 1])
-        lengths = torch.diff(starts, append=torch.tensor([host.numel()]))
-        return list(zip(host[starts].tolist(), device[starts].tolist(), lengths.tolist()))
+    def _copy(self, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: tuple[int, ...],
+              to_device: bool) -> None:  # fmt: skip
+        if host_indices.shape[0] == 0:
+            return
+        builder = self.builder
+        # Bounds (checked in runs(), before any byte moves) are those of the layer with the fewest rows.
+        runs = builder.runs(host_indices, device_indices, builder.rows_for(layers))
+        self.copier.submit(builder.build(runs, layers, to_device), self._describe)
 
-    def _copy(self, host_indices, device_indices, layers, *, to_device: bool) -> None:
-        # Every layer moves the same rows: bound them by the layer with the fewest (a small draft layer).
-        runs = self.runs(host_indices, device_indices, min(self.rows_per_layer[layer] for layer in layers))
-        copier = self.copier
-        stream = copier.begin()
-        for layer in layers:
-            for part in self.parts:
-                host_base = part.host_base + layer * part.layer_stride
-                dev_base = part.device_bases[layer]
-                for h0, d0, n in runs:
-                    page, token = divmod(h0, self.tokens_per_page)
-                    host = host_base + page * part.page_stride + token * part.token_stride
-                    dev = dev_base + d0 * part.row_bytes
-                    if part.whole_row:
-                        if to_device:
-                            copier.copy(dev, host, n * part.item_bytes, stream)
-                        else:
-                            copier.copy(host, dev, n * part.item_bytes, stream)
-                    elif to_device:
-                        copier.copy2d(dev, part.row_bytes, host, part.item_bytes, part.item_bytes, n, stream)
-                    else:
-                        copier.copy2d(host, part.item_bytes, dev, part.row_bytes, part.item_bytes, n, stream)
+    def plan_for(self, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: tuple[int, ...],
+                 to_device: bool):  # fmt: skip
+        """The copies one call would submit (for tests and ``hicache bench``); moves nothing."""
+        builder = self.builder
+        return builder.build(builder.runs(host_indices, device_indices, builder.rows_for(layers)), layers, to_device)
 
-
-class _PartAddresses:
-    """Base addresses and byte strides of one part, computed once per pool."""
-
-    def __init__(self, part) -> None:
-        self.host_base = part.host.data_ptr() + part.host_offset
-        self.page_stride = part.page_stride
-        self.token_stride = part.token_stride
-        self.layer_stride = part.layer_stride
-        self.item_bytes = part.item_bytes
-        self.row_bytes = part.device_row_bytes
-        self.device_bases = [t.data_ptr() + part.device_offset for t in part.device_layers]
-        # A part that is a whole device row is one linear run; a slice of each row (the MLA
-        # latent or rope half) is a 2-D copy: rows of item_bytes at the device row pitch.
-        self.whole_row = part.device_offset == 0 and part.item_bytes == part.device_row_bytes
+    @property
+    def path(self) -> str:
+        """How operations are submitted here, in words."""
+        return self.copier.path

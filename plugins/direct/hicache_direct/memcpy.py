@@ -1,10 +1,20 @@
-"""Raw-pointer copies: the CUDA runtime's ``cudaMemcpyAsync``/``cudaMemcpy2DAsync`` through ctypes, or memmove on CPU.
+"""Submitting copy lists: one ``cudaMemcpyBatchAsync`` through ctypes on CUDA, memmove on the CPU.
 
-Building a tensor view per contiguous run and calling ``copy_`` costs several
-microseconds of host time per copy, more than a 64-token page takes on the link;
-a ctypes call with precomputed addresses costs about one. The runtime library is
-the one torch already loaded (found in this process's memory map), so no second
-CUDA runtime is ever loaded.
+Why ctypes and not NVIDIA's ``cuda-bindings``: the descriptors are built in numpy
+arrays, and ctypes hands the driver their addresses as they are, while
+``cuda.bindings.runtime.cudaMemcpyBatchAsync`` takes Python lists and converts them
+element by element (measured: about 0.2 us per descriptor plus 3.5 us per call on
+this project's CI machine, on top of the driver's own ~0.5 us per descriptor). The
+price of ctypes is the ABI, which changed between CUDA 12.8/12.9 (nine arguments,
+with ``failIdx``) and 13.0 (eight): calling one through the other segfaults. So the
+signature is chosen at run time from ``cudaRuntimeGetVersion()`` of the very
+library the symbol comes from, and that library is the CUDA runtime torch already
+loaded (found in this process's memory map), never a second one.
+
+Where the batch call is missing (runtime < 12.8) or refused (old driver, graph
+capture), copies go one ``cudaMemcpyAsync`` per run; 2-D copies (the MLA halves of
+``page_first_kv_split``) always go one ``cudaMemcpy2DAsync`` per run, since the
+batch call has no 2-D form.
 """
 
 from __future__ import annotations
@@ -13,54 +23,303 @@ import ctypes
 import functools
 import glob
 import os
+import threading
+import warnings
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
+from .descriptors import Batch
+
 _DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
+_STREAM_PER_THREAD = 2  # cudaStreamPerThread
+_SRC_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read the source in stream order
+_PREFER_OVERLAP = 1  # cudaMemcpyFlagPreferOverlapWithCompute
+_NO_INDEX = (1 << 64) - 1  # SIZE_MAX: what failIdx holds when no single copy is to blame
+_BATCH_MIN_VERSION = 12080
+_ABI_13 = 13000
+#: Errors after which the batch call is given up for the process, and the copies go one by one.
+_UNSUPPORTED = {
+    35: "(the driver is older than the runtime)",
+    36: "(the driver is too old for the batch call)",
+    801: "(not supported here)",
+}
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """``cudaMemcpyAttributes`` (driver_types.h): the same 24 bytes in CUDA 12.8 to 13.x."""
+
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+class CopyError(RuntimeError):
+    """A copy the driver refused; the message names the run (host items, device rows, layer, part)."""
 
 
 class HostCopier:
-    """Copies between CPU addresses (device pools on the CPU: tests and demos)."""
+    """Runs copy lists between CPU addresses (device pools on the CPU: tests and demos)."""
 
-    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        ctypes.memmove(dst, src, nbytes)
+    path = "memmove"
 
-    def copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
-        for row in range(height):
-            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
-
-    def begin(self) -> int:
-        return 0
+    def submit(self, batch: Batch, describe: Callable[[Batch, tuple], str]) -> None:
+        n = batch.count
+        for dst, src, size in zip(batch.dst[:n].tolist(), batch.src[:n].tolist(), batch.size[:n].tolist()):
+            ctypes.memmove(dst, src, size)
+        for dst, dpitch, src, spitch, width, height, _ in batch.copies_2d:
+            for row in range(height):
+                ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
 
 
 class CudaCopier:
-    """Asynchronous copies on the current torch stream through the CUDA runtime torch loaded."""
+    """Submits copy lists on the caller's current CUDA stream through the runtime torch loaded.
+
+    Knobs (instance attributes; the environment sets their defaults):
+
+    * ``batch`` (``HICACHE_DIRECT_BATCH``, default 1): use ``cudaMemcpyBatchAsync`` where the
+      runtime has it; 0 forces one ``cudaMemcpyAsync`` per run (the measured fallback).
+    * ``max_batch`` (``HICACHE_DIRECT_MAX_BATCH``, default 0 = no limit): at most this many
+      copies per batch call, so the copy engine starts on the first ones while the host
+      submits the rest.
+    * ``streams`` (``HICACHE_DIRECT_STREAMS``, default 1): spread one operation's copies over
+      this many streams (the caller's plus side streams joined back by events), so that
+      several copy engines work at once.
+    * ``prefer_overlap`` (``HICACHE_DIRECT_PREFER_OVERLAP``, default 1): the batch attribute
+      that asks the driver to keep the copies on the copy engine, beside compute.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
         lib = cudart()
-        self._memcpy = lib.cudaMemcpyAsync
-        self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        self._memcpy.restype = ctypes.c_int
-        self._memcpy2d = lib.cudaMemcpy2DAsync
-        self._memcpy2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                                   ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]  # fmt: skip
-        self._memcpy2d.restype = ctypes.c_int
+        self.runtime_version = runtime_version(lib)
+        self._memcpy = _fn(lib.cudaMemcpyAsync, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                  ctypes.c_int, ctypes.c_void_p])  # fmt: skip
+        self._memcpy2d = _fn(lib.cudaMemcpy2DAsync, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                                      ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t,
+                                                      ctypes.c_int, ctypes.c_void_p])  # fmt: skip
+        self._is_capturing = _fn(lib.cudaStreamIsCapturing, [ctypes.c_void_p, ctypes.c_void_p])
+        self._event_record = _fn(lib.cudaEventRecord, [ctypes.c_void_p, ctypes.c_void_p])
+        self._wait_event = _fn(lib.cudaStreamWaitEvent, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint])
+        self._error_name = lib.cudaGetErrorName
+        self._error_name.restype = ctypes.c_char_p
+        self._error_name.argtypes = [ctypes.c_int]
+        self._lib = lib
+        self._batch_fn, self._batch_abi, self.unavailable = _batch_function(lib, self.runtime_version)
+        self._attrs = MemcpyAttributes()
+        self._attr_idx = (ctypes.c_size_t * 1)(0)
+        self._local = threading.local()
+        _, self._get_stream = _stream_functions()
+        self.batch = _env_int("HICACHE_DIRECT_BATCH", 1) != 0
+        self.max_batch = _env_int("HICACHE_DIRECT_MAX_BATCH", 0)
+        self.streams = max(1, _env_int("HICACHE_DIRECT_STREAMS", 1))
+        self.prefer_overlap = _env_int("HICACHE_DIRECT_PREFER_OVERLAP", 1) != 0
 
-    def begin(self) -> int:
-        """The caller's current stream, read once per operation (returned, not stored: two threads may
-        run a load and a backup of one pool on two streams at once)."""
-        return torch.cuda.current_stream(self.device).cuda_stream
+    @property
+    def prefer_overlap(self) -> bool:
+        return bool(self._attrs.flags & _PREFER_OVERLAP)
 
-    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        err = self._memcpy(dst, src, nbytes, _DEFAULT, stream)
+    @prefer_overlap.setter
+    def prefer_overlap(self, value: bool) -> None:
+        self._attrs.srcAccessOrder = _SRC_ORDER_STREAM
+        self._attrs.flags = _PREFER_OVERLAP if value else 0
+
+    @property
+    def path(self) -> str:
+        """What one operation is submitted as, in words (for explain, benchmarks and logs)."""
+        if self.batch and self._batch_fn is not None:
+            return f"cudaMemcpyBatchAsync (CUDA runtime {self.runtime_version}, {self._batch_abi} ABI)"
+        why = "disabled (batch=0)" if not self.batch else self.unavailable
+        return f"one cudaMemcpyAsync per run: the batch call is {why}"
+
+    def stream(self) -> int:
+        """The caller's current stream, read once per operation (two threads may run a load and a
+        backup of one pool on two streams at once). The legacy default stream (0) is refused by
+        the batch call, so copies go to the per-thread default stream instead: it is a blocking
+        stream, so the legacy stream's implicit synchronisation orders them exactly as if they
+        had been queued on the legacy stream itself."""
+        stream = self._get_stream(self.index)
+        return stream if stream else _STREAM_PER_THREAD
+
+    def submit(self, batch: Batch, describe: Callable[[Batch, tuple], str]) -> None:
+        stream = self.stream()
+        if stream == _STREAM_PER_THREAD and torch.cuda.current_device() != self.index:
+            with torch.cuda.device(self.index):  # the per-thread stream belongs to the current device
+                self._submit(batch, describe, stream)
+        else:
+            self._submit(batch, describe, stream)
+
+    def _submit(self, batch: Batch, describe, stream: int) -> None:
+        count = batch.count
+        if count:
+            use_batch = self.batch and self._batch_fn is not None and count > 1
+            if use_batch:
+                # The batch call has no graph-node form on every runtime: under capture, copy one by one.
+                out = self._out()
+                self._is_capturing(stream, out[1])
+                use_batch = out[0].value == 0
+            if use_batch:
+                if self.streams > 1 and count >= 2 * self.streams:
+                    self._fan_out(batch, describe, stream)
+                else:
+                    self._batched(batch, describe, stream, 0, count)
+            else:
+                self._one_by_one(batch, describe, stream, 0, count)
+        if batch.copies_2d:
+            memcpy2d = self._memcpy2d
+            for dst, dpitch, src, spitch, width, height, origin in batch.copies_2d:
+                err = memcpy2d(dst, dpitch, src, spitch, width, height, _DEFAULT, stream)
+                if err:
+                    raise CopyError(f"cudaMemcpy2DAsync failed with {self._name(err)} on {describe(batch, origin)}")
+
+    def _batched(self, batch: Batch, describe, stream: int, lo: int, hi: int) -> None:
+        step = self.max_batch or (hi - lo)
+        base_dst, base_src, base_size = batch.dst.ctypes.data, batch.src.ctypes.data, batch.size.ctypes.data
+        attrs, idx = ctypes.byref(self._attrs), self._attr_idx
+        out = self._out()
+        fail_idx = out[2]
+        for start in range(lo, hi, step):
+            n = min(step, hi - start)
+            off = start * 8
+            if self._batch_abi == "12.8":
+                fail_idx.value = _NO_INDEX
+                err = self._batch_fn(base_dst + off, base_src + off, base_size + off, n, attrs, idx, 1,
+                                     out[3], stream)  # fmt: skip
+            else:
+                err = self._batch_fn(base_dst + off, base_src + off, base_size + off, n, attrs, idx, 1, stream)
+            if err:
+                failed = None
+                if self._batch_abi == "12.8" and fail_idx.value < n:
+                    failed = start + fail_idx.value
+                self._batch_failed(batch, describe, stream, start, n, err, failed)
+
+    def _batch_failed(self, batch: Batch, describe, stream: int, start: int, n: int, err: int, failed) -> None:
+        if failed is not None:
+            raise CopyError(
+                f"cudaMemcpyBatchAsync failed with {self._name(err)} at copy {failed} of {batch.count}: "
+                f"{describe(batch, batch.origin(failed))}"
+            )
+        # No index from the runtime (CUDA 13 dropped failIdx): the copies go one by one, which either
+        # names the one that fails or shows that the batch call itself is what the driver refuses.
+        self._one_by_one(batch, describe, stream, start, start + n)
+        known = _UNSUPPORTED.get(err, "")
+        reason = f"refused with {self._name(err)}{' ' + known if known else ''} while each copy alone succeeded"
+        self._batch_fn, self.unavailable = None, reason
+        warnings.warn(f"hicache direct: cudaMemcpyBatchAsync {reason}; copying one by one from now on", stacklevel=5)
+
+    def _one_by_one(self, batch: Batch, describe, stream: int, lo: int, hi: int) -> None:
+        memcpy = self._memcpy
+        for i, (dst, src, size) in enumerate(
+            zip(batch.dst[lo:hi].tolist(), batch.src[lo:hi].tolist(), batch.size[lo:hi].tolist()), lo
+        ):
+            err = memcpy(dst, src, size, _DEFAULT, stream)
+            if err:
+                raise CopyError(
+                    f"cudaMemcpyAsync failed with {self._name(err)} at copy {i} of {batch.count}: "
+                    f"{describe(batch, batch.origin(i))}"
+                )
+
+    def _fan_out(self, batch: Batch, describe, stream: int) -> None:
+        """Split the copies over ``streams`` streams: the caller's and side streams forked from it
+        by an event and joined back into it by one event each, so the caller's stream order holds."""
+        side, fork, joins = self._side_streams(self.streams - 1)
+        self._check(self._event_record(fork, stream), "cudaEventRecord")
+        bounds = np.linspace(0, batch.count, self.streams + 1).astype(int).tolist()
+        self._batched(batch, describe, stream, bounds[0], bounds[1])
+        for k, s in enumerate(side):
+            self._check(self._wait_event(s, fork, 0), "cudaStreamWaitEvent")
+            self._batched(batch, describe, s, bounds[k + 1], bounds[k + 2])
+            self._check(self._event_record(joins[k], s), "cudaEventRecord")
+            self._check(self._wait_event(stream, joins[k], 0), "cudaStreamWaitEvent")
+
+    def _side_streams(self, count: int):
+        """Per thread and device: non-blocking side streams and reusable events (made once)."""
+        cached = getattr(self._local, "side", None)
+        if cached is None or len(cached[0]) < count:
+            with torch.cuda.device(self.index):
+                streams = [torch.cuda.Stream(self.index) for _ in range(count)]
+                events = [torch.cuda.Event() for _ in range(count + 1)]
+                for e in events:
+                    e.record()  # creates the CUDA event
+            cached = self._local.side = (streams, events, [s.cuda_stream for s in streams],
+                                         [e.cuda_event for e in events])  # fmt: skip
+        return cached[2][:count], cached[3][0], cached[3][1 : count + 1]
+
+    def _out(self):
+        """Per-thread out-parameters of the runtime calls (capture status, failIdx) and their pointers."""
+        out = getattr(self._local, "out", None)
+        if out is None:
+            capture, fail_idx = ctypes.c_int(0), ctypes.c_size_t(_NO_INDEX)
+            out = self._local.out = (capture, ctypes.byref(capture), fail_idx, ctypes.byref(fail_idx))
+        return out
+
+    def _check(self, err: int, what: str) -> None:
         if err:
-            raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {err} ({nbytes} bytes)")
+            raise CopyError(f"{what} failed with {self._name(err)}")
 
-    def copy2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
-        err = self._memcpy2d(dst, dpitch, src, spitch, width, height, _DEFAULT, stream)
-        if err:
-            raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err} ({height} rows of {width} bytes)")
+    def _name(self, err: int) -> str:
+        try:
+            return f"{self._error_name(err).decode()} ({err})"
+        except Exception:  # noqa: BLE001 - the error code is what matters
+            return f"CUDA error {err}"
+
+
+def _fn(fn, argtypes):
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _batch_function(lib: ctypes.CDLL, version: int):
+    """``(function, ABI, why not)`` of ``cudaMemcpyBatchAsync`` for the loaded runtime's version."""
+    if version < _BATCH_MIN_VERSION:
+        return None, None, f"missing from CUDA runtime {version} (it needs 12.8 or later)"
+    try:
+        fn = lib.cudaMemcpyBatchAsync
+    except AttributeError:
+        return None, None, f"not exported by CUDA runtime {version}"
+    common = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+              ctypes.c_void_p, ctypes.c_size_t]  # fmt: skip
+    if version >= _ABI_13:  # CUDA 13.0 dropped failIdx (eight arguments)
+        return _fn(fn, [*common, ctypes.c_void_p]), "13.0", None
+    return _fn(fn, [*common, ctypes.c_void_p, ctypes.c_void_p]), "12.8", None
+
+
+def runtime_version(lib: ctypes.CDLL) -> int:
+    version = ctypes.c_int(0)
+    lib.cudaRuntimeGetVersion(ctypes.byref(version))
+    return version.value
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _stream_functions():
+    get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get_stream is None:
+
+        def get_stream(index: int) -> int:
+            return torch.cuda.current_stream(index).cuda_stream
+
+    return get_device, get_stream
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,10 +342,9 @@ def cudart() -> ctypes.CDLL:
         try:
             lib = ctypes.CDLL(path)
             lib.cudaMemcpyAsync  # noqa: B018 - probe the symbol
-            version = ctypes.c_int(0)
-            lib.cudaRuntimeGetVersion(ctypes.byref(version))
-            if str(version.value // 1000) != major:
-                errors.append(f"{path}: CUDA runtime {version.value} is not torch's CUDA {torch.version.cuda}")
+            version = runtime_version(lib)
+            if str(version // 1000) != major:
+                errors.append(f"{path}: CUDA runtime {version} is not torch's CUDA {torch.version.cuda}")
                 continue
             return lib
         except (OSError, AttributeError) as exc:
@@ -94,5 +352,6 @@ def cudart() -> ctypes.CDLL:
     raise OSError("could not load the CUDA runtime (libcudart): " + "; ".join(errors[-3:]))
 
 
-def copier_for(device: torch.device):
+def copier_for(device: torch.device) -> HostCopier | CudaCopier:
+    """The copier for a device pool on ``device``."""
     return CudaCopier(device) if device.type == "cuda" else HostCopier()
