@@ -72,8 +72,7 @@ class HostCopier:
     path = "memmove"
 
     def submit(self, batch: Batch, describe: Callable[[Batch, tuple], str]) -> None:
-        n = batch.count
-        for dst, src, size in zip(batch.dst[:n].tolist(), batch.src[:n].tolist(), batch.size[:n].tolist()):
+        for dst, src, size in zip(*batch.linear()):
             ctypes.memmove(dst, src, size)
         for dst, dpitch, src, spitch, width, height, _ in batch.copies_2d:
             for row in range(height):
@@ -118,7 +117,7 @@ class CudaCopier:
         self._attrs = MemcpyAttributes()
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._local = threading.local()
-        _, self._get_stream = _stream_functions()
+        self._get_device, self._get_stream = _stream_functions()
         self.batch = _env_int("HICACHE_DIRECT_BATCH", 1) != 0
         self.max_batch = _env_int("HICACHE_DIRECT_MAX_BATCH", 0)
         self.streams = max(1, _env_int("HICACHE_DIRECT_STREAMS", 1))
@@ -152,7 +151,7 @@ class CudaCopier:
 
     def submit(self, batch: Batch, describe: Callable[[Batch, tuple], str]) -> None:
         stream = self.stream()
-        if stream == _STREAM_PER_THREAD and torch.cuda.current_device() != self.index:
+        if stream == _STREAM_PER_THREAD and self._get_device() != self.index:
             with torch.cuda.device(self.index):  # the per-thread stream belongs to the current device
                 self._submit(batch, describe, stream)
         else:
@@ -183,7 +182,7 @@ class CudaCopier:
 
     def _batched(self, batch: Batch, describe, stream: int, lo: int, hi: int) -> None:
         step = self.max_batch or (hi - lo)
-        base_dst, base_src, base_size = batch.dst.ctypes.data, batch.src.ctypes.data, batch.size.ctypes.data
+        base_dst, base_src, base_size = batch.dst_ptr, batch.src_ptr, batch.size_ptr
         attrs, idx = ctypes.byref(self._attrs), self._attr_idx
         out = self._out()
         fail_idx = out[2]
@@ -218,9 +217,7 @@ class CudaCopier:
 
     def _one_by_one(self, batch: Batch, describe, stream: int, lo: int, hi: int) -> None:
         memcpy = self._memcpy
-        for i, (dst, src, size) in enumerate(
-            zip(batch.dst[lo:hi].tolist(), batch.src[lo:hi].tolist(), batch.size[lo:hi].tolist()), lo
-        ):
+        for i, (dst, src, size) in enumerate(zip(*batch.linear(lo, hi)), lo):
             err = memcpy(dst, src, size, _DEFAULT, stream)
             if err:
                 raise CopyError(
