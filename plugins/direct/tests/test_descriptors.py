@@ -12,11 +12,11 @@ import ctypes
 import numpy as np
 import pytest
 import torch
+from hicache_direct import memcpy
+from hicache_direct.descriptors import Batch
 
 import hicache_core as hc
 from hicache_core.reference import reference_copy
-from hicache_direct import memcpy
-from hicache_direct.descriptors import Batch
 
 PAGE = 4
 
@@ -25,14 +25,18 @@ def _pools(kind: str = "mha", layout: str = "page_first_direct", page_size: int 
            layers: int = 3, draft: bool = False):  # fmt: skip
     size = pages * page_size
     if kind == "mha":
+
         def make(n):
             return hc.MHADevicePool(size, page_size, torch.bfloat16, 2, 8, n, "cpu")
     elif kind == "mla":
+
         def make(n):
             return hc.MLADevicePool(size, page_size, torch.bfloat16, 16, 8, n, "cpu")
     else:
+
         def make(n):
             return hc.PageRowsDevicePool(pages + 1, page_size, 24, n, "cpu")
+
     dev = make(layers)
     drafts = (make(1),) if draft else ()
     host = hc.make_host_pool(dev, layout=layout, io_backend="direct", size=size, draft_pools=drafts)
