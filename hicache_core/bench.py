@@ -178,6 +178,42 @@ class Case:
         return tokens * per_token * (self.host.layer_num if op == BACKUP_ALL else 1)
 
 
+#: Settings of the copy engine's submission measured beside its default (knobs of hicache_direct's CudaCopier).
+DIRECT_VARIANTS: dict[str, dict] = {
+    "default": {},
+    "streams2": {"streams": 2},
+    "max_batch32": {"max_batch": 32},
+    "no_overlap_hint": {"prefer_overlap": False},
+    "one_by_one": {"batch": False},
+}
+
+
+def _variants(impl: Implementation, tokens: int) -> tuple[str, ...]:
+    copier = getattr(impl, "copier", None)
+    if copier is None or not hasattr(copier, "streams") or tokens < 4096:
+        return ("default",)
+    return tuple(DIRECT_VARIANTS)
+
+
+class variant_applied:
+    """Set a copier's knobs for the ``with`` block, then restore them."""
+
+    def __init__(self, impl: Implementation, variant: str) -> None:
+        self.copier = getattr(impl, "copier", None)
+        self.changes = DIRECT_VARIANTS.get(variant, {})
+        self.saved: dict = {}
+
+    def __enter__(self):
+        for key, value in self.changes.items():
+            self.saved[key] = getattr(self.copier, key)
+            setattr(self.copier, key, value)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for key, value in self.saved.items():
+            setattr(self.copier, key, value)
+
+
 def _run_op(impl: Implementation, op: str, h: torch.Tensor, d: torch.Tensor) -> Callable[[], None]:
     if op == LOAD:
         return lambda: impl.load_to_device_per_layer(h, d, 0)
@@ -186,14 +222,19 @@ def _run_op(impl: Implementation, op: str, h: torch.Tensor, d: torch.Tensor) -> 
     return lambda: impl.backup_from_device_all_layer(h, d)
 
 
-def host_time_us(impl: Implementation, h: torch.Tensor, d: torch.Tensor, calls: int = 300) -> float:
-    """Host-side time per small load: submission cost, with the GPU keeping up."""
+def host_time_us(impl: Implementation, h: torch.Tensor, d: torch.Tensor, calls: int = 300,
+                 fresh: bool = False) -> float:  # fmt: skip
+    """Host-side time per small load: submission cost, with the GPU keeping up.
+
+    ``fresh``: a different (equal-valued) pair of index tensors every call, so nothing an
+    implementation keeps from an earlier call's indices applies."""
+    pairs = [(h.clone(), d.clone()) for _ in range(calls)] if fresh else [(h, d)] * calls
     for _ in range(10):
         impl.load_to_device_per_layer(h, d, 0)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    for _ in range(calls):
-        impl.load_to_device_per_layer(h, d, 0)
+    for hh, dd in pairs:
+        impl.load_to_device_per_layer(hh, dd, 0)
     elapsed = time.perf_counter() - t
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
@@ -230,7 +271,11 @@ def gemm_interference(impl: Implementation, fn: Callable[[], None], bytes_per_ca
     }
 
 
-def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | None = None) -> int:
+def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | None = None,
+              overlap: bool = False, name: str | None = None, tokens: tuple[int, ...] | None = None,
+              shapes: tuple[str, ...] | None = None) -> int:  # fmt: skip
+    if overlap:
+        return run_overlap(out=out, quick=quick, only=only, name=name)
     if not torch.cuda.is_available():
         overhead = measure_dispatch_overhead()
         print(f"No GPU: measured the core dispatch overhead only: {overhead['overhead_us']:.3f} us per call")
@@ -245,10 +290,13 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
     overhead = measure_dispatch_overhead(50_000 if quick else 200_000)
     print(f"ceiling: H2D {ceiling['h2d_gbps']:.1f} GB/s, D2H {ceiling['d2h_gbps']:.1f} GB/s; "
           f"core dispatch overhead {overhead['overhead_us']:.2f} us")  # fmt: skip
-    shapes = [SHAPES["deepseek-mla"], SHAPES["llama-8b"]] if quick else list(SHAPES.values())
-    token_list = (64, 4096) if quick else TOKENS
+    if shapes:
+        shape_list = [SHAPES[s] for s in shapes]
+    else:
+        shape_list = [SHAPES["deepseek-mla"], SHAPES["llama-8b"]] if quick else list(SHAPES.values())
+    token_list = tokens or ((64, 4096) if quick else TOKENS)
     plan = []
-    for shape in shapes:
+    for shape in shape_list:
         for layout, decl in sorted(registry.layouts.items()):
             if shape.kind not in decl.pool_kinds:
                 continue
@@ -278,16 +326,19 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
                     for budget in budgets if tokens >= 4096 else (8,) if budgets[0] is not None else (None,):
                         if hasattr(impl, "max_ctas"):
                             impl.max_ctas = budget if budget is not None else 0
-                        seconds = timer(_run_op(impl, op, h, d))
                         nbytes = case.bytes_moved(tokens, op)
                         link = ceiling["h2d_gbps"] if op == LOAD else ceiling["d2h_gbps"]
-                        records.append({
-                            "implementation": name, "io_backend": impl.io_backend, "shape": shape.name,
-                            "pool_kind": shape.kind, "layout": layout, "page_size": p, "tokens": tokens,
-                            "operation": op, "layers": case.host.layer_num if op == BACKUP_ALL else 1,
-                            "max_ctas": getattr(impl, "max_ctas", None), "bytes": nbytes, "seconds": seconds,
-                            "gbps": nbytes / seconds / 1e9, "fraction_of_ceiling": nbytes / seconds / 1e9 / link,
-                        })  # fmt: skip
+                        for variant in _variants(impl, tokens):
+                            with variant_applied(impl, variant):
+                                seconds = timer(_run_op(impl, op, h, d))
+                            records.append({
+                                "implementation": name, "io_backend": impl.io_backend, "shape": shape.name,
+                                "pool_kind": shape.kind, "layout": layout, "page_size": p, "tokens": tokens,
+                                "operation": op, "layers": case.host.layer_num if op == BACKUP_ALL else 1,
+                                "max_ctas": getattr(impl, "max_ctas", None), "variant": variant, "bytes": nbytes,
+                                "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+                                "fraction_of_ceiling": nbytes / seconds / 1e9 / link,
+                            })  # fmt: skip
                 if tokens == 64 and LOAD in case.claimed[name]:
                     if hasattr(impl, "max_ctas"):
                         impl.max_ctas = 8
@@ -295,7 +346,12 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
                         "implementation": name, "shape": shape.name, "layout": layout, "page_size": p,
                         "tokens": 64, "operation": LOAD, "metric": "host_time_us",
                         "host_time_us": host_time_us(impl, h, d),
+                        # fresh index tensors every call (no reuse of an earlier call's runs or copies)
+                        "host_time_fresh_us": host_time_us(impl, h, d, fresh=True),
                     })  # fmt: skip
+            if hasattr(impl, "copier") and hasattr(impl.copier, "path"):
+                records.append({"implementation": name, "shape": shape.name, "layout": layout, "page_size": p,
+                                "metric": "path", "path": impl.copier.path})  # fmt: skip
         if shape.name == "deepseek-mla" and layout in ("page_first", "layer_first") and p == 64:
             for name, impl in case.impls.items():
                 if LOAD not in case.claimed[name]:
@@ -311,11 +367,11 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
         del case
         torch.cuda.empty_cache()
         # Written after every pool, so a run cut short by a time limit still leaves its results.
-        _write(Path(out), "quick" if quick else "sweep", {"environment": env, "ceiling": ceiling,
+        _write(Path(out), name or ("quick" if quick else "sweep"), {"environment": env, "ceiling": ceiling,
                "dispatch_overhead": overhead, "complete": False}, records, plot=False)  # fmt: skip
     summary = _summary(records)
     print(summary)
-    path = _write(Path(out), "quick" if quick else "sweep",
+    path = _write(Path(out), name or ("quick" if quick else "sweep"),
                   {"environment": env, "ceiling": ceiling, "dispatch_overhead": overhead, "summary": summary,
                    "complete": True},
                   records)  # fmt: skip
@@ -327,7 +383,7 @@ def _summary(records: list[dict]) -> str:
     """The README table: per implementation, operation and shape, the best layout's fraction at >= 4096 tokens."""
     rows = {}
     for r in records:
-        if "gbps" not in r or r["tokens"] < 4096 or r["page_size"] < 64:
+        if "gbps" not in r or r["tokens"] < 4096 or r["page_size"] < 64 or r.get("variant", "default") != "default":
             continue
         key = (r["implementation"], r["operation"], r["shape"], f"{r['layout']} p{r['page_size']}")
         budget = r.get("max_ctas")
@@ -360,31 +416,188 @@ def _write(out: Path, name: str, meta: dict, records: list[dict], plot: bool = T
 
 
 def _plot(path: Path, records: list[dict]) -> None:
-    try:
-        import matplotlib
+    from .plots import plot_overlap, plot_sweep
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:  # the plot is a convenience; the JSON is the result
-        print("matplotlib not installed: no plot")
-        return
-    rows = [r for r in records if "gbps" in r and r["page_size"] == 64 and r["max_ctas"] in (None, 0, 8)]
-    panels = sorted({(r["shape"], r["operation"]) for r in rows})
-    cols = 3
-    fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(6 * cols, 4 * len(panels) // cols + 4))
-    for ax, (shape, op) in zip(axes.flat, panels):
-        lines = sorted({(r["implementation"], r["layout"], r["max_ctas"]) for r in rows
-                        if (r["shape"], r["operation"]) == (shape, op)})  # fmt: skip
-        for impl, layout, budget in lines:
-            pts = sorted((r["tokens"], r["gbps"]) for r in rows if (r["shape"], r["operation"], r["implementation"],
-                         r["layout"], r["max_ctas"]) == (shape, op, impl, layout, budget))  # fmt: skip
-            label = f"{impl} {layout}" + (f" ({budget} CTAs)" if budget else "")
-            ax.plot([t for t, _ in pts], [g for _, g in pts], marker="o", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{shape}: {op}", fontsize=9)
-        ax.set_xlabel("tokens per call")
-        ax.set_ylabel("GB/s")
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    if any("efficiency" in r for r in records):
+        plot_overlap(path, records)
+    else:
+        plot_sweep(path, records)
+
+
+# ---- hicache bench --overlap ---------------------------------------------------------------------
+
+
+def _sglang_note() -> dict:
+    """Issue 12's anchor: SGLang's own transfer functions, where ``sgl_kernel`` is importable."""
+    try:
+        import sgl_kernel  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no anchor in this run
+        return {"sglang": "skipped", "why": f"sgl_kernel is not importable here ({type(exc).__name__}: {exc})"}
+    return {"sglang": "skipped", "why": "sgl_kernel is importable, but its transfer_kv_* anchor is not wired in yet"}
+
+
+def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str | None = None,
+                name: str | None = None) -> int:  # fmt: skip
+    """Layer-wise loads under prefill GEMMs, and all-layer backups under decode (hicache_core.overlap)."""
+    from . import autoselect
+    from .dispatch import resolve
+    from .overlap import CASES, MODELS, Streams, _median_run, decode_backup, prefill_overlap, prefill_run
+
+    if not torch.cuda.is_available():
+        print("hicache bench --overlap needs a GPU")
+        return 1
+    registry = get_registry()
+    wanted = set(only.split(",")) if only else None
+    impls = [c for n, c in sorted(registry.implementations.items())
+             if c.auto_selectable and (wanted is None or n in wanted)]  # fmt: skip
+    env = environment()
+    ceiling = measure_ceiling(1 << 30)
+    print(f"ceiling: H2D {ceiling['h2d_gbps']:.1f} GB/s, D2H {ceiling['d2h_gbps']:.1f} GB/s")
+    budgets = (2, 8, 0) if quick else (2, 4, 8, 16, 0)
+    layouts = ("page_first_direct",) if quick else ("page_first_direct", "layer_first")
+    reps = 2 if quick else 3
+    records: list[dict] = []
+    meta = {"environment": env, "ceiling": ceiling, "anchor": _sglang_note(),
+            "compute_model": "per layer 2*N*params_per_layer FLOPs as [N, hidden] @ [hidden, 8192] bf16 GEMMs; "
+                             "attention left out (hicache_core.overlap)"}  # fmt: skip
+    by_model: dict[str, list] = {}
+    for case in CASES:
+        by_model.setdefault(case[0], []).append(case)
+    page = 64
+    gen = torch.Generator().manual_seed(0)
+    for model_name, cases in by_model.items():
+        model = MODELS[model_name]
+        shape = SHAPES[model.shape]
+        cached = max(c[2] for c in cases)
+        dev = shape.device_pool(cached + 2 * page, page_size=page, device="cuda")
+        for layout in layouts:
+            host = make_host_pool(dev, layout=layout, io_backend="reference", size=cached, operations=())
+            fill_random([t for p in host.plan.parts for t in p.device_layers] + list(host.plan.host_buffers.values()),
+                        gen)  # fmt: skip
+            decl, geometry = registry.layouts[layout], host.geometry
+            made: dict[str, Implementation] = {}
+            for cls in impls:
+                if not reasons_for(cls, TransferRequest(cls.io_backend, LOAD, geometry, decl)):
+                    made[cls.name] = cls(host.plan)
+            request = TransferRequest("auto", LOAD, geometry, decl, True)
+            try:
+                base = resolve(registry, request)
+                made["auto"] = autoselect.auto_class(registry, request, base)(host.plan)
+                # The static rule alone, beside the profile (where one exists they may differ).
+                made["auto-rule"] = autoselect.auto_class(registry, request, base, use_profile=False)(host.plan)
+            except Exception as exc:  # noqa: BLE001 - auto is one row; report and go on
+                print(f"auto: not measured for {model_name} {layout}: {exc}")
+            for _, new_tokens, m, regime in cases:
+                streams = Streams(model, new_tokens)
+                hp = random_pages(host.page_num + 1, m // page, page, gen) - page
+                dp = random_pages(dev.size // page, m // page, page, gen)
+                nbytes = m * shape.item_bytes() * host.layer_num
+                layers = host.layer_num
+                alone = _median_run(lambda s=streams, n=layers: prefill_run(s, n, None, True), reps)
+                for impl_name, impl in made.items():
+                    where = host.plan.device if impl.index_device == "device" else torch.device("cpu")
+                    h, d = hp.to(where), dp.to(where)
+                    settings = budgets if hasattr(impl, "max_ctas") else (None,)
+                    for budget in settings:
+                        if budget is not None:
+                            impl.max_ctas = budget
+                        try:
+                            result = prefill_overlap(impl, streams, h, d, layers, nbytes, ceiling["h2d_gbps"], reps,
+                                                     compute_alone=alone)  # fmt: skip
+                        except Exception as exc:  # noqa: BLE001 - one failing row must not end the run
+                            print(f"{impl_name} {layout} {model_name} {m}: failed: {type(exc).__name__}: {exc}")
+                            continue
+                        chosen = _chosen(impl, m) if impl_name.startswith("auto") else None
+                        records.append({
+                            "implementation": impl_name, "layout": layout, "model": model_name, "shape": shape.name,
+                            "new_tokens": new_tokens, "cached_tokens": m, "regime": regime, "page_size": page,
+                            "max_ctas": budget, "chosen": chosen,
+                            "path": getattr(getattr(impl, "copier", None), "path", None), **result,
+                        })  # fmt: skip
+                        r = records[-1]
+                        print(f"{model_name:12} {m:6} {layout:18} {_row_label(r):34} eff {r['efficiency']:.2f} "
+                              f"overlapped {r['overlapped_s'] * 1e3:7.1f} ms (compute {r['compute_s'] * 1e3:6.1f}, "
+                              f"transfer {r['transfer_s'] * 1e3:6.1f}) GEMM {r['gemm_slowdown']:+.0%} "
+                              f"first GEMM at {r['first_gemm_start_s'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+                del streams
+                _write(Path(out), name or "overlap", {**meta, "complete": False}, records, plot=False)
+            # All-layer backups during decode (4096 tokens), on the same pool.
+            if layout == "page_first_direct" and (not quick or model_name == "llama-8b"):
+                tokens = 4096
+                hp = random_pages(host.page_num + 1, tokens // page, page, gen) - page
+                dp = random_pages(dev.size // page, tokens // page, page, gen)
+                nbytes = tokens * shape.item_bytes() * host.layer_num
+                backups = {}
+                for cls in impls:
+                    if not reasons_for(cls, TransferRequest(cls.io_backend, BACKUP_ALL, geometry, decl)):
+                        backups[cls.name] = made.get(cls.name) or cls(host.plan)
+                req = TransferRequest("auto", BACKUP_ALL, geometry, decl, True)
+                try:
+                    backups["auto"] = autoselect.auto_class(registry, req, resolve(registry, req))(host.plan)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"auto backup: not measured: {exc}")
+                for impl_name, impl in backups.items():
+                    where = host.plan.device if impl.index_device == "device" else torch.device("cpu")
+                    for budget in ((8, 0) if hasattr(impl, "max_ctas") else (None,)):
+                        if budget is not None:
+                            impl.max_ctas = budget
+                        try:
+                            result = decode_backup(impl, model, hp.to(where), dp.to(where), host.layer_num, nbytes,
+                                                   ceiling["d2h_gbps"], reps=reps)  # fmt: skip
+                        except Exception as exc:  # noqa: BLE001
+                            print(f"{impl_name} decode backup failed: {type(exc).__name__}: {exc}")
+                            continue
+                        records.append({"implementation": impl_name, "layout": layout, "model": model_name,
+                                        "shape": shape.name, "tokens": tokens, "max_ctas": budget,
+                                        "metric": "backup_during_decode", **result})  # fmt: skip
+                        r = records[-1]
+                        print(f"{model_name:12} backup-all {tokens} {impl_name:20} {budget!s:5} decode "
+                              f"{r['decode_slowdown']:+.0%}, backup {r['backup_fraction_alone']:.2f} of the ceiling "
+                              f"alone, {r['backup_fraction_beside_decode']:.2f} beside decode", flush=True)  # fmt: skip
+            del host, made
+            torch.cuda.empty_cache()
+        del dev
+        torch.cuda.empty_cache()
+    summary = overlap_summary(records)
+    print(summary)
+    path = _write(Path(out), name or "overlap", {**meta, "summary": summary, "complete": True}, records)
+    print(f"wrote {path}")
+    return 0
+
+
+def _chosen(impl: Implementation, tokens: int) -> str:
+    """What an auto implementation runs for ``tokens`` tokens, in words."""
+    picked = impl.pick(tokens) if hasattr(impl, "pick") else impl
+    ctas = getattr(picked, "max_ctas", None)
+    return picked.name + (f" {ctas or 'all'} CTAs" if ctas is not None else "")
+
+
+def _row_label(r: dict) -> str:
+    label = r["implementation"]
+    if r.get("max_ctas") is not None:
+        label += f" {r['max_ctas'] or 'all'} CTAs"
+    if r.get("chosen"):
+        label += f" ({r['chosen']})"
+    return label
+
+
+def overlap_summary(records: list[dict]) -> str:
+    """Per case: the best row, direct's best, auto's, and whether auto is within 5 % of the best."""
+    lines = ["| case | best | direct | auto | auto / best |", "|---|---|---|---|---|"]
+    cases = sorted({(r["model"], r["new_tokens"], r["cached_tokens"], r["layout"]) for r in records
+                    if "efficiency" in r})  # fmt: skip
+    for model, n, m, layout in cases:
+        rows = [r for r in records if "efficiency" in r and (r["model"], r["new_tokens"], r["cached_tokens"],
+                r["layout"]) == (model, n, m, layout)]  # fmt: skip
+        best = max((r for r in rows if r["implementation"] != "auto"), key=lambda r: r["efficiency"], default=None)
+        direct = max((r for r in rows if r["implementation"].startswith("direct")), key=lambda r: r["efficiency"],
+                     default=None)  # fmt: skip
+        auto = next((r for r in rows if r["implementation"] == "auto"), None)
+
+        def cell(r):
+            return "-" if r is None else f"{_row_label(r)}: {r['efficiency']:.2f}, GEMM {r['gemm_slowdown']:+.0%}"
+
+        ratio = f"{auto['efficiency'] / best['efficiency']:.3f}" if auto and best else "-"
+        lines.append(f"| {model} {n} new / {m} cached, {layout} | {cell(best)} | {cell(direct)} | {cell(auto)} "
+                     f"| {ratio} |")  # fmt: skip
+    return "\n".join(lines)

@@ -45,6 +45,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a short sweep (smoke test)")
     p.add_argument("--only", help="comma-separated implementation names to include")
     p.add_argument("--device", choices=("cuda", "cpu"), help="cpu: the CPU implementations against memcpy")
+    p.add_argument("--overlap", action="store_true",
+                   help="layer-wise loads under prefill GEMMs, backups under decode (hicache_core.overlap)")
+    p.add_argument("--tokens", help="comma-separated tokens per call (default: 64,4096 quick, else 64,512,4096,32768)")
+    p.add_argument("--shapes", help="comma-separated shape names (default: all; quick: deepseek-mla,llama-8b)")
+    p.add_argument("--name", help="file name of the JSON and PNG (default: quick, sweep or overlap)")
+
+    p = sub.add_parser("calibrate", help="measure the implementations on this GPU and write the profile auto uses")
+    p.add_argument("--shapes", default="llama-8b,deepseek-mla", help="comma-separated shape names")
+    p.add_argument("--tokens", default="64,512,4096,32768", help="bucket edges to measure (tokens per call)")
+    p.add_argument("--layouts", help="comma-separated layouts (default: every layout two implementations claim)")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="fewer repeats and SM budgets")
+    p.add_argument("--out", help="profile file (default: the per-device file in the user's cache directory)")
 
     args = parser.parse_args(argv)
     if args.command == "plugins":
@@ -57,13 +70,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import run_demo
 
         return run_demo(device=args.device, tokens=args.tokens)
+    if args.command == "calibrate":
+        from .calibrate import run_calibrate
+
+        return run_calibrate(shapes=_csv(args.shapes), tokens=tuple(int(t) for t in _csv(args.tokens)),
+                             layouts=_csv(args.layouts) if args.layouts else None, page_size=args.page_size,
+                             quick=args.quick, out=args.out)  # fmt: skip
     if args.device == "cpu":
         from .bench_cpu import run_cpu_bench
 
         return run_cpu_bench(out=args.out, quick=args.quick)
     from .bench import run_bench
 
-    return run_bench(out=args.out, quick=args.quick, only=args.only)
+    return run_bench(out=args.out, quick=args.quick, only=args.only, overlap=args.overlap, name=args.name,
+                     tokens=tuple(int(t) for t in _csv(args.tokens)) if args.tokens else None,
+                     shapes=tuple(_csv(args.shapes)) if args.shapes else None)  # fmt: skip
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def _request_flags(p: argparse.ArgumentParser) -> None:
@@ -204,11 +229,30 @@ def cmd_explain(registry: Registry, args) -> int:
     except UnsupportedCombinationError as exc:
         return _explain_out(args.json, {"resolved": False, "error": str(exc)}, str(exc))
     plugin = registry.plugin_of(impl.name)
-    text = "\n".join(
-        [f"Resolved to {impl.name} (plugin {plugin}, io backend {impl.io_backend!r}, priority {impl.priority}) for:"]
-        + [f"    {label:<12} {value}" for label, value in request.describe()]
-    )
-    return _explain_out(args.json, {"resolved": True, "implementation": impl.name, "plugin": plugin}, text)
+    head = f"Resolved to {impl.name} (plugin {plugin}, io backend {impl.io_backend!r}, priority {impl.priority})"
+    lines = [head + " for:"]
+    lines += [f"    {label:<12} {value}" for label, value in request.describe()]
+    data = {"resolved": True, "implementation": impl.name, "plugin": plugin}
+    if args.io_backend == "auto":
+        from . import autoselect
+
+        table = autoselect.choices(registry, request)
+        if table:
+            path = autoselect.profile_path() if request.device_type == "cuda" and _has_gpu() else None
+            where = f"profile {path}" if path is not None and path.exists() else "no profile for this device"
+            lines[0] = f"auto chooses per call by tokens per call ({where}; else the static rule) for:"
+            lines += ["  Per token-count bucket:"] + autoselect.explain_lines(registry, request)
+            data["buckets"] = {str(e): {"implementation": c.implementation, "max_ctas": c.max_ctas,
+                                        "source": c.source, "why": c.why} for e, c in table.items()}  # fmt: skip
+        else:
+            lines.append(f"  auto on {request.device_type} pools: the best-priority claimant (the rule is about GPUs)")
+    return _explain_out(args.json, data, "\n".join(lines))
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _explain_out(as_json: bool, data: dict, text: str) -> int:

@@ -111,6 +111,16 @@ def make_host_pool(
                 raise
             deferred[op] = exc
 
+    if io_backend == "auto" and implementation is None:
+        # Per operation, auto may hold several implementations and choose per call by token count
+        # (a measured profile, else the static rule: hicache_core.autoselect).
+        from .autoselect import auto_class
+
+        resolved = {
+            op: auto_class(registry, TransferRequest(io_backend, op, geometry, layout_decl, pinned), cls)
+            for op, cls in resolved.items()
+        }
+
     spec = host_layout_spec(geometry, layout_decl, pages_for(size, geometry.page_size))
     buffers = {
         b.attr: torch.empty(b.shape, dtype=geometry.dtype, device="cpu", pin_memory=pinned) for b in spec.buffers
