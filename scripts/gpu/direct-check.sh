@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The direct plugin's GPU check, in one command (issue 11), for an H200 machine with python3,
+# torch (CUDA), triton, numpy and matplotlib installed and no network:
+#
+#     bash scripts/gpu/direct-check.sh            # writes to $OUT (else /tmp/hicache-direct-check)
+#
+# Steps, each under its own time limit and all under one deadline (HICACHE_CHECK_DEADLINE, default
+# 345 s), so the whole run ends inside 6 minutes; a step that fails or runs out of time is logged and
+# the next one runs:
+#   1. install hicache and its plugins editable (--no-deps --no-build-isolation)
+#   2. byte-exact checks of the batched path, every layout direct claims, plain/sharded/draft pools,
+#      kv_split 2-D copies, every submission setting, side/legacy/behind-a-producer streams
+#   3. the conformance kit and direct's unit tests on CUDA (HICACHE_TEST_DEVICE=cuda)
+#   4. hicache bench rows for direct, kernel and jit (llama-8b, deepseek-mla; 64, 4096, 32768 tokens)
+#   5. hicache calibrate --quick (the profile auto reads), written to $OUT/profile.json
+#   6. hicache bench --overlap --quick (auto from that profile, and the static rule beside it)
+#   7. compute-sanitizer memcheck over a short direct check
+# then a compact table. Files in $OUT (at most 8): direct-check.log, direct-check.json,
+# direct-bench.json/.png, overlap.json/.png, profile.json.
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/hicache-direct-check}
+mkdir -p "$OUT"
+LOG="$OUT/direct-check.log"
+: >"$LOG"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+PY=${PYTHON:-python3}
+deadline=$(( $(date +%s) + ${HICACHE_CHECK_DEADLINE:-345} ))
+results=()
+
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local left=$(( deadline - $(date +%s) ))
+  if (( left < 10 )); then
+    results+=("$name: skipped (deadline)")
+    echo "=== $name: skipped, the deadline is near" | tee -a "$LOG"
+    return
+  fi
+  (( limit > left )) && limit=$left
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  local t0=$(date +%s)
+  timeout --signal=TERM --kill-after=5 "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  local took=$(( $(date +%s) - t0 ))
+  local what="rc $rc"
+  (( rc == 124 || rc == 137 )) && what="TIMED OUT"
+  (( rc == 0 )) && what="ok"
+  results+=("$name: $what (${took}s)")
+  echo "=== $name: $what in ${took}s" | tee -a "$LOG"
+  tail -n 6 "$LOG" | sed 's/^/    /'
+}
+
+step install 60 "$PY" -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check \
+  -e . -e plugins/direct -e plugins/kernel -e plugins/jit
+"$PY" -c "import torch, hicache_direct; from hicache_direct.memcpy import CudaCopier; \
+print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name()); \
+print('direct submits with:', CudaCopier(torch.device('cuda')).path)" 2>&1 | tee -a "$LOG"
+step batched 70 "$PY" scripts/gpu/direct_check.py --out "$OUT"
+step conformance 80 env HICACHE_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
+  plugins/direct/tests tests/test_autoselect.py
+step bench 90 "$PY" -m hicache_core.cli bench --quick --shapes llama-8b,deepseek-mla --tokens 64,4096,32768 \
+  --only direct.copy_engine,kernel.triton_uva,jit.one_layer --out "$OUT" --name direct-bench
+step calibrate 60 "$PY" -m hicache_core.cli calibrate --quick --shapes llama-8b,deepseek-mla \
+  --layouts page_first_direct,layer_first --tokens 64,4096,32768 --out "$OUT/profile.json"
+step overlap 90 env HICACHE_PROFILE="$OUT/profile.json" "$PY" -m hicache_core.cli bench --overlap --quick \
+  --out "$OUT" --name overlap
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  step memcheck 45 compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" scripts/gpu/direct_check.py --memcheck
+else
+  results+=("memcheck: skipped (no compute-sanitizer on PATH)")
+fi
+rm -f "$OUT"/*.tmp
+
+echo
+echo "================ hicache direct check: summary ================" | tee -a "$LOG"
+"$PY" scripts/gpu/direct_check.py --summary "$OUT" 2>&1 | tee -a "$LOG"
+for r in "${results[@]}"; do echo "step $r"; done | tee -a "$LOG"
