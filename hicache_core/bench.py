@@ -441,7 +441,16 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
     """Layer-wise loads under prefill GEMMs, and all-layer backups under decode (hicache_core.overlap)."""
     from . import autoselect
     from .dispatch import resolve
-    from .overlap import CASES, MODELS, Streams, _median_run, decode_backup, prefill_overlap, prefill_run
+    from .overlap import (
+        CASES,
+        MODELS,
+        Streams,
+        _median_run,
+        decode_backup,
+        fill_random_fast,
+        prefill_overlap,
+        prefill_run,  # fmt: skip
+    )
 
     if not torch.cuda.is_available():
         print("hicache bench --overlap needs a GPU")
@@ -472,8 +481,8 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
         dev = shape.device_pool(cached + 2 * page, page_size=page, device="cuda")
         for layout in layouts:
             host = make_host_pool(dev, layout=layout, io_backend="reference", size=cached, operations=())
-            fill_random([t for p in host.plan.parts for t in p.device_layers] + list(host.plan.host_buffers.values()),
-                        gen)  # fmt: skip
+            fill_random_fast([t for p in host.plan.parts for t in p.device_layers]
+                             + list(host.plan.host_buffers.values()))  # fmt: skip
             decl, geometry = registry.layouts[layout], host.geometry
             made: dict[str, Implementation] = {}
             for cls in impls:

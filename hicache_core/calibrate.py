@@ -27,7 +27,7 @@ import torch
 from . import autoselect
 from .autoselect import Choice, Profile
 from .bench import Timer, measure_ceiling
-from .demo import fill_random, random_pages
+from .demo import random_pages
 from .dispatch import reasons_for
 from .host_pool import make_host_pool
 from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, Implementation, TransferRequest
@@ -122,8 +122,10 @@ def run_calibrate(shapes=("llama-8b", "deepseek-mla"), tokens=(64, 512, 4096, 32
             if shape.kind not in decl.pool_kinds or (layouts and layout not in layouts):
                 continue
             host = make_host_pool(dev, layout=layout, io_backend="reference", size=most, operations=())
-            fill_random([t for p in host.plan.parts for t in p.device_layers] + list(host.plan.host_buffers.values()),
-                        gen)  # fmt: skip
+            from .overlap import fill_random_fast
+
+            fill_random_fast([t for p in host.plan.parts for t in p.device_layers]
+                             + list(host.plan.host_buffers.values()))  # fmt: skip
             geometry = host.geometry
             made: dict[str, Implementation] = {}
             for op in OPS:
@@ -132,7 +134,8 @@ def run_calibrate(shapes=("llama-8b", "deepseek-mla"), tokens=(64, 512, 4096, 32
                 if not claimants:
                     continue
                 for cls in claimants:
-                    made.setdefault(cls.name, cls(host.plan))
+                    if cls.name not in made:
+                        made[cls.name] = cls(host.plan)
                 for n in tokens:
                     pages = max(1, n // page_size)
                     hp = random_pages(host.page_num + 1, pages, page_size, gen) - page_size

@@ -67,6 +67,17 @@ CASES: tuple[tuple[str, int, int, str], ...] = (
 )
 
 
+def fill_random_fast(tensors, seed: int = 0) -> None:
+    """Random bytes drawn on the GPU and copied in 256 MiB chunks (GBs of pinned host pool in well under a second)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    chunk = 256 << 20
+    for t in tensors:
+        flat = t.reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), chunk):
+            part = flat[start : start + chunk]
+            part.copy_(torch.randint(0, 256, part.shape, dtype=torch.uint8, device="cuda", generator=gen))
+
+
 class Streams:
     """The compute and transfer streams and the GEMM operands of one model."""
 
@@ -165,8 +176,10 @@ def decode_backup(impl: Implementation, model: ComputeModel, h: torch.Tensor, d:
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(batch, model.hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     launches = max(1, round(model.params_per_layer / (model.hidden * GEMM_WIDTH)))
-    w = [torch.randn(model.hidden, GEMM_WIDTH, device="cuda", dtype=torch.bfloat16, generator=gen)
-         for _ in range(min(launches, 8))]  # fmt: skip  (several weights, so they are read from HBM, not L2)
+    w = [
+        torch.randn(model.hidden, GEMM_WIDTH, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(min(launches, 8))
+    ]  # fmt: skip  (several weights, so they are read from HBM, not L2)
     out = torch.empty(batch, GEMM_WIDTH, device="cuda", dtype=torch.bfloat16)
     cs, ts = torch.cuda.Stream(), torch.cuda.Stream()
 
@@ -220,4 +233,14 @@ def decode_backup(impl: Implementation, model: ComputeModel, h: torch.Tensor, d:
     }
 
 
-__all__ = ["CASES", "LOAD", "MODELS", "ComputeModel", "Streams", "decode_backup", "prefill_overlap", "prefill_run"]
+__all__ = [
+    "CASES",
+    "LOAD",
+    "MODELS",
+    "ComputeModel",
+    "Streams",
+    "decode_backup",
+    "fill_random_fast",
+    "prefill_overlap",
+    "prefill_run",
+]

@@ -164,3 +164,17 @@ def test_explain_says_rule_or_profile(registry):
     lines = autoselect.explain_lines(registry, _request(registry, "deepseek-mla", "page_first_kv_split"),
                                      Profile(device={}, entries={}))  # fmt: skip
     assert len(lines) == 4 and all("[rule]" in line and "2-D" in line for line in lines)
+
+
+def test_explain_auto_on_the_command_line(capsys):
+    from hicache_core.cli import main
+
+    args = ["explain", "--pool", "mha", "--layout", "page_first_direct", "--op", "load_to_device_per_layer",
+            "--io-backend", "auto"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "auto chooses per call by tokens per call" in out and "direct.copy_engine" in out and "[rule]" in out
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["buckets"]["4096"]["implementation"] == "direct.copy_engine"
+    assert data["buckets"]["64"]["source"] == "rule"

@@ -255,8 +255,10 @@ def summary(folder: Path) -> int:
             lines.append(f"    {key[0]:12} {key[1]:19} {op:16} {key[3]:6}  " + "  ".join(cells))
         for r in recs:
             if r.get("metric") == "host_time_us":
-                lines.append(f"    host us per 64-token load: {r['implementation']:20} {r['layout']:19} "
-                             f"{r['host_time_us']:.1f} (same indices), {r.get('host_time_fresh_us', 0):.1f} (fresh)")
+                lines.append(
+                    f"    host us per 64-token load: {r['implementation']:20} {r['layout']:19} "
+                    f"{r['host_time_us']:.1f} (same indices), {r.get('host_time_fresh_us', 0):.1f} (fresh)"
+                )
     overlap = folder / "overlap.json"
     if overlap.exists():
         data = json.loads(overlap.read_text())

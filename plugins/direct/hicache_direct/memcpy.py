@@ -35,9 +35,11 @@ from .descriptors import Batch
 _DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
 _STREAM_PER_THREAD = 2  # cudaStreamPerThread
 _SRC_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: read the source in stream order
+_LOC_DEVICE, _LOC_HOST = 1, 2  # cudaMemLocationTypeDevice, cudaMemLocationTypeHost
 _PREFER_OVERLAP = 1  # cudaMemcpyFlagPreferOverlapWithCompute
 _NO_INDEX = (1 << 64) - 1  # SIZE_MAX: what failIdx holds when no single copy is to blame
 _BATCH_MIN_VERSION = 12080
+_SPLIT_ON_ERROR = 1024
 _ABI_13 = 13000
 #: Errors after which the batch call is given up for the process, and the copies go one by one.
 _UNSUPPORTED = {
@@ -114,7 +116,12 @@ class CudaCopier:
         self._error_name.argtypes = [ctypes.c_int]
         self._lib = lib
         self._batch_fn, self._batch_abi, self.unavailable = _batch_function(lib, self.runtime_version)
-        self._attrs = MemcpyAttributes()
+        # One attribute entry per direction: sources read in stream order, location hints (used by the
+        # driver only for managed or pageable memory) naming host and device.
+        self._attrs_h2d = MemcpyAttributes(_SRC_ORDER_STREAM, _MemLocation(_LOC_HOST, 0),
+                                           _MemLocation(_LOC_DEVICE, self.index), 0)  # fmt: skip
+        self._attrs_d2h = MemcpyAttributes(_SRC_ORDER_STREAM, _MemLocation(_LOC_DEVICE, self.index),
+                                           _MemLocation(_LOC_HOST, 0), 0)  # fmt: skip
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._local = threading.local()
         self._get_device, self._get_stream = _stream_functions()
@@ -125,12 +132,12 @@ class CudaCopier:
 
     @property
     def prefer_overlap(self) -> bool:
-        return bool(self._attrs.flags & _PREFER_OVERLAP)
+        return bool(self._attrs_h2d.flags & _PREFER_OVERLAP)
 
     @prefer_overlap.setter
     def prefer_overlap(self, value: bool) -> None:
-        self._attrs.srcAccessOrder = _SRC_ORDER_STREAM
-        self._attrs.flags = _PREFER_OVERLAP if value else 0
+        for attrs in (self._attrs_h2d, self._attrs_d2h):
+            attrs.flags = _PREFER_OVERLAP if value else 0
 
     @property
     def path(self) -> str:
@@ -183,7 +190,8 @@ class CudaCopier:
     def _batched(self, batch: Batch, describe, stream: int, lo: int, hi: int) -> None:
         step = self.max_batch or (hi - lo)
         base_dst, base_src, base_size = batch.dst_ptr, batch.src_ptr, batch.size_ptr
-        attrs, idx = ctypes.byref(self._attrs), self._attr_idx
+        attrs = ctypes.byref(self._attrs_h2d if batch.to_device else self._attrs_d2h)
+        idx = self._attr_idx
         out = self._out()
         fail_idx = out[2]
         for start in range(lo, hi, step):
@@ -212,6 +220,12 @@ class CudaCopier:
         self._one_by_one(batch, describe, stream, start, start + n)
         known = _UNSUPPORTED.get(err, "")
         reason = f"refused with {self._name(err)}{' ' + known if known else ''} while each copy alone succeeded"
+        if n > _SPLIT_ON_ERROR and err not in _UNSUPPORTED and not 0 < self.max_batch <= _SPLIT_ON_ERROR:
+            # Perhaps only too many copies for one call: smaller batches before giving the call up.
+            self.max_batch = _SPLIT_ON_ERROR
+            warnings.warn(f"hicache direct: cudaMemcpyBatchAsync of {n} copies {reason}; batches of at most "
+                          f"{_SPLIT_ON_ERROR} copies from now on", stacklevel=5)  # fmt: skip
+            return
         self._batch_fn, self.unavailable = None, reason
         warnings.warn(f"hicache direct: cudaMemcpyBatchAsync {reason}; copying one by one from now on", stacklevel=5)
 

@@ -231,7 +231,7 @@ def _fake_copier(abi: str, batch_result, memcpy_fail_at=None):
     c.index = 0
     c.runtime_version = 13000 if abi == "13.0" else 12080
     c._local = __import__("threading").local()
-    c._attrs = memcpy.MemcpyAttributes()
+    c._attrs_h2d, c._attrs_d2h = memcpy.MemcpyAttributes(), memcpy.MemcpyAttributes()
     c._attr_idx = (ctypes.c_size_t * 1)(0)
     c.prefer_overlap = True
     c.batch, c.max_batch, c.streams, c.unavailable = True, 0, 1, None
@@ -239,6 +239,7 @@ def _fake_copier(abi: str, batch_result, memcpy_fail_at=None):
 
     def batch_fn(*args):
         c.calls.append(("batch", args[3], args[-1]))
+        c.attrs_seen = args[4]._obj
         if abi == "12.8" and isinstance(batch_result, tuple):
             ctypes.cast(args[7], ctypes.POINTER(ctypes.c_size_t))[0] = batch_result[1]
             return batch_result[0]
@@ -271,6 +272,19 @@ def test_one_batch_call_on_the_per_thread_stream_not_the_legacy_one():
     c = _fake_copier("13.0", 0)
     c.submit(batch, impl.builder.describe)
     assert c.calls == [("batch", 6, memcpy._STREAM_PER_THREAD)]
+
+
+def test_attributes_follow_the_direction():
+    impl, batch = _a_batch()
+    c = _fake_copier("13.0", 0)
+    c._attrs_h2d = memcpy.MemcpyAttributes(1, memcpy._MemLocation(2, 0), memcpy._MemLocation(1, 0), 1)
+    c._attrs_d2h = memcpy.MemcpyAttributes(1, memcpy._MemLocation(1, 0), memcpy._MemLocation(2, 0), 1)
+    c.submit(batch, impl.builder.describe)  # a load: host -> device
+    assert (c.attrs_seen.srcAccessOrder, c.attrs_seen.srcLocHint.type, c.attrs_seen.dstLocHint.type) == (1, 2, 1)
+    c.prefer_overlap = False
+    backup = impl.plan_for(_slots([5]), _slots([1]), (0,), False)
+    c.submit(backup, impl.builder.describe)
+    assert (c.attrs_seen.srcLocHint.type, c.attrs_seen.dstLocHint.type, c.attrs_seen.flags) == (1, 2, 0)
 
 
 def test_max_batch_splits_the_submission():
@@ -312,3 +326,19 @@ def test_batch_pointers_address_the_descriptor_arrays():
     assert isinstance(batch, Batch)
     arr = np.ctypeslib.as_array(ctypes.cast(batch.src_ptr, ctypes.POINTER(ctypes.c_int64)), (batch.count,))
     assert arr.tolist() == batch.linear()[1]
+
+
+def test_a_huge_refused_batch_is_split_before_it_is_given_up():
+    dev, drafts, host, _ = _pools(layout="layer_first", page_size=1, pages=2600)
+    impl = host.implementation_for(hc.LOAD)
+    h = torch.arange(0, 2400, 2)  # 1200 runs of one token: 2400 copies (K and V)
+    batch = impl.plan_for(h, h + 1, (0,), True)
+    assert batch.count == 2400
+    c = _fake_copier("13.0", 1)
+    with pytest.warns(UserWarning, match="batches of at most 1024"):
+        c.submit(batch, impl.builder.describe)
+    assert c.max_batch == 1024 and c._batch_fn is not None
+    c.calls.clear()
+    c._batch_fn = lambda *a: c.calls.append(("batch", a[3], a[-1])) or 0
+    c.submit(batch, impl.builder.describe)
+    assert [x[1] for x in c.calls] == [1024, 1024, 352]
