@@ -273,7 +273,7 @@ def gemm_interference(impl: Implementation, fn: Callable[[], None], bytes_per_ca
 
 def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | None = None,
               overlap: bool = False, name: str | None = None, tokens: tuple[int, ...] | None = None,
-              shapes: tuple[str, ...] | None = None) -> int:  # fmt: skip
+              shapes: tuple[str, ...] | None = None, layouts: tuple[str, ...] | None = None) -> int:  # fmt: skip
     if overlap:
         return run_overlap(out=out, quick=quick, only=only, name=name)
     if not torch.cuda.is_available():
@@ -298,7 +298,7 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
     plan = []
     for shape in shape_list:
         for layout, decl in sorted(registry.layouts.items()):
-            if shape.kind not in decl.pool_kinds:
+            if shape.kind not in decl.pool_kinds or (layouts and layout not in layouts):
                 continue
             # The page-size effect is measured on page_first only: the other layouts follow it.
             small_pages = shape.kind != "page_rows" and not quick and layout == "page_first"
@@ -598,7 +598,8 @@ def overlap_summary(records: list[dict]) -> str:
     for model, n, m, layout in cases:
         rows = [r for r in records if "efficiency" in r and (r["model"], r["new_tokens"], r["cached_tokens"],
                 r["layout"]) == (model, n, m, layout)]  # fmt: skip
-        best = max((r for r in rows if r["implementation"] != "auto"), key=lambda r: r["efficiency"], default=None)
+        best = max((r for r in rows if not r["implementation"].startswith("auto")), key=lambda r: r["efficiency"],
+                   default=None)  # fmt: skip
         direct = max((r for r in rows if r["implementation"].startswith("direct")), key=lambda r: r["efficiency"],
                      default=None)  # fmt: skip
         auto = next((r for r in rows if r["implementation"] == "auto"), None)

@@ -50,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokens", help="comma-separated tokens per call (default: 64,4096 quick, else 64,512,4096,32768)")
     p.add_argument("--shapes", help="comma-separated shape names (default: all; quick: deepseek-mla,llama-8b)")
     p.add_argument("--name", help="file name of the JSON and PNG (default: quick, sweep or overlap)")
+    p.add_argument("--layouts", help="comma-separated layouts (default: every registered layout)")
 
     p = sub.add_parser("calibrate", help="measure the implementations on this GPU and write the profile auto uses")
     p.add_argument("--shapes", default="llama-8b,deepseek-mla", help="comma-separated shape names")
@@ -84,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     return run_bench(out=args.out, quick=args.quick, only=args.only, overlap=args.overlap, name=args.name,
                      tokens=tuple(int(t) for t in _csv(args.tokens)) if args.tokens else None,
-                     shapes=tuple(_csv(args.shapes)) if args.shapes else None)  # fmt: skip
+                     shapes=tuple(_csv(args.shapes)) if args.shapes else None,
+                     layouts=tuple(_csv(args.layouts)) if args.layouts else None)  # fmt: skip
 
 
 def _csv(text: str) -> list[str]:

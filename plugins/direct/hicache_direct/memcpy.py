@@ -188,26 +188,30 @@ class CudaCopier:
                     raise CopyError(f"cudaMemcpy2DAsync failed with {self._name(err)} on {describe(batch, origin)}")
 
     def _batched(self, batch: Batch, describe, stream: int, lo: int, hi: int) -> None:
-        step = self.max_batch or (hi - lo)
         base_dst, base_src, base_size = batch.dst_ptr, batch.src_ptr, batch.size_ptr
         attrs = ctypes.byref(self._attrs_h2d if batch.to_device else self._attrs_d2h)
         idx = self._attr_idx
         out = self._out()
         fail_idx = out[2]
-        for start in range(lo, hi, step):
-            n = min(step, hi - start)
+        start = lo
+        while start < hi:
+            fn = self._batch_fn
+            if fn is None:  # given up on during this operation: the rest one by one
+                self._one_by_one(batch, describe, stream, start, hi)
+                return
+            n = min(self.max_batch or hi - start, hi - start)
             off = start * 8
             if self._batch_abi == "12.8":
                 fail_idx.value = _NO_INDEX
-                err = self._batch_fn(base_dst + off, base_src + off, base_size + off, n, attrs, idx, 1,
-                                     out[3], stream)  # fmt: skip
+                err = fn(base_dst + off, base_src + off, base_size + off, n, attrs, idx, 1, out[3], stream)
             else:
-                err = self._batch_fn(base_dst + off, base_src + off, base_size + off, n, attrs, idx, 1, stream)
+                err = fn(base_dst + off, base_src + off, base_size + off, n, attrs, idx, 1, stream)
             if err:
                 failed = None
                 if self._batch_abi == "12.8" and fail_idx.value < n:
                     failed = start + fail_idx.value
                 self._batch_failed(batch, describe, stream, start, n, err, failed)
+            start += n
 
     def _batch_failed(self, batch: Batch, describe, stream: int, start: int, n: int, err: int, failed) -> None:
         if failed is not None:
