@@ -11,7 +11,8 @@
 #   2. the conformance kit and direct's unit tests on CUDA (HICACHE_TEST_DEVICE=cuda)
 #   3. byte-exact checks of the batched path, every layout direct claims, plain/sharded/draft pools,
 #      kv_split 2-D copies, every submission setting, side/legacy/behind-a-producer streams
-#   4. compute-sanitizer memcheck over a short direct check
+#   4. compute-sanitizer memcheck over a short direct check, then kv_split's 2-D copies as one
+#      cudaMemcpy3DBatchAsync (new, so in a process of its own; benched only if byte-exact)
 #   5. hicache bench rows for direct, kernel and jit (llama-8b, deepseek-mla; 64, 4096, 32768 tokens)
 #   6. hicache bench --overlap --quick (auto by the static rule, as on a machine with no profile)
 #   7. hicache calibrate --quick, the profile auto reads, written to $OUT/profile.json
@@ -64,7 +65,11 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
 else
   results+=("memcheck: skipped (no compute-sanitizer on PATH)")
 fi
-step bench 80 "$PY" -m hicache_core.cli bench --quick --shapes llama-8b,deepseek-mla --tokens 64,4096,32768 \
+# 2-D copies as one cudaMemcpy3DBatchAsync (off by default until this passes): in a process of its own.
+step batched-2d 30 "$PY" scripts/gpu/direct_check.py --only-2d --out "$OUT"
+bench_2d=0
+[[ "${results[-1]}" == "batched-2d: ok"* ]] && bench_2d=1
+step bench 80 env HICACHE_BENCH_BATCH_2D=$bench_2d "$PY" -m hicache_core.cli bench --quick --shapes llama-8b,deepseek-mla --tokens 64,4096,32768 \
   --layouts page_first_direct,layer_first,page_first_kv_split --only direct.copy_engine,kernel.triton_uva,jit.one_layer \
   --out "$OUT" --name direct-bench
 # auto in the overlap run follows the static rule (no profile yet on a fresh machine): the bar is on the rule.

@@ -33,8 +33,9 @@ SETTINGS = {
     "streams2": {"streams": 2},
     "one_by_one": {"batch": False},
     "no_overlap_hint": {"prefer_overlap": False},
+    "batch_2d": {"batch_2d": True},
 }
-VARIANT_ORDER = ("default", "streams2", "max_batch32", "no_overlap_hint", "one_by_one")
+VARIANT_ORDER = ("default", "streams2", "max_batch32", "no_overlap_hint", "one_by_one", "batch_2d")
 #: CUDA on the GPU machine; the CPU runs the same code paths as a dry run (memmove, no streams).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KIND_SHAPES = {"mha": "llama-8b", "mha_asym": "mimo-asym", "mla": "deepseek-mla", "page_rows": "dsa-indexer"}
@@ -121,15 +122,18 @@ def check_pool(pool: Pool, gen, results: list, combos) -> None:
         print(("PASS " if ok else "FAIL ") + name + (f": {why}" if why else ""), flush=True)
 
 
-def combos_for(variant: str, memcheck: bool) -> list[tuple[str, torch.dtype, str]]:
+def combos_for(variant: str, memcheck: bool, only_2d: bool = False) -> list[tuple[str, torch.dtype, str]]:
     """(submission setting, index dtype, stream) cases: every setting on plain pools, the rest once."""
+    if only_2d:
+        return [("batch_2d", torch.int64, "side"), ("batch_2d", torch.int32, "legacy"),
+                ("batch_2d", torch.int64, "behind")]  # fmt: skip
     if memcheck:
         return [("batch", torch.int64, "side")]
     if DEVICE == "cpu":  # no streams and no submission knobs on the CPU
         return [("batch", torch.int64, "side"), ("batch", torch.int32, "side")]
     base = [("batch", torch.int32, "side"), ("batch", torch.int64, "legacy"), ("batch", torch.int64, "behind")]
-    if variant == "plain":
-        return [(s, torch.int64, "side") for s in SETTINGS] + base
+    if variant == "plain":  # batch_2d runs in a process of its own (--only-2d): it is new on GPUs
+        return [(s, torch.int64, "side") for s in SETTINGS if s != "batch_2d"] + base
     return [("batch", torch.int64, "side"), ("batch", torch.int32, "legacy"), ("batch", torch.int64, "behind")]
 
 
@@ -140,8 +144,9 @@ def _one_op(pool: Pool, op: str, h, d, setting: str, where: str, gen) -> bool:
     layers = list(range(host.layer_num))
     owned = range(host.start_layer, host.end_layer)
     copier = pool.impl.copier
-    saved = {k: getattr(copier, k) for k in SETTINGS[setting]}
-    for k, v in SETTINGS[setting].items():
+    changes = {k: v for k, v in SETTINGS[setting].items() if hasattr(copier, k)}  # the CPU copier has no knobs
+    saved = {k: getattr(copier, k) for k in changes}
+    for k, v in changes.items():
         setattr(copier, k, v)
     try:
         if DEVICE == "cpu":
@@ -186,14 +191,14 @@ def _one_op(pool: Pool, op: str, h, d, setting: str, where: str, gen) -> bool:
     return _same(pool.dt, got_dev) and _same(pool.ht, got_host)
 
 
-def run_checks(memcheck: bool, out: Path | None = None) -> list[dict]:
+def run_checks(memcheck: bool, out: Path | None = None, only_2d: bool = False, results=None) -> list[dict]:
     registry = hc.get_registry()
     direct = registry.implementations["direct.copy_engine"]
     gen = torch.Generator().manual_seed(0)
-    results: list[dict] = []
+    results = [] if results is None else results
     for kind in ("mha", "mha_asym", "mla", "page_rows"):
         for layout, decl in sorted(registry.layouts.items()):
-            if kind not in decl.pool_kinds:
+            if kind not in decl.pool_kinds or (only_2d and layout != "page_first_kv_split"):
                 continue
             for page in (64,) if memcheck or kind == "page_rows" else (64, 1):
                 for variant in ("plain", "sharded", "draft") if not memcheck else ("draft",):
@@ -209,11 +214,50 @@ def run_checks(memcheck: bool, out: Path | None = None) -> list[dict]:
                         results.append({"case": f"{kind}/{layout}/p{page}/{variant}", "ok": False, "why": repr(exc)})
                         print(f"FAIL {kind}/{layout}/p{page}/{variant}: {exc!r}", flush=True)
                         continue
-                    check_pool(pool, gen, results, combos_for(variant, memcheck))
+                    check_pool(pool, gen, results, combos_for(variant, memcheck, only_2d))
                     del pool
                     if out is not None:  # after every pool: a run cut short still leaves its results
                         (out / "direct-check.json").write_text(json.dumps({"results": results}, indent=1))
     return results
+
+
+def bars(recs: list[dict]) -> list[str]:
+    """Issue 11's bars for direct (default settings), each with the best variant beside it."""
+    out = []
+
+    def rows(shape, layouts, ops, tokens):
+        return [r for r in recs if r.get("implementation") == "direct.copy_engine" and "fraction_of_ceiling" in r
+                and r["shape"] == shape and r["layout"] in layouts and r["operation"] in ops
+                and r["tokens"] in tokens]  # fmt: skip
+
+    one_layer = ("load_to_device_per_layer", "backup_from_device_per_layer")
+    checks = [
+        ("llama-8b per-layer >= 4096 tok", rows("llama-8b", ("page_first_direct", "layer_first"), one_layer,
+                                                 (4096, 32768)), 0.85),  # fmt: skip
+        ("MLA load 4096 tok", rows("deepseek-mla", ("page_first_direct", "layer_first"), one_layer[:1], (4096,)), 0.75),
+        ("MLA load 32768 tok", rows("deepseek-mla", ("page_first_direct", "layer_first"), one_layer[:1], (32768,)),
+         0.85),  # fmt: skip
+        ("all-layer backups", [r for r in recs if r.get("implementation") == "direct.copy_engine"
+                               and r.get("operation") == "backup_from_device_all_layer" and "fraction_of_ceiling" in r
+                               and r["layout"] != "page_first_kv_split"], 0.90),  # fmt: skip
+    ]
+    for label, found, bar in checks:
+        default = [r["fraction_of_ceiling"] for r in found if r.get("variant", "default") == "default"]
+        if not default:
+            out.append(f"bar {label} >= {bar}: not measured")
+            continue
+        best = {}
+        for r in found:
+            best[r.get("variant", "default")] = min(best.get(r.get("variant", "default"), 9), r["fraction_of_ceiling"])
+        top = max(best, key=best.get)
+        verdict = "PASS" if min(default) >= bar else "MISS"
+        out.append(f"bar {label} >= {bar}: {verdict} (default worst {min(default):.2f}; best setting {top} worst "
+                   f"{best[top]:.2f})")  # fmt: skip
+    host = [r["host_time_us"] for r in recs if r.get("metric") == "host_time_us"
+            and r["implementation"] == "direct.copy_engine"]  # fmt: skip
+    if host:
+        out.append(f"bar 64-token load <= 15 us host: {'PASS' if max(host) <= 15 else 'MISS'} (worst {max(host):.1f})")
+    return out
 
 
 def summary(folder: Path) -> int:
@@ -233,7 +277,7 @@ def summary(folder: Path) -> int:
         ceiling = data.get("ceiling", {})
         lines.append(f"ceiling H2D {ceiling.get('h2d_gbps', 0):.1f} GB/s, D2H {ceiling.get('d2h_gbps', 0):.1f} GB/s")
         lines.append("fraction of the ceiling (direct: default / streams2 / max_batch32 / no_overlap_hint / "
-                     "one_by_one; kernels at 8 CTAs / unlimited):")  # fmt: skip
+                     "one_by_one / batch_2d; kernels at 8 CTAs / unlimited):")  # fmt: skip
         keys = sorted({(r["shape"], r["layout"], r["operation"], r["tokens"]) for r in recs
                        if "fraction_of_ceiling" in r and r["tokens"] >= 4096})  # fmt: skip
         for key in keys:
@@ -253,6 +297,7 @@ def summary(folder: Path) -> int:
                 cells.append(f"{impl.split('.')[0]} {vals}")
             op = key[2].replace("_to_device_per_layer", "").replace("backup_from_device_", "backup_")
             lines.append(f"    {key[0]:12} {key[1]:19} {op:16} {key[3]:6}  " + "  ".join(cells))
+        lines += ["    " + x for x in bars(recs)]
         for r in recs:
             if r.get("metric") == "host_time_us":
                 lines.append(
@@ -283,6 +328,8 @@ def main() -> int:
     ap.add_argument("--out", help="folder for direct-check.json")
     ap.add_argument("--memcheck", action="store_true", help="a short subset (for compute-sanitizer)")
     ap.add_argument("--summary", help="print the summary of a direct-check.sh output folder")
+    ap.add_argument("--only-2d", action="store_true",
+                    help="kv_split pools with 2-D copies as one cudaMemcpy3DBatchAsync (added to --out's results)")
     args = ap.parse_args()
     if args.summary:
         return summary(Path(args.summary))
@@ -292,7 +339,10 @@ def main() -> int:
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    results = run_checks(args.memcheck, out)
+    earlier = None
+    if args.only_2d and out is not None and (out / "direct-check.json").exists():
+        earlier = json.loads((out / "direct-check.json").read_text())["results"]
+    results = run_checks(args.memcheck, out, args.only_2d, earlier)
     bad = sum(not r["ok"] for r in results)
     print(f"{len(results) - bad} passed, {bad} failed in {time.perf_counter() - t0:.0f} s")
     if out is not None:

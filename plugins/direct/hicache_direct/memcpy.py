@@ -64,6 +64,20 @@ class MemcpyAttributes(ctypes.Structure):
     ]
 
 
+#: ``cudaMemcpy3DBatchOp`` as a numpy record (112 bytes; offsets read from the structs cuda-bindings 13.5
+#: compiles against driver_types.h, and the same in 12.8): two pointer operands, the extent, the order.
+BATCH_OP_3D = np.dtype({
+    "names": ["src_type", "src_ptr", "src_row", "src_layer", "src_loc", "src_loc_id",
+              "dst_type", "dst_ptr", "dst_row", "dst_layer", "dst_loc", "dst_loc_id",
+              "width", "height", "depth", "order", "flags"],
+    "formats": ["<i4", "<u8", "<u8", "<u8", "<i4", "<i4", "<i4", "<u8", "<u8", "<u8", "<i4", "<i4",
+                "<u8", "<u8", "<u8", "<i4", "<u4"],
+    "offsets": [0, 8, 16, 24, 32, 36, 40, 48, 56, 64, 72, 76, 80, 88, 96, 104, 108],
+    "itemsize": 112,
+})  # fmt: skip
+_OPERAND_POINTER = 1  # cudaMemcpyOperandTypePointer
+
+
 class CopyError(RuntimeError):
     """A copy the driver refused; the message names the run (host items, device rows, layer, part)."""
 
@@ -96,6 +110,9 @@ class CudaCopier:
       several copy engines work at once.
     * ``prefer_overlap`` (``HICACHE_DIRECT_PREFER_OVERLAP``, default 1): the batch attribute
       that asks the driver to keep the copies on the copy engine, beside compute.
+    * ``batch_2d`` (``HICACHE_DIRECT_BATCH_2D``, default 0 until measured on a GPU): submit the
+      2-D copies (``page_first_kv_split``'s halves) as one ``cudaMemcpy3DBatchAsync`` instead of
+      one ``cudaMemcpy2DAsync`` per run.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -116,6 +133,7 @@ class CudaCopier:
         self._error_name.argtypes = [ctypes.c_int]
         self._lib = lib
         self._batch_fn, self._batch_abi, self.unavailable = _batch_function(lib, self.runtime_version)
+        self._batch3d_fn, self.unavailable_2d = _batch3d_function(lib, self.runtime_version)
         # One attribute entry per direction: sources read in stream order, location hints (used by the
         # driver only for managed or pageable memory) naming host and device.
         self._attrs_h2d = MemcpyAttributes(_SRC_ORDER_STREAM, _MemLocation(_LOC_HOST, 0),
@@ -129,6 +147,7 @@ class CudaCopier:
         self.max_batch = _env_int("HICACHE_DIRECT_MAX_BATCH", 0)
         self.streams = max(1, _env_int("HICACHE_DIRECT_STREAMS", 1))
         self.prefer_overlap = _env_int("HICACHE_DIRECT_PREFER_OVERLAP", 1) != 0
+        self.batch_2d = _env_int("HICACHE_DIRECT_BATCH_2D", 0) != 0
 
     @property
     def prefer_overlap(self) -> bool:
@@ -166,6 +185,7 @@ class CudaCopier:
 
     def _submit(self, batch: Batch, describe, stream: int) -> None:
         count = batch.count
+        use_batch = False
         if count:
             use_batch = self.batch and self._batch_fn is not None and count > 1
             if use_batch:
@@ -181,11 +201,68 @@ class CudaCopier:
             else:
                 self._one_by_one(batch, describe, stream, 0, count)
         if batch.copies_2d:
-            memcpy2d = self._memcpy2d
-            for dst, dpitch, src, spitch, width, height, origin in batch.copies_2d:
-                err = memcpy2d(dst, dpitch, src, spitch, width, height, _DEFAULT, stream)
-                if err:
-                    raise CopyError(f"cudaMemcpy2DAsync failed with {self._name(err)} on {describe(batch, origin)}")
+            # The batch call has no graph-node form on every runtime: under capture, 2-D copies one by one.
+            if self.batch_2d and self._batch3d_fn is not None and len(batch.copies_2d) > 1 and (
+                use_batch or self._not_capturing(stream)
+            ):
+                self._batched_2d(batch, describe, stream)
+            else:
+                self._one_by_one_2d(batch, describe, stream, batch.copies_2d)
+
+    def _not_capturing(self, stream: int) -> bool:
+        out = self._out()
+        self._is_capturing(stream, out[1])
+        return out[0].value == 0
+
+    def _one_by_one_2d(self, batch: Batch, describe, stream: int, copies) -> None:
+        memcpy2d = self._memcpy2d
+        for dst, dpitch, src, spitch, width, height, origin in copies:
+            err = memcpy2d(dst, dpitch, src, spitch, width, height, _DEFAULT, stream)
+            if err:
+                raise CopyError(f"cudaMemcpy2DAsync failed with {self._name(err)} on {describe(batch, origin)}")
+
+    def _batched_2d(self, batch: Batch, describe, stream: int) -> None:
+        """Every 2-D copy of the operation as one ``cudaMemcpy3DBatchAsync`` (pointer operands, depth 1)."""
+        copies = batch.copies_2d
+        ops = self._ops_2d(len(copies))
+        dst, dpitch, src, spitch, width, height, _ = zip(*copies)
+        ops["src_ptr"], ops["src_row"], ops["src_layer"] = src, spitch, height
+        ops["dst_ptr"], ops["dst_row"], ops["dst_layer"] = dst, dpitch, height
+        ops["width"], ops["height"] = width, height
+        hint = self._attrs_h2d if batch.to_device else self._attrs_d2h
+        ops["src_loc"], ops["src_loc_id"] = hint.srcLocHint.type, hint.srcLocHint.id
+        ops["dst_loc"], ops["dst_loc_id"] = hint.dstLocHint.type, hint.dstLocHint.id
+        ops["flags"] = hint.flags
+        ptr = ops.ctypes.data
+        if self._batch_abi == "12.8":
+            out = self._out()
+            out[2].value = _NO_INDEX
+            err = self._batch3d_fn(len(copies), ptr, out[3], 0, stream)
+            failed = out[2].value if out[2].value < len(copies) else None
+        else:
+            err = self._batch3d_fn(len(copies), ptr, 0, stream)
+            failed = None
+        if not err:
+            return
+        if failed is not None:
+            raise CopyError(f"cudaMemcpy3DBatchAsync failed with {self._name(err)} at 2-D copy {failed}: "
+                            f"{describe(batch, copies[failed][6])}")  # fmt: skip
+        self._one_by_one_2d(batch, describe, stream, copies)
+        self._batch3d_fn = None
+        self.unavailable_2d = f"refused with {self._name(err)} while each 2-D copy alone succeeded"
+        warnings.warn(f"hicache direct: cudaMemcpy3DBatchAsync {self.unavailable_2d}; 2-D copies one by one "
+                      "from now on", stacklevel=4)  # fmt: skip
+
+    def _ops_2d(self, n: int) -> np.ndarray:
+        """Per-thread ``cudaMemcpy3DBatchOp`` records, grown as needed, constant fields set once."""
+        ops = getattr(self._local, "ops_2d", None)
+        if ops is None or ops.shape[0] < n:
+            ops = np.zeros(max(n, 64), dtype=BATCH_OP_3D)
+            ops["src_type"] = ops["dst_type"] = _OPERAND_POINTER
+            ops["depth"] = 1
+            ops["order"] = _SRC_ORDER_STREAM
+            self._local.ops_2d = ops
+        return ops[:n]
 
     def _batched(self, batch: Batch, describe, stream: int, lo: int, hi: int) -> None:
         base_dst, base_src, base_size = batch.dst_ptr, batch.src_ptr, batch.size_ptr
@@ -307,6 +384,20 @@ def _batch_function(lib: ctypes.CDLL, version: int):
     if version >= _ABI_13:  # CUDA 13.0 dropped failIdx (eight arguments)
         return _fn(fn, [*common, ctypes.c_void_p]), "13.0", None
     return _fn(fn, [*common, ctypes.c_void_p, ctypes.c_void_p]), "12.8", None
+
+
+def _batch3d_function(lib: ctypes.CDLL, version: int):
+    """``(function, why not)`` of ``cudaMemcpy3DBatchAsync`` (its ABI changed with the 1-D call's)."""
+    if version < _BATCH_MIN_VERSION:
+        return None, f"missing from CUDA runtime {version} (it needs 12.8 or later)"
+    try:
+        fn = lib.cudaMemcpy3DBatchAsync
+    except AttributeError:
+        return None, f"not exported by CUDA runtime {version}"
+    if version >= _ABI_13:  # (numOps, opList, flags, stream)
+        return _fn(fn, [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p]), None
+    # 12.8/12.9: (numOps, opList, failIdx, flags, stream)
+    return _fn(fn, [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_void_p]), None
 
 
 def runtime_version(lib: ctypes.CDLL) -> int:

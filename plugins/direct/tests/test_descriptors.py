@@ -251,6 +251,7 @@ def _fake_copier(abi: str, batch_result, memcpy_fail_at=None):
         return 1 if memcpy_fail_at is not None and n - 1 == memcpy_fail_at else 0
 
     c._batch_fn = batch_fn
+    c._batch3d_fn, c.batch_2d, c.unavailable_2d = None, False, None
     c._memcpy = memcpy_fn
     c._memcpy2d = lambda *a: c.calls.append(("2d", a[5], a[7])) or 0
     c._is_capturing = lambda stream, ref: 0
@@ -342,3 +343,53 @@ def test_a_huge_refused_batch_is_split_before_it_is_given_up():
     c._batch_fn = lambda *a: c.calls.append(("batch", a[3], a[-1])) or 0
     c.submit(batch, impl.builder.describe)
     assert [x[1] for x in c.calls] == [1024, 1024, 352]
+
+
+def test_3d_batch_records_have_the_runtime_layout():
+    # Offsets of cudaMemcpy3DBatchOp as cuda-bindings 13.5 compiles it (read back through getPtr()).
+    fields = memcpy.BATCH_OP_3D.fields
+    assert memcpy.BATCH_OP_3D.itemsize == 112
+    expect = {"src_type": 0, "src_ptr": 8, "src_row": 16, "src_layer": 24, "src_loc": 32, "src_loc_id": 36,
+              "dst_type": 40, "dst_ptr": 48, "dst_row": 56, "dst_layer": 64, "dst_loc": 72, "dst_loc_id": 76,
+              "width": 80, "height": 88, "depth": 96, "order": 104, "flags": 108}  # fmt: skip
+    assert {name: fields[name][1] for name in expect} == expect
+
+
+@pytest.mark.parametrize("abi", ["12.8", "13.0"])
+def test_2d_copies_as_one_3d_batch(abi):
+    dev, drafts, host, _ = _pools("mla", "page_first_kv_split")
+    impl = host.implementation_for(hc.LOAD)
+    batch = impl.plan_for(_slots([1, 3]), _slots([2, 5]), (1,), True)  # 2 pages x 2 halves: four 2-D copies
+    assert batch.count == 0 and len(batch.copies_2d) == 4
+    c = _fake_copier(abi, 0)
+    seen = {}
+
+    def batch3d(n, ptr, *rest):
+        raw = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_uint8)), (n * 112,))
+        seen["ops"], seen["rest"] = raw.view(memcpy.BATCH_OP_3D).copy(), rest
+        return 0
+
+    c._batch3d_fn, c.batch_2d = batch3d, True
+    c._attrs_h2d = memcpy.MemcpyAttributes(1, memcpy._MemLocation(2, 0), memcpy._MemLocation(1, 0), 1)
+    c.submit(batch, impl.builder.describe)
+    ops = seen["ops"]
+    assert len(seen["rest"]) == (3 if abi == "12.8" else 2) and seen["rest"][-1] == memcpy._STREAM_PER_THREAD
+    k = host.plan.parts[0]
+    first = batch.copies_2d[0]
+    assert (ops["src_type"] == 1).all() and (ops["dst_type"] == 1).all() and (ops["depth"] == 1).all()
+    assert ops["dst_ptr"][0] == first[0] and ops["dst_row"][0] == k.device_row_bytes
+    assert ops["src_ptr"][0] == first[2] and ops["src_row"][0] == k.item_bytes
+    assert ops["width"][0] == k.item_bytes and ops["height"][0] == PAGE and ops["src_layer"][0] == PAGE
+    assert (ops["order"] == 1).all() and (ops["src_loc"] == 2).all() and (ops["dst_loc"] == 1).all()
+    assert not any(x[0] == "2d" for x in c.calls)
+
+
+def test_a_refused_3d_batch_falls_back_to_2d_copies():
+    dev, drafts, host, _ = _pools("mla", "page_first_kv_split")
+    impl = host.implementation_for(hc.LOAD)
+    batch = impl.plan_for(_slots([1, 3]), _slots([2, 5]), (1,), True)
+    c = _fake_copier("13.0", 0)
+    c._batch3d_fn, c.batch_2d = (lambda *a: 1), True
+    with pytest.warns(UserWarning, match="2-D copies one by one"):
+        c.submit(batch, impl.builder.describe)
+    assert [x[0] for x in c.calls] == ["2d"] * 4 and c._batch3d_fn is None
