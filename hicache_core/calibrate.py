@@ -26,7 +26,7 @@ import torch
 
 from . import autoselect
 from .autoselect import Choice, Profile
-from .bench import Timer, measure_ceiling
+from .bench import Timer, _storable, measure_ceiling
 from .demo import random_pages
 from .dispatch import reasons_for
 from .host_pool import make_host_pool
@@ -119,9 +119,9 @@ def run_calibrate(shapes=("llama-8b", "deepseek-mla"), tokens=(64, 512, 4096, 32
         most = max(tokens)
         dev = shape.device_pool(most + 2 * page_size, page_size=page_size, device="cuda")
         for layout, decl in sorted(registry.layouts.items()):
-            if shape.kind not in decl.pool_kinds or (layouts and layout not in layouts):
+            if not _storable(shape, decl) or (layouts and layout not in layouts):
                 continue
-            host = make_host_pool(dev, layout=layout, io_backend="reference", size=most, operations=())
+            host = make_host_pool(dev, layout=layout, io_backend="reference", size=dev.size, operations=())
             from .overlap import fill_random_fast
 
             fill_random_fast([t for p in host.plan.parts for t in p.device_layers]

@@ -170,7 +170,7 @@ def test_explain_auto_on_the_command_line(capsys):
     from hicache_core.cli import main
 
     args = ["explain", "--pool", "mha", "--layout", "page_first_direct", "--op", "load_to_device_per_layer",
-            "--io-backend", "auto"]  # fmt: skip
+            "--io-backend", "auto", "--device", "cuda"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "auto chooses per call by tokens per call" in out and "direct.copy_engine" in out and "[rule]" in out

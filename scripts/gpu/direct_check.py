@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 import hicache_core as hc
+from hicache_core.dispatch import reasons_for
 from hicache_core.reference import reference_copy
-from hicache_core.shapes import SHAPES
+from hicache_core.shapes import shape_for_kind
 
 SETTINGS = {
     "batch": {},
@@ -38,7 +39,6 @@ SETTINGS = {
 VARIANT_ORDER = ("default", "streams2", "max_batch32", "no_overlap_hint", "one_by_one", "batch_2d")
 #: CUDA on the GPU machine; the CPU runs the same code paths as a dry run (memmove, no streams).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KIND_SHAPES = {"mha": "llama-8b", "mha_asym": "mimo-asym", "mla": "deepseek-mla", "page_rows": "dsa-indexer"}
 
 
 def _sync() -> None:
@@ -72,14 +72,14 @@ def _same(tensors, images) -> bool:
 
 class Pool:
     def __init__(self, kind: str, layout: str, variant: str, page: int, layers: int, tokens: int) -> None:
-        shape = SHAPES[KIND_SHAPES[kind]]
+        shape = shape_for_kind(kind)
         kw = {"start_layer": layers // 2, "end_layer": layers} if variant == "sharded" else {}
         rows = tokens * 2 + page
         self.dev = shape.device_pool(rows, page_size=page, device=DEVICE, layers=layers, **kw)
         self.drafts = ()
         if variant == "draft":  # a draft with fewer rows than the target (bounds are per layer)
             self.drafts = (shape.device_pool(rows - 2 * page, page_size=page, device=DEVICE, layers=1),)
-        self.host = hc.make_host_pool(self.dev, layout=layout, io_backend="direct", size=tokens + page,
+        self.host = hc.make_host_pool(self.dev, layout=layout, io_backend="direct", size=self.dev.size,
                                       draft_pools=self.drafts, operations=list(hc.OPERATIONS))  # fmt: skip
         self.impl = self.host.implementation_for(hc.LOAD)
         self.dt = _dev_tensors(self.dev, self.drafts)
@@ -196,16 +196,17 @@ def run_checks(memcheck: bool, out: Path | None = None, only_2d: bool = False, r
     direct = registry.implementations["direct.copy_engine"]
     gen = torch.Generator().manual_seed(0)
     results = [] if results is None else results
-    for kind in ("mha", "mha_asym", "mla", "page_rows"):
+    for kind in sorted(registry.pool_kinds):  # every pool kind registered, third parties' too
         for layout, decl in sorted(registry.layouts.items()):
-            if kind not in decl.pool_kinds or (only_2d and layout != "page_first_kv_split"):
+            if only_2d and layout != "page_first_kv_split":
                 continue
-            for page in (64,) if memcheck or kind == "page_rows" else (64, 1):
+            page_kind = registry.pool_kinds[kind].items_are_pages
+            for page in (64,) if memcheck or page_kind else (64, 1):
                 for variant in ("plain", "sharded", "draft") if not memcheck else ("draft",):
-                    geometry = SHAPES[KIND_SHAPES[kind]].geometry(page_size=page, sharded=variant == "sharded",
+                    geometry = shape_for_kind(kind).geometry(page_size=page, sharded=variant == "sharded",
                                                                   draft=variant == "draft", layers=4)  # fmt: skip
                     request = hc.TransferRequest("direct", hc.LOAD, geometry, decl, True)
-                    if direct.not_supported_reasons(request):
+                    if reasons_for(direct, request):
                         continue
                     tokens = 64 if page == 1 else 256
                     try:

@@ -39,6 +39,7 @@ def _pools(kind: str = "mha", layout: str = "page_first_direct", page_size: int 
 
     dev = make(layers)
     drafts = (make(1),) if draft else ()
+    size = max(size, dev.size)  # a host pool is never smaller than its device pool
     host = hc.make_host_pool(dev, layout=layout, io_backend="direct", size=size, draft_pools=drafts)
     twin = hc.make_host_pool(dev, layout=layout, io_backend="reference", size=size, draft_pools=drafts)
     gen = torch.Generator().manual_seed(7)
