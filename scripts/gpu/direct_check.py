@@ -131,10 +131,12 @@ def combos_for(variant: str, memcheck: bool, only_2d: bool = False) -> list[tupl
         return [("batch", torch.int64, "side")]
     if DEVICE == "cpu":  # no streams and no submission knobs on the CPU
         return [("batch", torch.int64, "side"), ("batch", torch.int32, "side")]
-    base = [("batch", torch.int32, "side"), ("batch", torch.int64, "legacy"), ("batch", torch.int64, "behind")]
     if variant == "plain":  # batch_2d runs in a process of its own (--only-2d): it is new on GPUs
-        return [(s, torch.int64, "side") for s in SETTINGS if s != "batch_2d"] + base
-    return [("batch", torch.int64, "side"), ("batch", torch.int32, "legacy"), ("batch", torch.int64, "behind")]
+        settings = [s for s in SETTINGS if s not in ("batch_2d", "no_overlap_hint")]  # a hint moves no byte
+        return [(s, torch.int64, "side") for s in settings] + [("batch", torch.int32, "side"),
+                                                                ("batch", torch.int64, "legacy"),
+                                                                ("batch", torch.int64, "behind")]  # fmt: skip
+    return [("batch", torch.int32, "legacy"), ("batch", torch.int64, "behind")]
 
 
 def _one_op(pool: Pool, op: str, h, d, setting: str, where: str, gen) -> bool:
