@@ -23,8 +23,13 @@ from .memcpy import copier_for
 class DirectCopy(Implementation):
     """Copy engine only: one ``cudaMemcpyBatchAsync`` of merged runs per operation, on the current stream.
 
+    Indices: CPU int32 or int64 tensors. The runs and copies found for an index pair are kept
+    (per thread) while the same tensor objects come back with the same version counter, which is
+    what a server passes layer after layer; an in-place change through torch bumps the counter and
+    is seen, but a write through a numpy view of the tensor is not (pass a new tensor instead).
+
     Tuning, per instance (``host.implementation_for(op).copier``): ``max_batch``, ``streams``,
-    ``prefer_overlap``, ``batch`` (see :class:`hicache_direct.memcpy.CudaCopier`).
+    ``prefer_overlap``, ``batch``, ``batch_2d`` (see :class:`hicache_direct.memcpy.CudaCopier`).
     """
 
     name = "direct.copy_engine"
