@@ -246,6 +246,8 @@ def cmd_explain(registry: Registry, args) -> int:
             lines += ["  Per token-count bucket:"] + autoselect.explain_lines(registry, request)
             data["buckets"] = {str(e): {"implementation": c.implementation, "max_ctas": c.max_ctas,
                                         "source": c.source, "why": c.why} for e, c in table.items()}  # fmt: skip
+            # The choice for the largest calls (where most bytes move); "buckets" has every choice.
+            data["implementation"] = table[max(table)].implementation
         else:
             lines.append(f"  auto on {request.device_type} pools: the best-priority claimant (the rule is about GPUs)")
     return _explain_out(args.json, data, "\n".join(lines))
