@@ -242,14 +242,29 @@ def bars(recs: list[dict]) -> list[str]:
 
     one_layer = ("load_to_device_per_layer", "backup_from_device_per_layer")
     checks = [
-        ("llama-8b per-layer >= 4096 tok", rows("llama-8b", ("page_first_direct", "layer_first"), one_layer,
-                                                 (4096, 32768)), 0.85),  # fmt: skip
+        (
+            "llama-8b per-layer >= 4096 tok",
+            rows("llama-8b", ("page_first_direct", "layer_first"), one_layer, (4096, 32768)),
+            0.85,
+        ),  # fmt: skip
         ("MLA load 4096 tok", rows("deepseek-mla", ("page_first_direct", "layer_first"), one_layer[:1], (4096,)), 0.75),
-        ("MLA load 32768 tok", rows("deepseek-mla", ("page_first_direct", "layer_first"), one_layer[:1], (32768,)),
-         0.85),  # fmt: skip
-        ("all-layer backups", [r for r in recs if r.get("implementation") == "direct.copy_engine"
-                               and r.get("operation") == "backup_from_device_all_layer" and "fraction_of_ceiling" in r
-                               and r["layout"] != "page_first_kv_split"], 0.90),  # fmt: skip
+        (
+            "MLA load 32768 tok",
+            rows("deepseek-mla", ("page_first_direct", "layer_first"), one_layer[:1], (32768,)),
+            0.85,
+        ),  # fmt: skip
+        (
+            "all-layer backups",
+            [
+                r
+                for r in recs
+                if r.get("implementation") == "direct.copy_engine"
+                and r.get("operation") == "backup_from_device_all_layer"
+                and "fraction_of_ceiling" in r
+                and r["layout"] != "page_first_kv_split"
+            ],
+            0.90,
+        ),  # fmt: skip
     ]
     for label, found, bar in checks:
         default = [r["fraction_of_ceiling"] for r in found if r.get("variant", "default") == "default"]
@@ -338,8 +353,11 @@ def main() -> int:
     ap.add_argument("--out", help="folder for direct-check.json")
     ap.add_argument("--memcheck", action="store_true", help="a short subset (for compute-sanitizer)")
     ap.add_argument("--summary", help="print the summary of a direct-check.sh output folder")
-    ap.add_argument("--only-2d", action="store_true",
-                    help="kv_split pools with 2-D copies as one cudaMemcpy3DBatchAsync (added to --out's results)")
+    ap.add_argument(
+        "--only-2d",
+        action="store_true",
+        help="kv_split pools with 2-D copies as one cudaMemcpy3DBatchAsync (added to --out's results)",
+    )
     args = ap.parse_args()
     if args.summary:
         return summary(Path(args.summary))

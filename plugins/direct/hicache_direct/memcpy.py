@@ -202,8 +202,11 @@ class CudaCopier:
                 self._one_by_one(batch, describe, stream, 0, count)
         if batch.copies_2d:
             # The batch call has no graph-node form on every runtime: under capture, 2-D copies one by one.
-            if self.batch_2d and self._batch3d_fn is not None and len(batch.copies_2d) > 1 and (
-                use_batch or self._not_capturing(stream)
+            if (
+                self.batch_2d
+                and self._batch3d_fn is not None
+                and len(batch.copies_2d) > 1
+                and (use_batch or self._not_capturing(stream))
             ):
                 self._batched_2d(batch, describe, stream)
             else:
