@@ -185,7 +185,7 @@ class Pools:
         self.shape = SHAPES[shape_name]
         self.tokens = tokens
         self.dev = self.shape.device_pool(tokens + 2 * PAGE, page_size=PAGE, device=env.device, layers=layers)
-        self.host = hc.make_host_pool(self.dev, layout=layout, io_backend="reference", size=tokens + PAGE,
+        self.host = hc.make_host_pool(self.dev, layout=layout, io_backend="reference", size=tokens + 2 * PAGE,
                                       operations=(), validate=False)  # fmt: skip
         self.plan = self.host.plan
         self.layers = self.plan.num_layers
@@ -629,7 +629,8 @@ def overlap(env: Env, results: list, skip: set[str], budget_left) -> None:
     cls = hc.get_registry().implementations.get("jit.one_layer")
     for cached in (8192, 32768):
         dev = shape.device_pool(cached + 2 * PAGE, page_size=PAGE, device="cuda")
-        host = hc.make_host_pool(dev, layout="page_first", io_backend="reference", size=cached + PAGE, operations=())
+        host = hc.make_host_pool(dev, layout="page_first", io_backend="reference", size=cached + 2 * PAGE,
+                                 operations=())  # fmt: skip
         fill_random(list(host.plan.host_buffers.values()), "cuda")
         bench = Overlap(host.plan.num_layers)
         gen = torch.Generator().manual_seed(3)

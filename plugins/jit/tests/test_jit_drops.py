@@ -21,7 +21,7 @@ def _pools(kind: str, layout: str, device: str, variant: str):
         dev = hc.MLADevicePool(28, 4, torch.bfloat16, 16, 8, 3, device)
     else:
         dev = hc.MHADevicePool(28, 4, torch.bfloat16, 2, 8, 3, device, v_head_dim=4)
-    kw = dict(layout=layout, size=16, operations=ONE_LAYER, validate=False)
+    kw = dict(layout=layout, size=32, operations=ONE_LAYER, validate=False)
     host = hc.make_host_pool(dev, io_backend="kernel", implementation="jit.one_layer", **kw)
     host.implementation_for(hc.LOAD).variant = variant
     return dev, host, hc.make_host_pool(dev, io_backend="reference", **kw)

@@ -23,7 +23,7 @@ def _pools(kind: str, layout: str, device: str):
         dev = hc.MLADevicePool(28, 4, torch.bfloat16, 16, 8, 3, device)
     else:
         dev = hc.MHADevicePool(28, 4, torch.bfloat16, 2, 8, 3, device)
-    kw = dict(layout=layout, size=16, operations=hc.OPERATIONS, validate=False)
+    kw = dict(layout=layout, size=32, operations=hc.OPERATIONS, validate=False)
     return dev, hc.make_host_pool(dev, io_backend="kernel", **kw), hc.make_host_pool(dev, io_backend="reference", **kw)
 
 
