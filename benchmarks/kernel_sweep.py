@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 import hicache_core as hc
+from hicache_core.bench import Timer
 from hicache_core.drops import DroppedIndicesError
 from hicache_core.shapes import SHAPES
 
@@ -116,20 +117,15 @@ class Env:
         return time.perf_counter() - self.t0
 
     def isolated(self, fn: Callable[[], None], reps: int = 10) -> float:
-        """Median seconds of one call between two events on an idle stream (host submission included)."""
-        fn()
-        self.sync()
+        """Median seconds of one call between two events on an idle stream (host submission included).
+
+        ``hicache bench``'s clock (and the issue's figures): the first event is reached at once, then
+        the GPU waits for the host to submit the launch.
+        """
         if self.dry:
-            return _wall(fn)
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
             fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(times)
+            return _wall(fn)
+        return Timer(warmup=1, min_reps=reps, max_reps=reps, budget_s=60.0)(fn)  # exactly reps
 
     def queued(self, calls: list[Callable[[], None]], trials: int = 5) -> float:
         """Median GPU seconds per call, ``calls`` queued back to back behind a GPU sleep (no host time shows)."""
