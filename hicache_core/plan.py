@@ -88,8 +88,9 @@ class TransferPlan:
         self.num_items = spec.num_items
         self.host_buffers = host_buffers
         self.device = next(iter(device_layers.values()))[0].device
-        #: Where an implementation that masks out-of-range indices reports them (see :mod:`hicache_core.drops`).
-        self.drop_report = drop_report if drop_report is not None else DropReport(pinned=False)
+        #: Where an implementation that masks out-of-range indices reports them (see :mod:`hicache_core.drops`);
+        #: pinned for CUDA pools, so that kernels can reach it through UVA.
+        self.drop_report = drop_report if drop_report is not None else DropReport(pinned=self.device.type == "cuda")
         it = geometry.itemsize
         parts = []
         for part in spec.parts:

@@ -13,6 +13,7 @@ import torch
 import hicache_core as hc
 from hicache_core.device_pools import DeclaredDevicePool
 from hicache_core.geometry import pool_kind_of
+from hicache_core.testing import guarded
 
 KINDS = ("mha", "mha_asym", "mla", "page_rows")
 LAYERS = 3
@@ -45,15 +46,9 @@ def device_tensors(pool) -> list[torch.Tensor]:
     return [t for c in kind.components for t in getattr(pool, c.device_attr)]
 
 
-def fill_random(tensors, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for t in tensors:
-        flat = t.view(-1).view(torch.uint8)
-        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen).to(t.device))
-
-
-def snapshot(tensors) -> list[torch.Tensor]:
-    return [t.reshape(-1).view(torch.uint8).cpu().clone() for t in tensors]
+# Shared with the plugins' tests; snapshots wait for the device first (kernels write pinned memory late).
+fill_random = guarded.fill_random
+snapshot = guarded.byte_images
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

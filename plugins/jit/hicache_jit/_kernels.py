@@ -1,6 +1,6 @@
 """The one-layer Triton kernels (imported on first use only: importing triton costs time).
 
-Both kernels move items ``hidx[i] <-> didx[i]`` of one host layer, for up to two parts
+Every kernel moves items ``hidx[i] <-> didx[i]`` of one host layer, for up to two parts
 of an item (K and V, or the MLA latent and rope halves) in the same loop iteration. Every
 address is an ``int64`` element offset from the ``anchor`` pointer (see
 :mod:`hicache_core.uva`). What differs from pool to pool is a ``tl.constexpr``: words per
@@ -15,15 +15,30 @@ most layouts compile to ``host_base + h * PAGE``.
 * :func:`rows_kernel`: a tile is ``ROWS`` whole items. Each part is moved as a
   ``[ROWS, MAIN]`` block of words plus, if the item is not a power of two words, a
   ``[ROWS, TAILPAD]`` block for the rest (e.g. 1152 B = 64 + 8 words), so no lane is spent
-  on padding beyond the tail. With ``PIPELINE`` the next tile's loads are issued before the
-  current tile's stores (two tiles in flight per CTA).
+  on padding beyond the tail. ``PREFETCH`` 1 loads the next tile's indices before this
+  tile's host accesses (the index loads leave the critical path); 2 also issues the next
+  tile's data loads before this tile's stores (two tiles in flight per CTA, in registers).
+  ``STAGES >= 2`` (with ``PREFETCH == 0``) lets Triton software-pipeline the loop instead:
+  the loads of the next ``STAGES - 1`` tiles are asynchronous copies into shared memory.
 * :func:`flat_kernel`: a tile is ``BLOCK`` consecutive words of the ``n x TOTAL`` word
   grid (the row and word of a lane come from a division by the constant ``TOTAL``); serves
   items of any size.
+* :func:`tma_kernel`: Hopper's bulk tensor copies. Each CTA makes TMA descriptors for the
+  layer's host rows and device rows, then moves ``ROWS`` rows per loop iteration, one TMA
+  copy per row (and column chunk of up to ``BOX`` elements) into shared memory and one out;
+  with ``STAGES >= 2`` Triton keeps ``STAGES - 1`` iterations of copies in flight. Needs
+  16-byte words (8-byte elements, 16-byte strides); rows outside the pool become
+  coordinates outside the descriptor, which TMA neither reads nor writes.
 
 ``HINTS`` picks host-side cache hints (0 none, 1 ``.cg`` loads / ``.cs`` stores, 2
 ``evict_first``). Indices outside ``[0, host_items)`` / ``[0, dev_rows)`` are masked
-in-kernel: a bad index never produces a memory access.
+in-kernel: a bad index never produces a memory access, and the call is reported through
+the drop word (:mod:`hicache_core.drops`).
+
+Loops are ``while`` loops where ``STAGES == 0``: the same scf loop when compiled, and
+Triton's interpreter (CPU tests) cannot turn run-time bounds into a Python range under
+NumPy 2.4. The interpreter therefore always runs ``STAGES == 0``; the loop bodies are the
+same helpers either way.
 
 (No ``from __future__ import annotations`` here: Triton reads the ``tl.int64`` annotations.)
 """
@@ -31,10 +46,13 @@ in-kernel: a bad index never produces a memory access.
 import triton
 import triton.language as tl
 
+from hicache_core.triton_base import INDEX_PARAMS, VARYING_PARAMS
+from hicache_core.triton_lang import report_dropped
+
 #: Runtime arguments that change from call to call (or pool to pool): never specialised on,
 #: so one compiled kernel serves every call with the same key (they are annotated as
 #: ``int32``/``int64`` below, so their type never depends on a value either).
-PER_CALL = ("h_stride", "d_stride", "n", "host_a", "dev_a", "host_b", "dev_b", "dev_rows", "host_items")
+PER_CALL = VARYING_PARAMS + ("host_a", "dev_a", "host_b", "dev_b", "dev_rows", "host_items")
 
 
 @triton.jit
@@ -48,13 +66,15 @@ def _host_rows(h, TPP: tl.constexpr, PAGE: tl.constexpr, TOKEN: tl.constexpr):
 
 
 @triton.jit
-def _indices(hidx, didx, h_stride, d_stride, n, t, dev_rows, host_items, ROWS: tl.constexpr):
+def _indices(anchor, hidx, didx, h_stride, d_stride, n, seq, drop, t, dev_rows, host_items, ROWS: tl.constexpr):
+    """Indices of tile ``t`` (``ROWS`` items), which of them are in range; out-of-range ones are reported."""
     r = t * ROWS + tl.arange(0, ROWS)
     live = r < n
     r64 = r.to(tl.int64)
     h = tl.load(hidx + r64 * h_stride, mask=live, other=-1).to(tl.int64)
     d = tl.load(didx + r64 * d_stride, mask=live, other=-1).to(tl.int64)
     ok = live & (h >= 0) & (h < host_items) & (d >= 0) & (d < dev_rows)
+    report_dropped(anchor, drop, seq, live & ~ok)
     return h, d, ok
 
 
@@ -124,7 +144,24 @@ def _scatter(anchor, dst, ok, main, tail, TO_DEVICE: tl.constexpr, HINTS: tl.con
         _store_block(anchor, dst, ok, tail, MAIN, TAIL, TAILPAD, VEC, not TO_DEVICE, HINTS)
 
 
-@triton.jit(do_not_specialize=PER_CALL, do_not_specialize_on_alignment=("hidx", "didx"))
+@triton.jit
+def _rows_tile(anchor, h, d, ok, host_a, dev_a, host_b, dev_b, TO_DEVICE: tl.constexpr, HINTS: tl.constexpr,
+               VEC: tl.constexpr, TPP: tl.constexpr, A_PAGE: tl.constexpr, A_TOKEN: tl.constexpr, A_ROW: tl.constexpr,
+               A_MAIN: tl.constexpr, A_TAIL: tl.constexpr, A_TAILPAD: tl.constexpr, B_PAGE: tl.constexpr,
+               B_TOKEN: tl.constexpr, B_ROW: tl.constexpr, B_MAIN: tl.constexpr, B_TAIL: tl.constexpr,
+               B_TAILPAD: tl.constexpr):  # fmt: skip
+    """Move both parts of one tile whose indices are loaded: every load, then every store."""
+    a0, a1, adst = _gather(anchor, h, d, ok, host_a, dev_a, TO_DEVICE, HINTS, VEC, TPP,
+                           A_PAGE, A_TOKEN, A_ROW, A_MAIN, A_TAIL, A_TAILPAD)  # fmt: skip
+    if B_MAIN > 0:
+        b0, b1, bdst = _gather(anchor, h, d, ok, host_b, dev_b, TO_DEVICE, HINTS, VEC, TPP,
+                               B_PAGE, B_TOKEN, B_ROW, B_MAIN, B_TAIL, B_TAILPAD)  # fmt: skip
+    _scatter(anchor, adst, ok, a0, a1, TO_DEVICE, HINTS, VEC, A_MAIN, A_TAIL, A_TAILPAD)
+    if B_MAIN > 0:
+        _scatter(anchor, bdst, ok, b0, b1, TO_DEVICE, HINTS, VEC, B_MAIN, B_TAIL, B_TAILPAD)
+
+
+@triton.jit(do_not_specialize=PER_CALL, do_not_specialize_on_alignment=INDEX_PARAMS)
 def rows_kernel(
     anchor,
     hidx,
@@ -132,6 +169,8 @@ def rows_kernel(
     h_stride: tl.int64,
     d_stride: tl.int64,
     n: tl.int32,
+    seq: tl.int64,
+    drop: tl.int64,
     host_a: tl.int64,
     dev_a: tl.int64,
     host_b: tl.int64,
@@ -155,17 +194,16 @@ def rows_kernel(
     B_TAIL: tl.constexpr,
     B_TAILPAD: tl.constexpr,
     ROWS: tl.constexpr,
-    PIPELINE: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """Tiles of ``ROWS`` whole items, both parts per iteration (``B_MAIN == 0``: one part)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     tiles = tl.cdiv(n, ROWS)
-    # while, not range(): the same loop when compiled, and Triton's interpreter (CPU tests)
-    # cannot turn runtime bounds into a Python range under NumPy 2.4.
     t = pid
-    if PIPELINE:
-        h, d, ok = _indices(hidx, didx, h_stride, d_stride, n, t, dev_rows, host_items, ROWS)
+    if PREFETCH == 2:
+        h, d, ok = _indices(anchor, hidx, didx, h_stride, d_stride, n, seq, drop, t, dev_rows, host_items, ROWS)
         a0, a1, adst = _gather(anchor, h, d, ok, host_a, dev_a, TO_DEVICE, HINTS, VEC, TPP,
                                A_PAGE, A_TOKEN, A_ROW, A_MAIN, A_TAIL, A_TAILPAD)  # fmt: skip
         if B_MAIN > 0:
@@ -174,7 +212,8 @@ def rows_kernel(
         while t < tiles:
             # Issue the next tile's loads (masked off past the end) before this tile's stores.
             tn = t + nprog
-            hn, dn, okn = _indices(hidx, didx, h_stride, d_stride, n, tn, dev_rows, host_items, ROWS)
+            hn, dn, okn = _indices(anchor, hidx, didx, h_stride, d_stride, n, seq, drop, tn, dev_rows, host_items,
+                                   ROWS)  # fmt: skip
             na0, na1, nadst = _gather(anchor, hn, dn, okn, host_a, dev_a, TO_DEVICE, HINTS, VEC, TPP,
                                       A_PAGE, A_TOKEN, A_ROW, A_MAIN, A_TAIL, A_TAILPAD)  # fmt: skip
             if B_MAIN > 0:
@@ -191,21 +230,33 @@ def rows_kernel(
             adst = nadst
             ok = okn
             t = tn
-    else:
+    elif PREFETCH == 1:
+        h, d, ok = _indices(anchor, hidx, didx, h_stride, d_stride, n, seq, drop, t, dev_rows, host_items, ROWS)
         while t < tiles:
-            h, d, ok = _indices(hidx, didx, h_stride, d_stride, n, t, dev_rows, host_items, ROWS)
-            a0, a1, adst = _gather(anchor, h, d, ok, host_a, dev_a, TO_DEVICE, HINTS, VEC, TPP,
-                                   A_PAGE, A_TOKEN, A_ROW, A_MAIN, A_TAIL, A_TAILPAD)  # fmt: skip
-            if B_MAIN > 0:
-                b0, b1, bdst = _gather(anchor, h, d, ok, host_b, dev_b, TO_DEVICE, HINTS, VEC, TPP,
-                                       B_PAGE, B_TOKEN, B_ROW, B_MAIN, B_TAIL, B_TAILPAD)  # fmt: skip
-            _scatter(anchor, adst, ok, a0, a1, TO_DEVICE, HINTS, VEC, A_MAIN, A_TAIL, A_TAILPAD)
-            if B_MAIN > 0:
-                _scatter(anchor, bdst, ok, b0, b1, TO_DEVICE, HINTS, VEC, B_MAIN, B_TAIL, B_TAILPAD)
+            # The next tile's indices (device memory) load while this tile's host accesses are in flight.
+            tn = t + nprog
+            hn, dn, okn = _indices(anchor, hidx, didx, h_stride, d_stride, n, seq, drop, tn, dev_rows, host_items,
+                                   ROWS)  # fmt: skip
+            _rows_tile(anchor, h, d, ok, host_a, dev_a, host_b, dev_b, TO_DEVICE, HINTS, VEC, TPP, A_PAGE, A_TOKEN,
+                       A_ROW, A_MAIN, A_TAIL, A_TAILPAD, B_PAGE, B_TOKEN, B_ROW, B_MAIN, B_TAIL, B_TAILPAD)  # fmt: skip
+            h = hn
+            d = dn
+            ok = okn
+            t = tn
+    elif STAGES == 0:
+        while t < tiles:
+            h, d, ok = _indices(anchor, hidx, didx, h_stride, d_stride, n, seq, drop, t, dev_rows, host_items, ROWS)
+            _rows_tile(anchor, h, d, ok, host_a, dev_a, host_b, dev_b, TO_DEVICE, HINTS, VEC, TPP, A_PAGE, A_TOKEN,
+                       A_ROW, A_MAIN, A_TAIL, A_TAILPAD, B_PAGE, B_TOKEN, B_ROW, B_MAIN, B_TAIL, B_TAILPAD)  # fmt: skip
             t += nprog
+    else:
+        for t in tl.range(pid, tiles, nprog, num_stages=STAGES):
+            h, d, ok = _indices(anchor, hidx, didx, h_stride, d_stride, n, seq, drop, t, dev_rows, host_items, ROWS)
+            _rows_tile(anchor, h, d, ok, host_a, dev_a, host_b, dev_b, TO_DEVICE, HINTS, VEC, TPP, A_PAGE, A_TOKEN,
+                       A_ROW, A_MAIN, A_TAIL, A_TAILPAD, B_PAGE, B_TOKEN, B_ROW, B_MAIN, B_TAIL, B_TAILPAD)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=PER_CALL, do_not_specialize_on_alignment=("hidx", "didx"))
+@triton.jit(do_not_specialize=PER_CALL, do_not_specialize_on_alignment=INDEX_PARAMS)
 def flat_kernel(
     anchor,
     hidx,
@@ -213,6 +264,8 @@ def flat_kernel(
     h_stride: tl.int64,
     d_stride: tl.int64,
     n: tl.int32,
+    seq: tl.int64,
+    drop: tl.int64,
     host_a: tl.int64,
     dev_a: tl.int64,
     host_b: tl.int64,
@@ -249,6 +302,7 @@ def flat_kernel(
         h = tl.load(hidx + r64 * h_stride, mask=live, other=-1).to(tl.int64)
         d = tl.load(didx + r64 * d_stride, mask=live, other=-1).to(tl.int64)
         ok = live & (h >= 0) & (h < host_items) & (d >= 0) & (d < dev_rows)
+        report_dropped(anchor, drop, seq, live & ~ok)
         w = word.to(tl.int64) * VEC
         if B_WORDS > 0:
             in_a = word < A_WORDS
@@ -283,3 +337,118 @@ def flat_kernel(
             else:
                 tl.store(anchor + host_ptrs, vals, mask=mask)
         t += nprog
+
+
+# ---- TMA ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _host_descriptor(anchor, base, host_items, TPP: tl.constexpr, PAGE: tl.constexpr, TOKEN: tl.constexpr,
+                     W: tl.constexpr, BOX: tl.constexpr):  # fmt: skip
+    # One layer of one part on the host: rows of W elements, or [page, token, W] where pages are not
+    # uniform rows; a box is one row's BOX columns.
+    if TPP == 1:
+        desc = tl.make_tensor_descriptor(anchor + base, shape=[host_items, W], strides=[PAGE, 1], block_shape=[1, BOX])
+    else:
+        desc = tl.make_tensor_descriptor(anchor + base, shape=[host_items // TPP, TPP, W], strides=[PAGE, TOKEN, 1],
+                                         block_shape=[1, 1, BOX])  # fmt: skip
+    return desc
+
+
+@triton.jit
+def _tma_part(hdesc, ddesc, hh, dd, TO_DEVICE: tl.constexpr, TPP: tl.constexpr, BOX: tl.constexpr,
+              CHUNKS: tl.constexpr):  # fmt: skip
+    """Copy host row ``hh`` <-> device row ``dd`` of one part, ``BOX`` columns at a time."""
+    for c in tl.static_range(CHUNKS):
+        if TO_DEVICE:
+            if TPP == 1:
+                x = hdesc.load([hh, c * BOX])
+            else:
+                x = hdesc.load([hh // TPP, hh % TPP, c * BOX]).reshape(1, BOX)
+            ddesc.store([dd, c * BOX], x)
+        else:
+            x = ddesc.load([dd, c * BOX])
+            if TPP == 1:
+                hdesc.store([hh, c * BOX], x)
+            else:
+                hdesc.store([hh // TPP, hh % TPP, c * BOX], x.reshape(1, 1, BOX))
+
+
+@triton.jit
+def _tma_tile(anchor, hidx, didx, h_stride, d_stride, n, seq, drop, t, dev_rows, host_items, ha, da, hb, db,
+              TO_DEVICE: tl.constexpr, TPP: tl.constexpr, A_BOX: tl.constexpr, A_CHUNKS: tl.constexpr,
+              B_BOX: tl.constexpr, B_CHUNKS: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    for r in tl.static_range(ROWS):
+        i = t * ROWS + r
+        live = i < n
+        h = tl.load(hidx + i.to(tl.int64) * h_stride, mask=live, other=-1).to(tl.int64)
+        d = tl.load(didx + i.to(tl.int64) * d_stride, mask=live, other=-1).to(tl.int64)
+        ok = live & (h >= 0) & (h < host_items) & (d >= 0) & (d < dev_rows)
+        report_dropped(anchor, drop, seq, live & ~ok)
+        # A row that must not move gets coordinates past the end on both sides: TMA skips them.
+        hh = tl.where(ok, h, host_items).to(tl.int32)
+        dd = tl.where(ok, d, dev_rows).to(tl.int32)
+        _tma_part(ha, da, hh, dd, TO_DEVICE, TPP, A_BOX, A_CHUNKS)
+        if B_CHUNKS > 0:
+            _tma_part(hb, db, hh, dd, TO_DEVICE, TPP, B_BOX, B_CHUNKS)
+
+
+@triton.jit(do_not_specialize=PER_CALL, do_not_specialize_on_alignment=INDEX_PARAMS)
+def tma_kernel(
+    anchor,
+    hidx,
+    didx,
+    h_stride: tl.int64,
+    d_stride: tl.int64,
+    n: tl.int32,
+    seq: tl.int64,
+    drop: tl.int64,
+    host_a: tl.int64,
+    dev_a: tl.int64,
+    host_b: tl.int64,
+    dev_b: tl.int64,
+    dev_rows: tl.int64,
+    host_items: tl.int64,
+    TO_DEVICE: tl.constexpr,
+    TPP: tl.constexpr,
+    A_PAGE: tl.constexpr,
+    A_TOKEN: tl.constexpr,
+    A_ROW: tl.constexpr,
+    A_WORDS: tl.constexpr,
+    A_BOX: tl.constexpr,
+    B_PAGE: tl.constexpr,
+    B_TOKEN: tl.constexpr,
+    B_ROW: tl.constexpr,
+    B_WORDS: tl.constexpr,
+    B_BOX: tl.constexpr,
+    ROWS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """``ROWS`` rows per iteration, one TMA copy in and one out per row and column chunk."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    # 16-byte words are two int64 elements: W elements per row of a part.
+    A_W: tl.constexpr = A_WORDS * 2
+    B_W: tl.constexpr = B_WORDS * 2
+    A_CHUNKS: tl.constexpr = (A_W + A_BOX - 1) // A_BOX
+    B_CHUNKS: tl.constexpr = (B_W + B_BOX - 1) // B_BOX if B_WORDS > 0 else 0
+    ha = _host_descriptor(anchor, host_a, host_items, TPP, A_PAGE, A_TOKEN, A_W, A_BOX)
+    da = tl.make_tensor_descriptor(anchor + dev_a, shape=[dev_rows, A_W], strides=[A_ROW, 1], block_shape=[1, A_BOX])
+    if B_WORDS > 0:
+        hb = _host_descriptor(anchor, host_b, host_items, TPP, B_PAGE, B_TOKEN, B_W, B_BOX)
+        db = tl.make_tensor_descriptor(anchor + dev_b, shape=[dev_rows, B_W], strides=[B_ROW, 1],
+                                       block_shape=[1, B_BOX])  # fmt: skip
+    else:
+        hb = ha
+        db = da
+    tiles = tl.cdiv(n, ROWS)
+    if STAGES == 0:
+        t = pid
+        while t < tiles:
+            _tma_tile(anchor, hidx, didx, h_stride, d_stride, n, seq, drop, t, dev_rows, host_items, ha, da, hb, db,
+                      TO_DEVICE, TPP, A_BOX, A_CHUNKS, B_BOX, B_CHUNKS, ROWS)  # fmt: skip
+            t += nprog
+    else:
+        for t in tl.range(pid, tiles, nprog, num_stages=STAGES):
+            _tma_tile(anchor, hidx, didx, h_stride, d_stride, n, seq, drop, t, dev_rows, host_items, ha, da, hb, db,
+                      TO_DEVICE, TPP, A_BOX, A_CHUNKS, B_BOX, B_CHUNKS, ROWS)  # fmt: skip

@@ -20,24 +20,32 @@ imported on the first transfer.
 from __future__ import annotations
 
 import os
-import threading
-import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from hicache_core import BACKUP_ALL, BACKUP_LAYER, LOAD, Implementation, TransferPlan, TransferRequest, uva
-from hicache_core.triton_support import CudaOrInterpreter, SMBudget, bind_uva_device, interpreting, triton_available
-from hicache_core.triton_support import cuda_current_functions as _cuda_current_functions
-from hicache_core.triton_support import env_int as _env_int
+from hicache_core import BACKUP_ALL, BACKUP_LAYER, LOAD, TransferPlan, TransferRequest, uva
+from hicache_core.triton_base import (
+    CALL_PARAMS,
+    LaunchGroup,
+    TritonImplementation,
+    cdiv,
+    check_kernel_params,
+    compiled_entries,
+    load_triton_runtime,
+    max_items_for,
+)
+from hicache_core.triton_support import env_int
 
 ENV_VARIANT = "HICACHE_JIT_VARIANT"
 ENV_MAX_CTAS = "HICACHE_JIT_MAX_CTAS"
 ENV_TILE_BYTES = "HICACHE_JIT_TILE_BYTES"
 ENV_NUM_WARPS = "HICACHE_JIT_NUM_WARPS"
 ENV_HINTS = "HICACHE_JIT_HINTS"
-ENV_PIPELINE = "HICACHE_JIT_PIPELINE"
+ENV_PREFETCH = "HICACHE_JIT_PREFETCH"
+ENV_STAGES = "HICACHE_JIT_STAGES"
 ENV_FAST_LAUNCH = "HICACHE_JIT_FAST_LAUNCH"
 
 DEFAULT_MAX_CTAS = 8
@@ -47,14 +55,23 @@ ROW_KERNEL_MAX_WORDS = 1024
 #: Most rows per tile, and most words per flat tile (register budget).
 MAX_TILE_ROWS = 1024
 MAX_FLAT_BLOCK = 4096
-_CPU_PROGRAMS = 4  # "unlimited" CTAs where there are no SMs to count (the interpreter)
-_INT32_MAX = 2**31 - 1
 #: Row indices are int32 in the row kernel, and its prefetch looks up to a grid's worth of tiles ahead.
 _MAX_ROW_ITEMS = 2**30
+#: TMA: the widest box (elements per dimension), the most rows one iteration copies (each row is
+#: unrolled into its own copies), and the shared memory all stages together may take (a block gets
+#: up to 227 KB on H100/H200; Triton needs some for itself).
+TMA_MAX_BOX = 256
+TMA_MAX_ROWS = 32
+TMA_SHARED_BYTES = 160 * 1024
+#: TMA coordinates are int32.
+_TMA_MAX_ROWS_IN_POOL = 2**31 - 1
 
 #: Host-side cache hints: none; loads ``.cg`` (L2 only) and stores ``.cs`` (streaming);
 #: ``evict_first`` on loads and stores. (ptxas refuses ``.cg`` together with ``evict_first``.)
 HINTS = {"none": 0, "cg": 1, "evict_first": 2}
+#: Row kernel prefetch: none; the next tile's indices; the next tile's indices and data.
+PREFETCH = {"none": 0, "indices": 1, "data": 2}
+KERNELS = ("rows", "flat", "tma")
 
 
 @dataclass(frozen=True)
@@ -62,27 +79,54 @@ class Variant:
     """A preset of the launch configuration (select with ``HICACHE_JIT_VARIANT`` or ``impl.variant``)."""
 
     name: str
-    kernel: str  # "rows" or "flat"
+    kernel: str  # one of KERNELS
     tile_bytes: int
     num_warps: int
     hints: int
-    pipeline: bool
+    prefetch: int
+    stages: int
     description: str
 
 
 VARIANTS: dict[str, Variant] = {
     v.name: v
     for v in (
+        Variant("rows", "rows", 32 * 1024, 8, HINTS["cg"], 0, 0, "tiles of whole items (~32 KB), load then store"),
         Variant(
-            "rows_pipelined", "rows", 32 * 1024, 8, HINTS["cg"], True,
+            "rows_pipelined", "rows", 32 * 1024, 8, HINTS["cg"], 2, 0,
             "tiles of whole items (~32 KB), the next tile's loads issued before this tile's stores",
         ),
-        Variant("rows", "rows", 32 * 1024, 8, HINTS["cg"], False, "tiles of whole items (~32 KB), load then store"),
         Variant(
-            "rows_wide", "rows", 64 * 1024, 16, HINTS["cg"], True,
+            "rows_wide", "rows", 64 * 1024, 16, HINTS["cg"], 2, 0,
             "tiles of whole items (~64 KB), 16 warps, two tiles in flight",
         ),
-        Variant("flat", "flat", 32 * 1024, 8, HINTS["cg"], False, "tiles of 32 KB of consecutive words, any item size"),
+        Variant("flat", "flat", 32 * 1024, 8, HINTS["cg"], 0, 0, "tiles of 32 KB of consecutive words, any item size"),
+        Variant(
+            "rows_prefetch", "rows", 32 * 1024, 8, HINTS["cg"], 1, 0,
+            "tiles of whole items (~32 KB); the next tile's indices load while this tile's host accesses fly",
+        ),
+        Variant(
+            "rows_deep", "rows", 128 * 1024, 8, HINTS["cg"], 1, 0,
+            "tiles of ~128 KB with 8 warps: 4x the 16-byte loads in flight per thread; indices prefetched",
+        ),
+        Variant(
+            "rows_async", "rows", 32 * 1024, 8, HINTS["cg"], 0, 4,
+            "Triton's software pipelining over 4 stages: 3 tiles (~96 KB) of host reads in flight per CTA, as "
+            "asynchronous copies into shared memory",
+        ),
+        Variant(
+            "rows_async_small", "rows", 16 * 1024, 8, HINTS["cg"], 0, 6,
+            "software pipelining over 6 stages of ~16 KB tiles (~80 KB in flight per CTA)",
+        ),
+        Variant(
+            "tma", "tma", 16 * 1024, 4, HINTS["none"], 0, 4,
+            "Hopper TMA: one bulk tensor copy per row into shared memory and one out, ~16 KB per stage, "
+            "3 stages in flight",
+        ),
+        Variant(
+            "tma_deep", "tma", 16 * 1024, 4, HINTS["none"], 0, 8,
+            "Hopper TMA as tma, 7 stages (~112 KB) in flight per CTA",
+        ),
     )
 }  # fmt: skip
 #: Chosen on the H200 (benchmarks/results/jit-variants-h200.json): "rows" was within 0.01 of the best variant
@@ -115,30 +159,19 @@ class KernelKey:
         )
 
 
-@dataclass
-class _Compiled:
-    seconds: float
-    # Launch mode -> (callable, arguments between the stream and the kernel's arguments); filled on CUDA.
-    launchers: dict[int, tuple[Any, tuple]] = field(default_factory=dict)
-
-
-_compiled: dict[KernelKey, _Compiled] = {}
-_compiled_lock = threading.Lock()
-
-
 def compiled_keys() -> list[KernelKey]:
     """Every specialisation built in this process, in the order they were first used."""
-    return list(_compiled)
+    return list(compiled_entries(JitOneLayer.name))
 
 
 def compile_count() -> int:
     """How many specialisations were built in this process (a repeated key builds nothing)."""
-    return len(_compiled)
+    return len(compiled_entries(JitOneLayer.name))
 
 
 def compile_seconds() -> dict[KernelKey, float]:
     """Seconds the first call of each specialisation took (compiling, or loading from Triton's disk cache)."""
-    return {key: entry.seconds for key, entry in _compiled.items()}
+    return {key: entry.seconds for key, entry in compiled_entries(JitOneLayer.name).items()}  # type: ignore[misc]
 
 
 def triton_cache_entries() -> int:
@@ -147,86 +180,39 @@ def triton_cache_entries() -> int:
     if module is None:
         return 0
     total = 0
-    for kernel in (module.rows_kernel, module.flat_kernel):
+    for kernel in (module.rows_kernel, module.flat_kernel, module.tma_kernel):
         for cache in getattr(kernel, "device_caches", {}).values():
             total += len(cache[0])
     return total
 
 
-#: The kernels' parameters, in order: per-call arguments, then the constexprs of each kernel.
-#: The argument tuples of the launch path are built in this order (checked when the kernels load).
-CALL_PARAMS = ("anchor", "hidx", "didx", "h_stride", "d_stride", "n",
-               "host_a", "dev_a", "host_b", "dev_b", "dev_rows", "host_items")  # fmt: skip
+#: The kernels' parameters after :data:`~hicache_core.triton_base.CALL_PARAMS`: the layer's
+#: addresses, then the constexprs of each kernel. The argument tuples are built in this order
+#: (checked when the kernels load).
+LAYER_PARAMS = ("host_a", "dev_a", "host_b", "dev_b", "dev_rows", "host_items")
 ROWS_CONSTEXPRS = ("TO_DEVICE", "HINTS", "VEC", "TPP", "A_PAGE", "A_TOKEN", "A_ROW", "A_MAIN", "A_TAIL", "A_TAILPAD",
-                   "B_PAGE", "B_TOKEN", "B_ROW", "B_MAIN", "B_TAIL", "B_TAILPAD", "ROWS", "PIPELINE")  # fmt: skip
+                   "B_PAGE", "B_TOKEN", "B_ROW", "B_MAIN", "B_TAIL", "B_TAILPAD",
+                   "ROWS", "PREFETCH", "STAGES")  # fmt: skip
 FLAT_CONSTEXPRS = ("TO_DEVICE", "HINTS", "VEC", "TPP", "A_PAGE", "A_TOKEN", "A_ROW", "A_WORDS",
                    "B_PAGE", "B_TOKEN", "B_ROW", "B_WORDS", "BLOCK")  # fmt: skip
+TMA_CONSTEXPRS = ("TO_DEVICE", "TPP", "A_PAGE", "A_TOKEN", "A_ROW", "A_WORDS", "A_BOX",
+                  "B_PAGE", "B_TOKEN", "B_ROW", "B_WORDS", "B_BOX", "ROWS", "STAGES")  # fmt: skip
+CONSTEXPRS = {"rows": ROWS_CONSTEXPRS, "flat": FLAT_CONSTEXPRS, "tma": TMA_CONSTEXPRS}
 
 _kernels_module: Any = None
-_runtime_knobs: Any = None
 
 
 def _kernels() -> Any:
     """Import the kernels (and triton) on first use."""
-    global _kernels_module, _runtime_knobs
+    global _kernels_module
     if _kernels_module is None:
         from . import _kernels as module
 
-        for kernel, constexprs in ((module.rows_kernel, ROWS_CONSTEXPRS), (module.flat_kernel, FLAT_CONSTEXPRS)):
-            expected = CALL_PARAMS + constexprs
-            names = tuple(getattr(kernel, "arg_names", expected))
-            if names != expected:
-                raise RuntimeError(f"kernel parameters {names} differ from the argument order {expected}")
-
-        try:
-            from triton import knobs
-
-            _runtime_knobs = knobs.runtime
-        except ImportError:  # older Triton: no launch hooks to honour
-            _runtime_knobs = None
+        for kind, constexprs in CONSTEXPRS.items():
+            check_kernel_params(getattr(module, f"{kind}_kernel"), CALL_PARAMS + LAYER_PARAMS + constexprs)
+        load_triton_runtime()
         _kernels_module = module
     return _kernels_module
-
-
-def _hooks_idle() -> bool:
-    """No profiler hook wants to see launches (the direct launch would hide them from it)."""
-    knobs = _runtime_knobs
-    if knobs is None:
-        return True
-    for hook in (knobs.launch_enter_hook, knobs.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return False
-    return True
-
-
-def _direct_launchers(compiled: Any) -> dict[int, tuple[Any, tuple]]:
-    """Ways to launch a compiled kernel directly: launch mode -> (callable, arguments between stream and kernel's).
-
-    Mode 1: the compiled kernel's launcher (``compiled.run``). Mode 2: the C launch function
-    beneath it, where the kernel needs no scratch memory (the Python wrapper only allocates
-    scratch). Empty where this Triton's compiled kernel does not look as expected (then every
-    call goes through ``kernel[grid](...)``).
-    """
-    try:
-        if hasattr(compiled, "result"):  # an asynchronous compile's future
-            compiled = compiled.result()
-        run = compiled.run
-        function, metadata = compiled.function, compiled.packed_metadata
-    except Exception:  # noqa: BLE001 - another Triton version: the normal launch path still works
-        return {}
-    if function is None:
-        return {}
-    out = {1: (run, (function, metadata, None, None, None))}
-    raw = getattr(run, "launch", None)
-    if (
-        raw is not None
-        and getattr(run, "global_scratch_size", None) == 0
-        and getattr(run, "profile_scratch_size", None) == 0
-        and hasattr(run, "launch_cooperative_grid")
-        and hasattr(run, "launch_pdl")
-    ):
-        out[2] = (raw, (function, run.launch_cooperative_grid, run.launch_pdl, None, None, metadata, None, None, None))
-    return out
 
 
 # ---- configuration helpers ----------------------------------------------------------------------
@@ -244,6 +230,10 @@ def _pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
+def _pow2_ceil(x: int) -> int:
+    return 1 << (max(1, x) - 1).bit_length()
+
+
 def _split_words(words: int) -> tuple[int, int, int]:
     """``(main, tail, padded tail)``: a power-of-two block plus the rest padded to a power of two."""
     main = _pow2_floor(words)
@@ -251,21 +241,18 @@ def _split_words(words: int) -> tuple[int, int, int]:
     return main, tail, (1 << (tail - 1).bit_length()) if tail else 0
 
 
-@dataclass
-class _Group:
+@dataclass(eq=False)
+class _Group(LaunchGroup):
     """Up to two parts of the plan moved by one launch, with what every call needs precomputed."""
 
-    parts: tuple[int, ...]
-    words: tuple[int, int]  # words per item of part A and part B (0: no part B)
-    strides: tuple[int, ...]  # TPP, then per part (page, token, device row) in elements
-    layer_args: list[tuple[int, ...]]  # per host layer: host_a, dev_a, host_b, dev_b, dev_rows, host_items
+    words: tuple[int, int] = (0, 0)  # words per item of part A and part B (0: no part B)
+    strides: tuple[int, ...] = ()  # TPP, then per part (page, token, device row) in elements
+    layer_args: list[tuple[int, ...]] = field(default_factory=list)  # per host layer: LAYER_PARAMS
     kernel: str = "rows"
-    per_tile: int = 1  # rows per tile (rows kernel) or words per tile (flat kernel)
+    per_tile: int = 1  # rows per tile (rows and tma kernels) or words per tile (flat kernel)
     total_words: int = 0
-    max_items: int = 1
+    max_items: int = 1  # most items one call may address
     tail: dict[bool, tuple] = field(default_factory=dict)  # per direction: the constexpr arguments
-    # (to_device, host index dtype, device index dtype) -> (launch callable, head arguments, constexpr tail)
-    fast: dict[tuple, tuple] = field(default_factory=dict)
 
 
 def _fold_strides(tokens_per_page: int, parts: list[uva.UVAPart]) -> tuple[int, ...]:
@@ -305,32 +292,27 @@ def _row_problems(request: TransferRequest) -> list[str]:
 # ---- the implementation -------------------------------------------------------------------------
 
 
-class JitOneLayer(SMBudget, Implementation):
+class JitOneLayer(TritonImplementation):
     """One-layer loads and backups with Triton kernels specialised per pool shape, compiled on first use.
 
     Claims the one-layer operations of io backend ``"kernel"`` (priority 60, above
     hicache-kernel's 50) for every layout whose per-layer host view is rows of one item.
-    Tuning, per instance (``host.implementation_for(op)``): ``max_ctas`` (at most this many
-    CTAs per launch; ``0``/``None``: up to the SM count; default 8 or
-    ``HICACHE_JIT_MAX_CTAS``), ``variant`` (a preset of :data:`VARIANTS`, default
-    ``HICACHE_JIT_VARIANT`` or ``"rows_pipelined"``), and the knobs a preset sets:
-    ``tile_bytes``, ``num_warps``, ``hints``, ``pipeline``.
+    Tuning, per instance (``host.implementation_for(op)``): the knobs of
+    :class:`~hicache_core.triton_base.TritonImplementation` (``max_ctas``, default 8 or
+    ``HICACHE_JIT_MAX_CTAS``; ``num_warps``; ``stages``; ``fast_launch``), ``variant`` (a
+    preset of :data:`VARIANTS`, default ``HICACHE_JIT_VARIANT`` or :data:`DEFAULT_VARIANT`),
+    and the knobs a preset sets: ``tile_bytes``, ``num_warps``, ``hints``, ``prefetch``,
+    ``stages``.
     """
 
     name = "jit.one_layer"
-    io_backend = "kernel"
     priority = 60
     pool_kinds = None  # every pool kind: the kernels read only the plan's strides
     layouts = None  # any layout whose per-layer host view is rows of one item: see not_supported_reasons
     operations = frozenset({LOAD, BACKUP_LAYER})
-    device_types = CudaOrInterpreter()  # type: ignore[assignment]
-    sharded = True
-    draft = True
-    item_alignment = 1  # any byte size: the word narrows (16/8/4/2/1 bytes) to what sizes and strides allow
-    index_dtypes = frozenset({torch.int32, torch.int64})
-    index_device = "device"
-    needs_pinned_host = False  # only on CUDA; see not_supported_reasons
     description = "one-layer kernels specialised per pool shape and compiled on first use (Triton, UVA)"
+    env_prefix = "HICACHE_JIT"
+    default_max_ctas = DEFAULT_MAX_CTAS
 
     @classmethod
     def not_supported_reasons(cls, request: TransferRequest) -> list[str]:
@@ -340,52 +322,25 @@ class JitOneLayer(SMBudget, Implementation):
                 "it moves one layer per launch; backup_from_device_all_layer (one launch over every layer) is "
                 "served by hicache-kernel (kernel.triton_uva)"
             )
-        if not triton_available():
-            reasons.append("triton is not installed (pip install triton): these are Triton kernels")
-        if request.device_type == "cpu" and not interpreting():
-            reasons.append(
-                "the CPU is served only by the Triton interpreter, for tests: set TRITON_INTERPRET=1 "
-                "before triton is imported"
-            )
-        if request.device_type == "cuda" and not request.host_pinned:
-            reasons.append(
-                "needs pinned host memory on CUDA: GPU threads read and write the host pool in place through UVA "
-                "(pin_memory=True)"
-            )
         if request.storable:
             reasons += _row_problems(request)
         return reasons
 
     def __init__(self, plan: TransferPlan) -> None:
-        super().__init__(plan)
-        device = plan.device
-        self._cuda, self._dev_index, self._sm_count = bind_uva_device(self.name, plan, _CPU_PROGRAMS)
-        self._device_name = f"cuda:{self._dev_index}" if self._cuda else "cpu"
         for part in plan.parts:
             if not (part.host_item_contiguous and part.device_item_contiguous):
                 raise ValueError(
                     f"{self.name} moves whole-item rows, but part {part.spec.name!r} of layout {plan.layout.name!r} "
                     "is split across heads; use kernel.triton_uva"
                 )
-
-        self.word_bytes = uva.plan_word_bytes(plan)
-        elem_dtype, self._vec = uva.word_element(self.word_bytes)
-        self._elem_dtype = str(elem_dtype).removeprefix("torch.")
-        self._elem_bytes = self.word_bytes // self._vec
-        self._anchor = uva.make_anchor(device, elem_dtype)
-        if self._anchor.data_ptr() % self.word_bytes:
-            raise RuntimeError(f"the anchor tensor is not {self.word_bytes}-byte aligned")
-        self._anchor_ptr = self._anchor.data_ptr()
-        self.uva_parts = tuple(uva.uva_part(p, self.word_bytes) for p in plan.parts)
+        super().__init__(plan)
         self._num_layers = plan.num_layers
-
-        self._groups: list[_Group] = []
+        self._rows_in_pool = max(plan.num_items, max(plan.device_rows_per_layer))
         for first in range(0, len(plan.parts), 2):
             chosen = tuple(range(first, min(first + 2, len(plan.parts))))
             table = uva.layer_offset_table(plan, self._anchor, self._elem_bytes, parts=chosen, device="cpu")
-            rows = table.tolist()
             layer_args = []
-            for entries in rows:
+            for entries in table.tolist():
                 a = entries[0]
                 b = entries[1] if len(chosen) == 2 else [0, 0, 0, 0]
                 layer_args.append(
@@ -395,29 +350,19 @@ class JitOneLayer(SMBudget, Implementation):
             parts = [self.uva_parts[i] for i in chosen]
             words = (parts[0].piece_words, parts[1].piece_words if len(parts) == 2 else 0)
             strides = _fold_strides(plan.tokens_per_page, parts)
-            self._groups.append(_Group(chosen, words, strides, layer_args))
+            self._groups.append(_Group(chosen, words=words, strides=strides, layer_args=layer_args))
 
-        self._get_device = self._get_stream = None
-        if self._cuda:
-            self._get_device, self._get_stream = _cuda_current_functions()
-        self._fast_launch = 0
-        self._max_ctas: int | None = None
-        self._cap = self._sm_count
-        self._configuring = True
         self.variant = os.environ.get(ENV_VARIANT) or DEFAULT_VARIANT
         # Environment overrides of the preset, checked through the setters like values set later.
-        self.tile_bytes = _env_int(ENV_TILE_BYTES, self._tile_bytes, minimum=1)
-        self.num_warps = _env_int(ENV_NUM_WARPS, self._num_warps, minimum=1)
+        self.tile_bytes = env_int(ENV_TILE_BYTES, self._tile_bytes, minimum=1)
         raw_hints = os.environ.get(ENV_HINTS)
         if raw_hints:
             self.hints = HINTS[raw_hints] if raw_hints in HINTS else int(raw_hints)
-        raw_pipeline = os.environ.get(ENV_PIPELINE)
-        if raw_pipeline:
-            self.pipeline = raw_pipeline not in ("0", "false", "no")
-        self.max_ctas = _env_int(ENV_MAX_CTAS, DEFAULT_MAX_CTAS, minimum=0)
-        self.fast_launch = _env_int(ENV_FAST_LAUNCH, 2, minimum=0)
-        self._configuring = False
-        self._configure()
+        raw_prefetch = os.environ.get(ENV_PREFETCH)
+        if raw_prefetch:
+            self.prefetch = PREFETCH[raw_prefetch] if raw_prefetch in PREFETCH else int(raw_prefetch)
+        self._read_knobs()
+        self._finish_init()
 
     # ---- tuning ------------------------------------------------------------------------------
 
@@ -436,8 +381,9 @@ class JitOneLayer(SMBudget, Implementation):
         self._tile_bytes = preset.tile_bytes
         self._num_warps = preset.num_warps
         self._hints = preset.hints
-        self._pipeline = preset.pipeline
-        self._configure()
+        self._prefetch = preset.prefetch
+        self._stages = preset.stages
+        self._reconfigure()
 
     @property
     def tile_bytes(self) -> int:
@@ -446,21 +392,10 @@ class JitOneLayer(SMBudget, Implementation):
 
     @tile_bytes.setter
     def tile_bytes(self, value: int) -> None:
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"tile_bytes must be an int >= 1, got {value!r}")
         self._tile_bytes = value
-        self._configure()
-
-    @property
-    def num_warps(self) -> int:
-        return self._num_warps
-
-    @num_warps.setter
-    def num_warps(self, value: int) -> None:
-        if not isinstance(value, int) or value < 1 or value > 32 or value & (value - 1):
-            raise ValueError(f"num_warps must be a power of two in [1, 32], got {value!r}")
-        self._num_warps = value
-        self._configure()
+        self._reconfigure()
 
     @property
     def hints(self) -> int:
@@ -469,33 +404,22 @@ class JitOneLayer(SMBudget, Implementation):
 
     @hints.setter
     def hints(self, value: int) -> None:
-        if value not in HINTS.values():
+        if value not in HINTS.values() or isinstance(value, bool):
             raise ValueError(f"hints must be one of {HINTS}, got {value!r}")
         self._hints = value
-        self._configure()
+        self._reconfigure()
 
     @property
-    def pipeline(self) -> bool:
-        """Row kernel: issue the next tile's loads before this tile's stores (two tiles in flight)."""
-        return self._pipeline
+    def prefetch(self) -> int:
+        """Row kernel: 0 none, 1 the next tile's indices, 2 its indices and data (two tiles in flight)."""
+        return self._prefetch
 
-    @pipeline.setter
-    def pipeline(self, value: bool) -> None:
-        self._pipeline = bool(value)
-        self._configure()
-
-    @property
-    def fast_launch(self) -> int:
-        """How calls after the first launch: 0 Triton's ``kernel[grid]``, 1 the compiled launcher, 2 its C function."""
-        return self._fast_launch
-
-    @fast_launch.setter
-    def fast_launch(self, value: int) -> None:
-        if value not in (0, 1, 2):
-            raise ValueError(f"fast_launch must be 0, 1 or 2, got {value!r}")
-        self._fast_launch = value if self._cuda else 0
-        for group in self._groups:
-            group.fast.clear()
+    @prefetch.setter
+    def prefetch(self, value: int) -> None:
+        if value not in PREFETCH.values() or isinstance(value, bool):
+            raise ValueError(f"prefetch must be one of {PREFETCH}, got {value!r}")
+        self._prefetch = value
+        self._reconfigure()
 
     def launch_config(self) -> list[dict[str, Any]]:
         """Per launch group: the kernel, tile and constexprs a call uses now (for benchmarks and reports)."""
@@ -503,60 +427,84 @@ class JitOneLayer(SMBudget, Implementation):
             {
                 "parts": [self.plan.parts[i].spec.name for i in g.parts],
                 "kernel": g.kernel,
-                "rows_per_tile" if g.kernel == "rows" else "words_per_tile": g.per_tile,
-                "tile_bytes": g.per_tile * (g.total_words if g.kernel == "rows" else 1) * self.word_bytes,
+                "words_per_tile" if g.kernel == "flat" else "rows_per_tile": g.per_tile,
+                "tile_bytes": g.per_tile * (1 if g.kernel == "flat" else g.total_words) * self.word_bytes,
                 "word_bytes": self.word_bytes,
                 "num_warps": self._num_warps,
                 "max_ctas": self._max_ctas,
-                "constexprs": dict(zip(self._tail_names(g), g.tail[True])),
+                "constexprs": dict(zip(CONSTEXPRS[g.kernel], g.tail[True])),
             }
             for g in self._groups
         ]
 
-    def _tail_names(self, group: _Group) -> tuple[str, ...]:
-        return ROWS_CONSTEXPRS if group.kernel == "rows" else FLAT_CONSTEXPRS
+    def _tma_fits(self) -> bool:
+        """Whether TMA can address this plan: 16-byte words (int64 elements, 16-byte strides), int32 row numbers."""
+        return self.word_bytes == 16 and self._rows_in_pool < _TMA_MAX_ROWS_IN_POOL
 
     def _configure(self) -> None:
-        """Rebuild the per-direction constexpr tuples (and forget cached launchers) after a tuning change."""
-        if getattr(self, "_configuring", False):
-            return
+        """Rebuild the per-direction constexpr tuples and per-layer argument tuples after a tuning change."""
         vec = self._vec
+        stages = self._loop_stages()
+        threads = 32 * self._num_warps
         for group in self._groups:
-            group.fast.clear()
             wa, wb = group.words
             group.total_words = wa + wb
             tpp, a_page, a_token, a_row = group.strides[:4]
             b_page, b_token, b_row = group.strides[4:7] if wb else (0, 0, 0)
-            rows_kernel = self._kernel_kind == "rows" and max(wa, wb) <= ROW_KERNEL_MAX_WORDS
-            for to_device in (True, False):
-                if rows_kernel:
-                    group.kernel = "rows"
-                    am, at, ap = _split_words(wa)
-                    bm, bt, bp = _split_words(wb) if wb else (0, 0, 0)
-                    rows = min(_pow2_near(self._tile_bytes / (group.total_words * self.word_bytes)), MAX_TILE_ROWS)
-                    # Keep the words a thread holds (a [rows, padded words] tile, two when pipelined) within
-                    # its registers, less room for addresses and indices, or the kernel spills.
-                    threads = 32 * self._num_warps
-                    budget = (min(255, 65536 // threads) - 48) // 2  # 8-byte elements (two registers each)
-                    held = (am + ap + bm + bp) * vec * (2 if self._pipeline else 1)
-                    while rows > 1 and rows * held > budget * threads:
-                        rows //= 2
-                    group.per_tile = rows
-                    group.tail[to_device] = (
-                        to_device, self._hints, vec, tpp, a_page, a_token, a_row, am, at, ap,
-                        b_page, b_token, b_row, bm, bt, bp, group.per_tile, self._pipeline,
-                    )  # fmt: skip
-                    group.max_items = _MAX_ROW_ITEMS
-                else:
-                    group.kernel = "flat"
-                    block = _pow2_near(self._tile_bytes / self.word_bytes)
-                    group.per_tile = max(32 * self._num_warps, min(block, MAX_FLAT_BLOCK))
-                    group.tail[to_device] = (
-                        to_device, self._hints, vec, tpp, a_page, a_token, a_row, wa, b_page, b_token, b_row, wb,
-                        group.per_tile,
-                    )  # fmt: skip
-                    group.max_items = max(1, (_INT32_MAX - group.per_tile) // group.total_words)
-        self._max_items = min(g.max_items for g in self._groups)
+            kind = self._kernel_kind
+            if kind == "tma" and not self._tma_fits():
+                kind = "rows"  # narrower words: the row kernel moves them
+            if kind == "rows" and max(wa, wb) > ROW_KERNEL_MAX_WORDS:
+                kind = "flat"
+            group.kernel = kind
+            if kind == "rows":
+                am, at, ap = _split_words(wa)
+                bm, bt, bp = _split_words(wb) if wb else (0, 0, 0)
+                rows = min(_pow2_near(self._tile_bytes / (group.total_words * self.word_bytes)), MAX_TILE_ROWS)
+                # Keep the words a thread holds (a [rows, padded words] tile, two when data is prefetched)
+                # within its registers, less room for addresses and indices, or the kernel spills.
+                budget = (min(255, 65536 // threads) - 48) // 2  # 8-byte elements (two registers each)
+                held = (am + ap + bm + bp) * vec * (2 if self._prefetch == 2 else 1)
+                while rows > 1 and rows * held > budget * threads:
+                    rows //= 2
+                group.per_tile = rows
+                pipelined = stages if self._prefetch == 0 else 0
+                tails = {
+                    to_device: (to_device, self._hints, vec, tpp, a_page, a_token, a_row, am, at, ap,
+                                b_page, b_token, b_row, bm, bt, bp, rows, self._prefetch, pipelined)
+                    for to_device in (True, False)
+                }  # fmt: skip
+                max_items = _MAX_ROW_ITEMS
+            elif kind == "tma":
+                a_box = min(TMA_MAX_BOX, _pow2_ceil(wa * 2))
+                b_box = min(TMA_MAX_BOX, _pow2_ceil(wb * 2)) if wb else 0
+                per_row = (a_box * cdiv(wa * 2, a_box) + (b_box * cdiv(wb * 2, b_box) if wb else 0)) * 8
+                rows = min(_pow2_near(self._tile_bytes / (group.total_words * self.word_bytes)), TMA_MAX_ROWS)
+                while rows > 1 and rows * per_row * max(stages, 1) > TMA_SHARED_BYTES:
+                    rows //= 2
+                group.per_tile = rows
+                tails = {
+                    to_device: (to_device, tpp, a_page, a_token, a_row, wa, a_box, b_page, b_token, b_row, wb,
+                                b_box or 1, rows, stages)
+                    for to_device in (True, False)
+                }  # fmt: skip
+                max_items = _MAX_ROW_ITEMS
+            else:
+                block = _pow2_near(self._tile_bytes / self.word_bytes)
+                group.per_tile = max(threads, min(block, MAX_FLAT_BLOCK))
+                tails = {
+                    to_device: (to_device, self._hints, vec, tpp, a_page, a_token, a_row, wa, b_page, b_token, b_row,
+                                wb, group.per_tile)
+                    for to_device in (True, False)
+                }  # fmt: skip
+                max_items = max_items_for(group.total_words, group.per_tile)
+            group.tail = tails
+            group.args = {
+                to_device: [(self._drop, *layer, *tails[to_device]) for layer in group.layer_args]
+                for to_device in (True, False)
+            }
+            group.max_items = max_items
+        self._max_items = min(g.max_items for g in self._groups)  # type: ignore[attr-defined]
 
     # ---- operations ---------------------------------------------------------------------------
 
@@ -568,99 +516,39 @@ class JitOneLayer(SMBudget, Implementation):
     ) -> None:
         self._run(host_indices, device_indices, layer, False)
 
-    def warmup(self, index_dtypes: tuple[torch.dtype, ...] = (torch.int64,)) -> None:
-        """Build (or fetch) the kernels of both directions now instead of at the first call.
-
-        Launches kernels that move nothing, on the current stream.
-        """
-        for dtype in index_dtypes:
-            empty = torch.empty(0, dtype=dtype, device=self.plan.device)
-            for to_device in (True, False):
-                for group in self._groups:
-                    self._launch_slow(group, 1, empty, empty, 1, 1, 0, 0, to_device)
-
     def _run(self, h: torch.Tensor, d: torch.Tensor, layer: int, to_device: bool) -> None:
-        n = h.shape[0]
-        if d.shape[0] != n:  # the kernel reads device_indices[i] for every host index i
-            raise ValueError(f"host_indices has {n} entries but device_indices has {d.shape[0]} (length mismatch)")
+        n = self._count(h, d)
         if not 0 <= layer < self._num_layers:
             raise IndexError(f"host layer {layer} is out of range [0, {self._num_layers})")
         if n == 0:
             return
-        if n > self._max_items:
-            raise ValueError(f"{n} items in one call is more than {self.name} addresses ({self._max_items}); split it")
-        hs, ds = h.stride(0), d.stride(0)
         cap = self._cap
-        key = (to_device, h.dtype, d.dtype)
-        direct = self._fast_launch and self._get_device() == self._dev_index and _hooks_idle()
         for group in self._groups:
             per_tile = group.per_tile
-            tiles = -(-n // per_tile) if group.kernel == "rows" else -(-(n * group.total_words) // per_tile)
-            grid = tiles if tiles < cap else cap
-            fast = group.fast.get(key) if direct else None
-            if fast is not None:
-                call, head, tail = fast
-                call(grid, 1, 1, self._get_stream(self._dev_index), *head, self._anchor_ptr, h.data_ptr(),
-                     d.data_ptr(), hs, ds, n, *group.layer_args[layer], *tail)  # fmt: skip
-            else:
-                self._launch_slow(group, grid, h, d, hs, ds, n, layer, to_device)
+            tiles = -(-(n * group.total_words) // per_tile) if group.kernel == "flat" else -(-n // per_tile)
+            self._launch(group, tiles if tiles < cap else cap, h, d, n, to_device, group.args[to_device][layer])
 
-    def _key(self, group: _Group, to_device: bool, h: torch.Tensor, d: torch.Tensor) -> KernelKey:
+    # ---- the kernels ------------------------------------------------------------------------
+
+    def _kernel_for(self, group: LaunchGroup) -> Any:
+        assert isinstance(group, _Group)
+        return getattr(_kernels(), f"{group.kernel}_kernel")
+
+    def _compile_key(self, group: LaunchGroup, to_device: bool, h: torch.Tensor, d: torch.Tensor) -> Hashable:
+        assert isinstance(group, _Group)
         return KernelKey(
             kernel=group.kernel,
             to_device=to_device,
             host_index_dtype=str(h.dtype).removeprefix("torch."),
             device_index_dtype=str(d.dtype).removeprefix("torch."),
             element=self._elem_dtype,
-            constexprs=tuple(zip(self._tail_names(group)[1:], (int(v) for v in group.tail[to_device][1:]))),
+            constexprs=tuple(zip(CONSTEXPRS[group.kernel][1:], (int(v) for v in group.tail[to_device][1:]))),
             num_warps=self._num_warps,
             device=self._device_name,
         )
 
-    def _launch_slow(self, group: _Group, grid: int, h, d, hs: int, ds: int, n: int, layer: int, to_device: bool):
-        """First use of a key (build it), a key another pool built (reuse its launcher), or Triton's own path."""
-        if h.dtype not in self.index_dtypes or d.dtype not in self.index_dtypes:
-            raise TypeError(f"indices must be int32 or int64, got {h.dtype} and {d.dtype}")
-        module = _kernels()
-        kernel = module.rows_kernel if group.kernel == "rows" else module.flat_kernel
-        tail = group.tail[to_device]
-        key = self._key(group, to_device, h, d)
-        entry = _compiled.get(key)
-        fast_key = (to_device, h.dtype, d.dtype)
-        launcher = self._launcher(entry)
-        if launcher is not None and self._get_device() == self._dev_index and _hooks_idle():
-            call, head = launcher
-            group.fast[fast_key] = (call, head, tail)
-            call(grid, 1, 1, self._get_stream(self._dev_index), *head, self._anchor_ptr, h.data_ptr(), d.data_ptr(),
-                 hs, ds, n, *group.layer_args[layer], *tail)  # fmt: skip
-            return
-        args = (self._anchor, h, d, hs, ds, n, *group.layer_args[layer], *tail)
-        start = time.perf_counter()
-        if self._cuda:
-            with torch.cuda.device(self._dev_index):
-                compiled = kernel[(grid,)](*args, num_warps=self._num_warps)
-        else:
-            compiled = kernel[(grid,)](*args, num_warps=self._num_warps)
-        seconds = time.perf_counter() - start
-        if entry is None:
-            with _compiled_lock:
-                entry = _compiled.setdefault(key, _Compiled(seconds))
-        if self._cuda and not entry.launchers and compiled is not None:
-            entry.launchers = _direct_launchers(compiled)
-        launcher = self._launcher(entry)
-        if launcher is not None:
-            call, head = launcher
-            group.fast[fast_key] = (call, head, tail)
-
-    def _launcher(self, entry: _Compiled | None) -> tuple[Any, tuple] | None:
-        """The direct launch this instance's ``fast_launch`` mode asks for, if the entry has it (or mode 1)."""
-        if entry is None or not self._fast_launch or not entry.launchers:
-            return None
-        return entry.launchers.get(self._fast_launch) or entry.launchers.get(1)
-
-    def __repr__(self) -> str:
+    def _knob_repr(self) -> str:
         return (
-            f"<{type(self).__name__} {self.name} variant={self._variant} word={self.word_bytes}B "
-            f"max_ctas={self._max_ctas} tile_bytes={self._tile_bytes} num_warps={self._num_warps} "
-            f"hints={self._hints} pipeline={self._pipeline}>"
+            f"variant={self._variant} {super()._knob_repr()} tile_bytes={self._tile_bytes} hints={self._hints} "
+            f"prefetch={self._prefetch}"
         )

@@ -17,7 +17,7 @@ Nothing asserts a time. Exit status 1 if any byte differs.
 
     python plugins/jit/tests/gpu_check.py                       # a few minutes on an H200
     python plugins/jit/tests/gpu_check.py --tokens 4096,32768 --variants rows,rows_pipelined --json out.json
-    python plugins/jit/tests/gpu_check.py --sweep               # also tile bytes x warps x hints x pipeline
+    python plugins/jit/tests/gpu_check.py --sweep               # also tile bytes x warps x hints x prefetch
 """
 
 from __future__ import annotations
@@ -242,14 +242,14 @@ def check_pool(pool: Pool, variants: list[str], token_counts: list[int], link, r
         tokens = max(token_counts)
         h, d = pool.indices(tokens)
         nbytes = pool.moved_bytes(tokens)
-        for tile, warps, hints, pipe in itertools.product((16384, 32768, 65536), (4, 8, 16), (0, 1, 2), (False, True)):
+        for tile, warps, hints, pipe in itertools.product((16384, 32768, 65536), (4, 8, 16), (0, 1, 2), (0, 1, 2)):
             jit.variant = "rows"
-            jit.tile_bytes, jit.num_warps, jit.hints, jit.pipeline = tile, warps, hints, pipe
+            jit.tile_bytes, jit.num_warps, jit.hints, jit.prefetch = tile, warps, hints, pipe
             for op in ONE_LAYER:
                 frac = nbytes / time_it(op_call(jit, op, h, d)) / 1e9 / link[op]
                 report(shape=shape_name, layout=layout, tokens=tokens, operation=op, sweep=True, tile_bytes=tile,
-                       num_warps=warps, hints=hints, pipeline=pipe, max_ctas=8, fraction_of_ceiling=frac)  # fmt: skip
-                print(f"   sweep tile={tile:>5} warps={warps:>2} hints={hints} pipeline={int(pipe)} {op[:22]:22} "
+                       num_warps=warps, hints=hints, prefetch=pipe, max_ctas=8, fraction_of_ceiling=frac)  # fmt: skip
+                print(f"   sweep tile={tile:>5} warps={warps:>2} hints={hints} prefetch={pipe} {op[:22]:22} "
                       f"{frac:.3f}")  # fmt: skip
         jit.variant = hicache_jit.DEFAULT_VARIANT
 
@@ -313,7 +313,7 @@ def main() -> int:
     p.add_argument("--tokens", default="4096", help="tokens per call for the GB/s figures (comma-separated)")
     p.add_argument("--variants", default="all", help="comma-separated HICACHE_JIT_VARIANT names, or all")
     p.add_argument("--layers", type=int, default=None, help="cut pools to this many layers (default: the model's)")
-    p.add_argument("--sweep", action="store_true", help="also sweep tile bytes x warps x hints x pipeline")
+    p.add_argument("--sweep", action="store_true", help="also sweep tile bytes x warps x hints x prefetch")
     p.add_argument("--json", default=None, help="write every record here")
     p.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)  # CPU, TRITON_INTERPRET=1, tiny pools
     args = p.parse_args()

@@ -5,45 +5,26 @@ from __future__ import annotations
 import torch
 
 import hicache_core as hc
+from hicache_core.testing.guarded import byte_images, fill_random, synchronize, tiny_pool
+
+__all__ = ["fill_random", "snapshot", "restore", "small_pool", "pages", "check_against_reference"]
 
 
-def small_pool(kind: str, device: str, *, page_size: int = 4, pages: int = 8, layers: int = 3, **kw):
-    """A tiny device pool of ``kind`` (``mha``, ``mha_asym``, ``mla``, ``page_rows``, ``wide_rows``)."""
-    size = pages * page_size
-    if kind == "mha":
-        return hc.MHADevicePool(size, page_size, torch.bfloat16, 2, 8, layers, device, **kw)
-    if kind == "mha_asym":
-        return hc.MHADevicePool(size, page_size, torch.bfloat16, 2, 8, layers, device, v_head_dim=4, **kw)
-    if kind == "mla":
-        return hc.MLADevicePool(size, page_size, torch.bfloat16, 16, 8, layers, device, **kw)
-    if kind == "mla_odd":  # 2 x 36 B items: 4-byte words, a tail block
-        return hc.MLADevicePool(size, page_size, torch.bfloat16, 12, 6, layers, device, **kw)
-    if kind == "wide_rows":  # 16400-byte page rows: wider than the row kernel's limit, so the flat kernel
-        return hc.PageRowsDevicePool(pages + 1, page_size, 16400, layers, device, **kw)
-    return hc.PageRowsDevicePool(pages + 1, page_size, 24, layers, device, **kw)
-
-
-def device_tensors(pool) -> list[torch.Tensor]:
-    attrs = ("k_buffer", "v_buffer", "kv_buffer", "index_k_with_scale_buffer")
-    return [t for a in attrs for t in (getattr(pool, a, None) or [])]
+#: A tiny device pool of a kind (``mha``, ``mha_asym``, ``mla``, ``mla_odd``, ``page_rows``, ``wide_rows``).
+small_pool = tiny_pool
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def fill_random(tensors, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for t in tensors:
-        flat = as_bytes(t)
-        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen).to(t.device))
-
-
 def snapshot(tensors) -> list[torch.Tensor]:
-    return [as_bytes(t).cpu().clone() for t in tensors]
+    """Byte images, taken once every stream is done (a kernel may still be writing pinned host memory)."""
+    return byte_images(tensors)
 
 
 def restore(tensors, images) -> None:
+    synchronize()
     for t, image in zip(tensors, images):
         as_bytes(t).copy_(image.to(t.device))
 
@@ -66,8 +47,6 @@ def check_against_reference(host, impl, op: str, h: torch.Tensor, d: torch.Tenso
     start = snapshot(tensors)
     device = plan.device
     getattr(impl, op)(h.to(device), d.to(device), layer)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
     got = snapshot(tensors)
     restore(tensors, start)
     hc.reference_copy(plan, h, d, [layer], to_device=op == hc.LOAD)

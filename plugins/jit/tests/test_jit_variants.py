@@ -14,6 +14,7 @@ from hicache_jit import DEFAULT_VARIANT, VARIANTS, one_layer
 from jit_helpers import check_against_reference, pages, small_pool
 
 import hicache_core as hc
+from hicache_core.testing.guarded import record_grids
 
 SHAPES = [
     ("mha", "page_first"),  # two parts, uniform token stride
@@ -92,25 +93,11 @@ def test_uniform_strides_fold(jit_device):
         assert (tpp == 1) is folded, (layout, tpp)
 
 
-def _grids(impl, monkeypatch) -> list[int]:
-    seen: list[int] = []
-    real = impl._launch_slow
-
-    def record(group, grid, *args):
-        seen.append(grid)
-        return real(group, grid, *args)
-
-    monkeypatch.setattr(impl, "_launch_slow", record)
-    return seen
-
-
 def test_grid_is_tiles_capped_by_max_ctas(jit_device, monkeypatch):
-    if jit_device == "cuda":
-        pytest.skip("on CUDA later calls bypass the recorded slow path")
     host, impl = _host("mha", "page_first", jit_device)
     impl.variant = "rows"
     impl.tile_bytes = 4 * 64  # 4 items of 64 bytes (K + V) per tile
-    seen = _grids(impl, monkeypatch)
+    seen = record_grids(impl, monkeypatch)
     idx = torch.arange(32)
     for budget in (5, 0, None, 1000):
         impl.max_ctas = budget
@@ -122,21 +109,26 @@ def test_grid_is_tiles_capped_by_max_ctas(jit_device, monkeypatch):
 
 def test_knob_defaults_environment_and_validation(jit_device, monkeypatch):
     for name in (one_layer.ENV_MAX_CTAS, one_layer.ENV_VARIANT, one_layer.ENV_NUM_WARPS, one_layer.ENV_TILE_BYTES,
-                 one_layer.ENV_HINTS, one_layer.ENV_PIPELINE):  # fmt: skip
+                 one_layer.ENV_HINTS, one_layer.ENV_PREFETCH, one_layer.ENV_STAGES):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     _, impl = _host("mla", "page_first", jit_device)
     preset = VARIANTS[DEFAULT_VARIANT]
     assert impl.max_ctas == 8 and impl.variant == DEFAULT_VARIANT
-    assert (impl.tile_bytes, impl.num_warps, impl.hints, impl.pipeline) == (
-        preset.tile_bytes, preset.num_warps, preset.hints, preset.pipeline,
+    assert (impl.tile_bytes, impl.num_warps, impl.hints, impl.prefetch, impl.stages) == (
+        preset.tile_bytes, preset.num_warps, preset.hints, preset.prefetch, preset.stages,
     )  # fmt: skip
 
     monkeypatch.setenv(one_layer.ENV_MAX_CTAS, "3")
     monkeypatch.setenv(one_layer.ENV_VARIANT, "flat")
     monkeypatch.setenv(one_layer.ENV_NUM_WARPS, "4")
     monkeypatch.setenv(one_layer.ENV_HINTS, "evict_first")
+    monkeypatch.setenv(one_layer.ENV_PREFETCH, "indices")
+    monkeypatch.setenv(one_layer.ENV_STAGES, "3")
     _, impl = _host("mla", "page_first", jit_device)
-    assert (impl.max_ctas, impl.variant, impl.num_warps, impl.hints) == (3, "flat", 4, 2)
+    knobs = (impl.max_ctas, impl.variant, impl.num_warps, impl.hints, impl.prefetch, impl.stages)
+    assert knobs == (3, "flat", 4, 2, 1, 3)
+    for name in (one_layer.ENV_PREFETCH, one_layer.ENV_STAGES):
+        monkeypatch.delenv(name)
     monkeypatch.setenv(one_layer.ENV_MAX_CTAS, "0")
     assert _host("mla", "page_first", jit_device)[1].max_ctas == 0
 
@@ -152,8 +144,16 @@ def test_knob_defaults_environment_and_validation(jit_device, monkeypatch):
     for bad in (-1, 2.5, "4", True):
         with pytest.raises(ValueError, match="max_ctas"):
             impl.max_ctas = bad
-    with pytest.raises(ValueError, match="num_warps"):
-        impl.num_warps = 3
+    for bad in (3, 64, 0, True):  # 64 warps would be 2048 threads: more than a CUDA block may have
+        with pytest.raises(ValueError, match="num_warps"):
+            impl.num_warps = bad
+    for bad in (1, -1, 17, 2.0):
+        with pytest.raises(ValueError, match="stages"):
+            impl.stages = bad
+    with pytest.raises(ValueError, match="prefetch"):
+        impl.prefetch = 3
+    with pytest.raises(ValueError, match="fast_launch"):
+        impl.fast_launch = 3
     with pytest.raises(ValueError, match="hints"):
         impl.hints = 7
     with pytest.raises(ValueError, match="tile_bytes"):

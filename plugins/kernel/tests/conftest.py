@@ -7,26 +7,17 @@ It is only defaulted on machines without CUDA: CI runs ``TRITON_INTERPRET=1 pyth
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from hicache_core.testing.guarded import default_to_interpreter, triton_test_device
+
+default_to_interpreter()
 
 
 @pytest.fixture
 def kernel_device() -> str:
     """The device type the kernel runs on here, or skip (with the reason) where it cannot run."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return "cpu"
-    if torch.cuda.is_available():
-        return "cuda"
-    pytest.skip("no CUDA device and TRITON_INTERPRET is not 1: the kernel cannot run here")
+    return triton_test_device()
 
 
 @pytest.fixture(autouse=True)

@@ -76,7 +76,7 @@ def run_case(shape, layout: str, args, gemm: Gemm, gen: torch.Generator, max_cta
     impls = {host.implementation_for(op) for op in hc.OPERATIONS}
     for impl in impls:
         impl.max_ctas = max_ctas
-        impl._fast_launch = fast
+        impl.fast_launch = 2 if fast else 0
     hosts = list(host.plan.host_buffers.values())
     refs = list(ref.plan.host_buffers.values())
     devs = device_tensors(dev)

@@ -15,6 +15,7 @@ import hicache_core as hc
 from hicache_core import triton_support
 from hicache_core.dispatch import reasons_for
 from hicache_core.registry import Registry, allowed_plugins
+from hicache_core.testing.guarded import record_grids
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head", "page_first_kv_split")
 
@@ -137,18 +138,6 @@ def _host(device: str, **kw):
     return hc.make_host_pool(dev, layout="page_first", io_backend="kernel", size=64, **kw), dev
 
 
-def _grids(impl, monkeypatch) -> list[int]:
-    seen: list[int] = []
-    real = impl._launch
-
-    def record(group, grid, *args):
-        seen.append(grid)
-        return real(group, grid, *args)
-
-    monkeypatch.setattr(impl, "_launch", record)
-    return seen
-
-
 def test_max_ctas_default_env_and_setter(kernel_device, monkeypatch):
     monkeypatch.delenv(triton_uva.ENV_MAX_CTAS, raising=False)
     host, _ = _host(kernel_device)
@@ -170,7 +159,7 @@ def test_grid_is_tiles_capped_by_the_budget(kernel_device, monkeypatch):
     host, dev = _host(kernel_device)
     impl = host.implementation_for(hc.BACKUP_ALL)
     impl.tile_words = 8  # 32 items x 2 words (32 B items, 16-byte words) = 8 tiles per part and layer
-    seen = _grids(impl, monkeypatch)
+    seen = record_grids(impl, monkeypatch)
     idx = torch.arange(32, dtype=torch.int64)
     impl.max_ctas = 5
     host.backup_from_device_all_layer(dev, idx, idx, "kernel")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hicache_core as hc
+from hicache_core.testing.guarded import fill_random, synchronize, tiny_pool
 
 LAYOUTS = {
     "mha": ("layer_first", "page_first", "page_first_direct", "page_head"),
@@ -29,14 +30,7 @@ MOVED_PAGES = 2
 def make_device_pool(kind: str, page_size: int, device: str, *, layers: int = LAYERS, sharded: bool = False):
     """A tiny pool; ``sharded`` owns layers [1, layers). Item sizes pick 16-byte and 8-byte words."""
     kw = dict(start_layer=1, end_layer=layers) if sharded else {}
-    size = (DEVICE_PAGES - 1) * page_size
-    if kind == "mha":
-        return hc.MHADevicePool(size, page_size, torch.bfloat16, 2, 8, layers, device, **kw)
-    if kind == "mha_asym":
-        return hc.MHADevicePool(size, page_size, torch.bfloat16, 2, 8, layers, device, v_head_dim=4, **kw)
-    if kind == "mla":
-        return hc.MLADevicePool(size, page_size, torch.bfloat16, 16, 8, layers, device, **kw)
-    return hc.PageRowsDevicePool(DEVICE_PAGES, page_size, 24, layers, device, **kw)
+    return tiny_pool(kind, device, page_size=page_size, pages=DEVICE_PAGES - 1, layers=layers, **kw)
 
 
 def device_tensors(pool) -> list[torch.Tensor]:
@@ -44,14 +38,8 @@ def device_tensors(pool) -> list[torch.Tensor]:
     return [t for a in attrs for t in (getattr(pool, a, None) or [])]
 
 
-def fill_random(tensors, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for t in tensors:
-        flat = t.view(-1).view(torch.uint8)
-        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen).to(t.device))
-
-
 def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    synchronize()  # the kernel writes pinned host memory asynchronously: wait before reading it
     return len(a) == len(b) and all(
         torch.equal(x.reshape(-1).view(torch.uint8).cpu(), y.reshape(-1).view(torch.uint8).cpu()) for x, y in zip(a, b)
     )
@@ -111,11 +99,13 @@ def run_all_operations(dev, drafts, host, ref, page_size: int, idx_dtype: torch.
 
     # Per-layer load into random device pages: run the kernel, keep its result, redo with the reference.
     fill_random(everything, seed=18)
+    synchronize()
     before = [t.clone() for t in everything]
     for layer in range(dev.layer_num):
         host.load_to_device_per_layer(dev, hd, dd, layer, "kernel")
     for i, draft in enumerate(drafts):
         host.load_to_device_per_layer(draft, h, d, dev.layer_num + i, "kernel", is_draft=True)
+    synchronize()
     got = [t.clone() for t in everything]
     for t, b in zip(everything, before):
         t.copy_(b)
