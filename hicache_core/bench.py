@@ -184,7 +184,10 @@ class Case:
 DIRECT_VARIANTS: dict[str, dict] = {
     "default": {},
     "streams2": {"streams": 2},
-    "max_batch32": {"max_batch": 32},
+    "max_batch8": {"max_batch": 8},
+    "max_batch16": {"max_batch": 16},
+    "max_batch64": {"max_batch": 64},
+    "unbounded_batch": {"max_batch": 0},
     "no_overlap_hint": {"prefer_overlap": False},
     "one_by_one": {"batch": False},
     "batch_2d": {"batch_2d": True},

@@ -49,7 +49,8 @@ def _sync() -> None:
 def _rand(tensors, gen):
     for t in tensors:
         flat = t.reshape(-1).view(torch.uint8)
-        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, device=flat.device, generator=gen))
+        # The generator is a CPU one (the same bytes on every machine): draw there, then copy.
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen).to(flat.device))
 
 
 def _dev_tensors(dev, drafts):
