@@ -27,6 +27,7 @@ import torch
 
 #: Calls remembered for naming the one that dropped indices (older ones are named by number only).
 HISTORY = 256
+HISTORY_MASK = HISTORY - 1  # a power of two, so the pool's hot path indexes with a mask
 
 
 class DroppedIndicesError(IndexError):
@@ -70,7 +71,7 @@ class DropReport:
     def begin(self, operation: str, layer_id: int | None, items: int) -> int:
         """Number a new call (the pool calls this; implementations read :attr:`seq`)."""
         seq = self.seq = self.seq + 1
-        self._calls[seq % HISTORY] = (operation, layer_id, items)
+        self._calls[seq & HISTORY_MASK] = (operation, layer_id, items)
         return seq
 
     def dropped(self) -> int:
@@ -108,7 +109,7 @@ class DropReport:
         )
 
     def _call(self, seq: int) -> tuple[str | None, int | None, int]:
-        remembered = self._calls[seq % HISTORY] if 0 <= self.seq - seq < HISTORY else None
+        remembered = self._calls[seq & HISTORY_MASK] if 0 <= self.seq - seq < HISTORY else None
         return remembered if remembered is not None else (None, None, 0)
 
     def _describe(self, seq: int) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from .allocator import SlotAllocator
 from .dispatch import UnsupportedCombinationError, resolve
-from .drops import DropReport
+from .drops import HISTORY_MASK, DropReport
 from .geometry import HostLayoutSpec, PoolGeometry, geometry_of, host_layout_spec, pages_for
 from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
 from .indices import IndexCache, check_bounds, check_whole_pages, reject_indices, whole_pages_mask
@@ -253,6 +253,7 @@ class HostPool(PageAccess):
         self._num_items = plan.num_items
         self._rows = plan.device_rows_per_layer
         self._drops = plan.drop_report
+        self._drop_word, self._drop_calls = plan.drop_report._value, plan.drop_report._calls
         self._cache = IndexCache()
         self._malformed_on_device: torch.Tensor | None = None
 
@@ -351,7 +352,11 @@ class HostPool(PageAccess):
 
     def _per_layer(self, op, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft) -> None:
         entry = self._impls.get((op, io_backend)) or self._impl(op, io_backend)
-        layer = self._host_layer(device_pool, layer_id, is_draft)
+        # The common call (an owned layer of this pool, an int layer id) is mapped inline; the rest,
+        # and every error, goes through _host_layer.
+        layer = layer_id - self.start_layer if type(layer_id) is int else -1
+        if is_draft or device_pool is not self.device_pool or not 0 <= layer < self._owned:
+            layer = self._host_layer(device_pool, layer_id, is_draft)
         h, d = self._indices(op, layer_id, host_indices, device_indices, entry, layer)
         if h is None:
             return
@@ -359,9 +364,11 @@ class HostPool(PageAccess):
         try:  # inline rather than through _call: this is the per-layer hot path
             getattr(impl, op)(h, d, layer)
         except (ValueError, IndexError, TypeError) as exc:
+            _refuse_meta(h, d)
             _note(impl, op, exc)
             raise
         except Exception as exc:
+            _refuse_meta(h, d)
             raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
 
     def _call(self, impl: Implementation, op: str, *args) -> None:
@@ -369,9 +376,11 @@ class HostPool(PageAccess):
         try:
             getattr(impl, op)(*args)
         except (ValueError, IndexError, TypeError) as exc:
+            _refuse_meta(*args[:2])
             _note(impl, op, exc)
             raise
         except Exception as exc:
+            _refuse_meta(*args[:2])
             raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
 
     def _impl(self, op: str, io_backend: str):
@@ -437,8 +446,6 @@ class HostPool(PageAccess):
                 and device_indices.numel() == n
                 and host_indices.dim() == 1
                 and device_indices.dim() == 1
-                and not host_indices.is_meta
-                and not device_indices.is_meta
             )
         except (AttributeError, TypeError):
             ok = False
@@ -454,9 +461,10 @@ class HostPool(PageAccess):
                 check_bounds(host_indices, self.size, "host_indices")
             return None, None
         drops = self._drops
-        if drops._value.value or drops._malformed.value:
+        if self._drop_word.value or (self._malformed_on_device is not None and drops._malformed.value):
             drops.raise_if_dropped()
-        drops.begin(op, layer_id, n)
+        seq = drops.seq = drops.seq + 1  # DropReport.begin, inline: this is the hot path
+        self._drop_calls[seq & HISTORY_MASK] = (op, layer_id, n)
         if self._items_are_pages:
             host_indices = self._page_items(host_indices, "host_indices")
             device_indices = self._page_items(device_indices, "device_indices")
@@ -465,10 +473,18 @@ class HostPool(PageAccess):
             rows = self._rows[layer] if layer is not None else min(self._rows)  # all layers: the fewest rows
             check_bounds(device_indices, rows, "device_indices")
         _, want_cuda, dtypes, target = entry
-        h_where, d_where = host_indices.device, device_indices.device
-        if host_indices.is_cuda is not want_cuda or hd not in dtypes or (want_cuda and h_where != target):
+        # Short-circuited: reading .device builds an object, so only where the device matters.
+        if (
+            host_indices.is_cuda is not want_cuda
+            or hd not in dtypes
+            or (want_cuda and host_indices.device != target)
+        ):
             host_indices = self._cache.move(host_indices, hd if hd in dtypes else torch.int64, target)
-        if device_indices.is_cuda is not want_cuda or dd not in dtypes or (want_cuda and d_where != target):
+        if (
+            device_indices.is_cuda is not want_cuda
+            or dd not in dtypes
+            or (want_cuda and device_indices.device != target)
+        ):
             device_indices = self._cache.move(device_indices, dd if dd in dtypes else torch.int64, target)
         return host_indices, device_indices
 
@@ -479,6 +495,8 @@ class HostPool(PageAccess):
         if hit is not None:
             return hit
         p = self.page_size
+        if slots.is_meta:
+            raise ValueError(f"{what} is on the meta device, which holds no values: pass real indices")
         if p > 1:
             if self.validate or not slots.is_cuda:
                 check_whole_pages(slots, p, what)
@@ -545,6 +563,14 @@ class TransferError(RuntimeError):
             f"{impl.name} (plugin {plugin}, io backend {impl.io_backend!r}) raised during {operation}: "
             f"{type(cause).__name__}: {cause}"
         )
+
+
+def _refuse_meta(*indices) -> None:
+    """Indices on the meta device are the caller's mistake, not the plugin's: say so, from the error path only
+    (so the hot path pays nothing for the check), in place of whatever the implementation raised."""
+    for what, idx in zip(("host_indices", "device_indices"), indices):
+        if isinstance(idx, torch.Tensor) and idx.is_meta:
+            raise ValueError(f"{what} is on the meta device, which holds no values: pass real indices")
 
 
 def _note(impl: type[Implementation] | Implementation, operation: str, exc: Exception) -> None:

@@ -102,6 +102,8 @@ class IndexCache:
         hit = self.lookup(src, key)
         if hit is not None:
             return hit
+        if src.is_meta:
+            raise ValueError("indices on the meta device hold no values: pass real indices")
         if target.type == "cuda" or not src.is_cuda:
             # To the GPU: ordered on the caller's stream, which is where the indices are used.
             out = src.to(target, dtype, non_blocking=target.type == "cuda")
