@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import operator
 import threading
 
 import torch
 
 from .indices import INDEX_DTYPES, whole_pages_mask
+from .validation import strict_int
 
 # Slot states: never handed out since the last clear(), handed out, given back.
 _NEVER, _ALLOCATED, _FREED = 0, 1, 2
@@ -32,13 +32,7 @@ class SlotAllocator:
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         """The first ``need_size`` free slots (a multiple of the page size), or ``None`` if too few are free."""
-        if isinstance(need_size, bool):
-            raise TypeError(f"alloc() takes an int number of slots, got bool {need_size!r}")
-        try:
-            need_size = operator.index(need_size)
-        except TypeError:
-            what = f"{type(need_size).__name__} {need_size!r}"
-            raise TypeError(f"alloc() takes an int number of slots, got {what}") from None
+        need_size = strict_int(need_size, "alloc()'s need_size (slots)")
         if need_size < 0:
             raise ValueError(f"alloc() takes a size >= 0, got {need_size}")
         if need_size % self.page_size != 0:

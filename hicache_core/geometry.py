@@ -11,7 +11,6 @@ pool kind or layout is special-cased by name.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 
 from .layouts import Layout
 from .pool_kinds import PoolKind
+from .validation import positive_int
 
 
 @dataclass(frozen=True)
@@ -92,18 +92,6 @@ def _known_kinds(pool_kinds: Mapping[str, PoolKind] | None) -> Mapping[str, Pool
     from .registry import get_registry  # late: the registry imports this module
 
     return get_registry().pool_kinds
-
-
-def _positive_int(value: Any, what: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an int, got bool {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
-    if number < 1:
-        raise ValueError(f"{what} must be >= 1, got {number}")
-    return number
 
 
 def pool_kind_of(device_pool: Any, pool_kinds: Mapping[str, PoolKind] | None = None) -> PoolKind:
@@ -216,10 +204,10 @@ def geometry_of(
     )
     device_page_size = getattr(device_pool, "page_size", None)
     if device_page_size is not None:
-        device_page_size = _positive_int(device_page_size, "the device pool's page_size")
+        device_page_size = positive_int(device_page_size, "the device pool's page_size")
     if page_size is None:
         page_size = device_page_size if device_page_size is not None else 1
-    page_size = _positive_int(page_size, "page_size")
+    page_size = positive_int(page_size, "page_size")
     if kind.items_are_pages and device_page_size is not None and page_size != device_page_size:
         raise ValueError(
             f"page_size={page_size} differs from the {kind.name} device pool's page_size={device_page_size}: "

@@ -27,6 +27,7 @@ from .indices import IndexCache, check_bounds, check_whole_pages, reject_indices
 from .pages import PageAccess
 from .plan import TransferPlan
 from .registry import Registry, get_registry
+from .validation import positive_int, strict_int
 
 ENV_VALIDATE = "HICACHE_VALIDATE"
 DEFAULT_HOST_TO_DEVICE_RATIO = 2.0
@@ -65,7 +66,7 @@ def make_host_pool(
     """
     registry = registry or get_registry()
     if size is not None:
-        size = _count(size, "size (host capacity in tokens)")
+        size = positive_int(size, "size (host capacity in tokens)")
     ratio_ok = not isinstance(host_to_device_ratio, bool) and isinstance(host_to_device_ratio, Real)
     if host_to_device_ratio is not None and not (ratio_ok and host_to_device_ratio > 0):
         raise ValueError(f"host_to_device_ratio must be a number > 0, got {host_to_device_ratio!r}")
@@ -142,19 +143,6 @@ def _device_size(device_pool: Any) -> int | None:
     except TypeError:
         return None
     return size if size > 0 else None
-
-
-def _count(value: Any, what: str) -> int:
-    """A positive int, refusing floats, bools and the like instead of truncating them."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an int, got bool {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
-    if number < 1:
-        raise ValueError(f"{what} must be >= 1, got {number}")
-    return number
 
 
 def default_operations(geometry: PoolGeometry) -> list[str]:
@@ -403,12 +391,7 @@ class HostPool(PageAccess):
             )
 
     def _host_layer(self, device_pool: Any, layer_id: int, is_draft: bool) -> int:
-        if isinstance(layer_id, bool):
-            raise TypeError(f"layer_id must be an int, got bool {layer_id!r}")
-        try:
-            layer_id = operator.index(layer_id)
-        except TypeError:
-            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}") from None
+        layer_id = strict_int(layer_id, "layer_id")
         if is_draft:
             draft = layer_id - self._model_layers
             if not 0 <= draft < len(self.draft_pools):

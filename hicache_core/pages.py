@@ -12,12 +12,12 @@ address is handed out.
 from __future__ import annotations
 
 import itertools
-import operator
 from typing import TYPE_CHECKING
 
 import torch
 
 from .indices import check_whole_pages
+from .validation import strict_int
 
 if TYPE_CHECKING:
     from .geometry import HostBufferSpec
@@ -35,16 +35,11 @@ class PageAccess:
     def _page_of(self, index: int) -> int:
         """The page that starts at slot ``index`` (a page start inside the pool)."""
         self._alive()
-        if isinstance(index, bool) or isinstance(index, float):
-            raise TypeError(f"a slot index must be an int, got {type(index).__name__} {index!r}")
         if isinstance(index, torch.Tensor):
             if index.numel() != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
                 raise TypeError(f"a slot index must be one integer, got a tensor {tuple(index.shape)} {index.dtype}")
             index = int(index)
-        try:
-            index = operator.index(index)
-        except TypeError:
-            raise TypeError(f"a slot index must be an int, got {type(index).__name__}") from None
+        index = strict_int(index, "a slot index")
         if index % self.page_size:
             raise ValueError(f"slot {index} is not a page start (page_size {self.page_size}): pass a page's first slot")
         page = index // self.page_size

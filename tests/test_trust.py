@@ -171,7 +171,7 @@ def test_free_refuses_torn_pages_and_names_the_problem(direct_only):
 def test_alloc_refuses_non_integers_with_a_clear_error(bad, error, direct_only):
     host = hc.make_host_pool(device_pool("mha", 4), layout="layer_first", io_backend="direct", size=24,
                              registry=direct_only)  # fmt: skip
-    with pytest.raises(error, match=r"alloc\(\) takes"):
+    with pytest.raises(error, match=r"alloc\(\)"):
         host.alloc(bad)
 
 
