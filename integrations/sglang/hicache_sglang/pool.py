@@ -1,0 +1,331 @@
+"""The host pool SGLang gets: a hicache ``HostPool`` with SGLang 0.5.23's host-pool members.
+
+SGLang's controller, radix tree, transfer engine and storage backends talk to a host pool
+through the members of its ``HostKVCache`` and ``MHATokenToKVPoolHost`` /
+``MLATokenToKVPoolHost``. :class:`SGLangHostPool` gives them those members, with SGLang's
+meaning, on top of a pool made by :func:`hicache_core.make_host_pool`; the bytes move
+through hicache's dispatcher and plugins.
+
+Layer ids are the one real translation. SGLang's transfer engine passes a layer id local
+to the device pool (``0 .. layer_num - 1`` on a pipeline-parallel rank whose device pool
+starts at ``start_layer``; packed MTP draft layers follow at ``layer_num + depth`` with
+``is_draft=True``). hicache's host pool takes absolute ids, so the adapter adds
+``start_layer``. Without it, every load on a rank with ``start_layer > 0`` would be a call
+for a layer the host pool does not own: a silent no-op.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hicache_core.host_pool import ENV_VALIDATE, HostPool
+
+from . import pool_api
+
+
+class DeviceView:
+    """A SGLang device pool's buffers as hicache reads a device pool (its attribute names, absolute layers).
+
+    ``start_layer``/``end_layer`` are absolute and exclusive; ``layer_num`` is the end of the
+    stage (``start_layer`` of the SGLang pool plus its device layers), so that a packed draft
+    layer's hicache id equals SGLang's local id plus the stage's first layer.
+    """
+
+    def __init__(self, *, kind: str, buffers: dict[str, list[torch.Tensor]], page_size: int, size: int,
+                 first_layer: int, owned: range, device_layer_num: int, extras: dict[str, int]) -> None:  # fmt: skip
+        self.pool_kind = kind
+        for attr, tensors in buffers.items():
+            setattr(self, attr, list(tensors))
+        self.page_size = page_size
+        self.size = size
+        self.start_layer = first_layer + owned.start
+        self.end_layer = first_layer + owned.stop
+        self.layer_num = first_layer + device_layer_num
+        for name, value in extras.items():
+            setattr(self, name, value)
+
+
+class SGLangHostPool:
+    """hicache's host pool, speaking SGLang 0.5.23's host-pool API (``HostKVCache``).
+
+    Attributes SGLang reads: ``kv_buffer`` (``k_buffer``/``v_buffer``), ``layout``,
+    ``page_size``, ``page_num``, ``size``, ``logical_size``, ``layer_num`` (host layers,
+    drafts included), ``target_layer_num``, ``start_layer``/``end_layer`` (the SGLang device
+    pool's), ``dtype``, ``device``, ``pin_memory``, ``size_per_token``, ``pool_label``,
+    ``can_use_write_back_jit``, ``shared_allocation_domain``, ``storage_format_tag``.
+    ``core`` is the hicache pool underneath.
+    """
+
+    dcp_size = 1
+    dcp_rank = 0
+    #: No compacting layout shared between pools: indices are physical slots as given.
+    shared_allocation_domain = None
+    stores_page_envelope = False
+    #: Pages are stored in SGLang's own byte format (same flat pages), so L3 keys need no tag.
+    storage_format_tag: str | None = None
+
+    def __init__(
+        self,
+        core: HostPool,
+        *,
+        view: DeviceView,
+        draft_views: Sequence[DeviceView],
+        device_pool: Any,
+        draft_device_pools: Sequence[Any],
+        first_layer: int,
+        device_layer_num: int,
+        sglang_start_layer: int,
+        sglang_end_layer: int,
+        device_capacity_tokens: int,
+        pool_label: str,
+    ) -> None:
+        self.core = core
+        self._view = view
+        self._draft_views = tuple(draft_views)
+        self._device_pool = device_pool
+        self._draft_device_pools = tuple(draft_device_pools)
+        self._first_layer = first_layer
+        self._device_layer_num = device_layer_num
+        self.pool_label = pool_label
+        self.layout = core.layout
+        self.page_size = core.page_size
+        self.page_num = core.page_num
+        self.size = core.size
+        self.layer_num = core.layer_num
+        self.target_layer_num = core.layer_num - len(self._draft_views)
+        self.start_layer = sglang_start_layer
+        self.end_layer = sglang_end_layer
+        self.dtype = core.dtype
+        self.device = "cpu"
+        self.pin_memory = core.pin_memory
+        self.io_backend = core.io_backend
+        self.device_capacity_tokens = device_capacity_tokens
+        self.size_per_token = core.get_size_per_token()
+        # SGLang's controller keeps host indices on the CPU for a page_first write only when the
+        # pool says so; a hicache pool takes indices anywhere and moves them to where the resolved
+        # implementation wants them, so no pool ever needs the controller to move them.
+        self.can_use_write_back_jit = True
+
+    # ---- buffers (read through the core: destroy() empties them) ----------------------------------
+
+    @property
+    def kv_buffer(self) -> torch.Tensor | None:
+        return self.core.kv_buffer
+
+    @property
+    def k_buffer(self) -> torch.Tensor | None:
+        return self.core.k_buffer
+
+    @property
+    def v_buffer(self) -> torch.Tensor | None:
+        return self.core.v_buffer
+
+    @property
+    def implementations(self) -> dict[str, str]:
+        """The hicache implementation serving each operation."""
+        return self.core.implementations
+
+    # ---- allocator --------------------------------------------------------------------------------
+
+    @property
+    def logical_size(self) -> int:
+        """Slots the radix tree sees (SGLang widens them under decode context parallelism; not served)."""
+        return self.size
+
+    @property
+    def logical_page_size(self) -> int:
+        return self.page_size
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """``need_size`` free host slots (whole pages), or ``None`` when the pool is full."""
+        return self.core.alloc(need_size)
+
+    def free(self, indices: torch.Tensor) -> int:
+        """Give slots back; a slot freed twice raises."""
+        return self.core.free(indices)
+
+    def available_size(self) -> int:
+        return self.core.available_size()
+
+    def clear(self) -> None:
+        self.core.clear()
+
+    # ---- transfers --------------------------------------------------------------------------------
+
+    def prepare_transfer_indices(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Physical indices for one submission: they already are (no shared compacting layout)."""
+        return host_indices, device_indices
+
+    def load_to_device_per_layer(
+        self,
+        device_pool: Any,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        layer_id: int,
+        io_backend: str,
+        *,
+        is_draft: bool = False,
+    ) -> None:
+        """Copy one layer host -> device. ``layer_id`` is SGLang's, local to the device pool."""
+        target = self._target(device_pool, layer_id, is_draft)
+        if target is None:
+            return
+        view, absolute = target
+        self.core.load_to_device_per_layer(view, host_indices, device_indices, absolute, io_backend,
+                                           is_draft=is_draft)  # fmt: skip
+
+    def backup_from_device_all_layer(
+        self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
+    ) -> None:
+        """Copy every owned layer and every packed draft layer device -> host."""
+        if device_pool is not self._device_pool:
+            raise ValueError(
+                f"device_pool {type(device_pool).__name__} is not the device pool this {self.pool_label!r} host "
+                "pool was built for"
+            )
+        self.core.backup_from_device_all_layer(self._view, host_indices, device_indices, io_backend)
+
+    def load_to_device_per_layer_physical(
+        self,
+        device_pool: Any,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        layer_id: int,
+        io_backend: str,
+        *,
+        is_draft: bool = False,
+    ) -> None:
+        """The transfer engine's entry: indices are physical already (see :meth:`prepare_transfer_indices`)."""
+        self.load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
+                                      is_draft=is_draft)  # fmt: skip
+
+    def backup_from_device_all_layer_physical(
+        self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
+    ) -> None:
+        self.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
+
+    def _target(self, device_pool: Any, layer_id: int, is_draft: bool) -> tuple[DeviceView, int] | None:
+        """The hicache view and absolute layer id for SGLang's local ``layer_id``; None for a no-op."""
+        try:
+            local = operator.index(layer_id)
+        except TypeError:
+            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}") from None
+        if is_draft:
+            depth = local - self._device_layer_num
+            if not 0 <= depth < len(self._draft_views):
+                raise IndexError(
+                    f"draft layer_id {local} is out of range: this pool's packed draft layers are "
+                    f"[{self._device_layer_num}, {self._device_layer_num + len(self._draft_views)})"
+                )
+            if device_pool is not self._draft_device_pools[depth]:
+                raise ValueError(f"device_pool is not the draft pool of depth {depth} this host pool was built with")
+            return self._draft_views[depth], self._first_layer + local
+        if device_pool is not self._device_pool:
+            raise ValueError(
+                f"device_pool {type(device_pool).__name__} is not the device pool this {self.pool_label!r} host "
+                "pool was built for"
+            )
+        if not 0 <= local < self._device_layer_num:
+            # SGLang's own pools return here: a layer outside this device pool is a no-op.
+            if self.core.validate:
+                raise ValueError(
+                    f"layer_id {local} is outside this device pool's local layers [0, {self._device_layer_num}); "
+                    f"the call would do nothing. Reported because {ENV_VALIDATE} is set."
+                )
+            return None
+        return self._view, self._first_layer + local
+
+    # ---- pages, for L3 storage backends -----------------------------------------------------------
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The page holding slot ``index`` (flat: SGLang's byte order, so storage stays compatible)."""
+        return self.core.get_data_page(index, flat)
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return self.core.get_dummy_flat_data_page()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self.core.set_from_flat_data_page(index, data_page)
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Pointer and byte size of each contiguous host run of the given pages (zero-copy L3)."""
+        return self.core.get_page_buffer_meta(indices)
+
+    def get_split_heads_page_buffer_meta(self, indices: torch.Tensor, split_factor: int) -> tuple[list[int], list[int]]:
+        """Per page and head group, the K and V runs (storage shared by ranks of different TP sizes)."""
+        return pool_api.split_heads_page_buffer_meta(self.core, indices, split_factor)
+
+    def get_page_buffer_element_size(self, split_factor: int = 1) -> int | None:
+        return pool_api.page_buffer_element_size(self.core, split_factor)
+
+    def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
+        """The host tensors to register for zero-copy I/O, one per item part (K, V; or the MLA row)."""
+        return pool_api.part_buffers(self.core)
+
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """``(ptrs, lens, item_lens)`` per part and layer (PD direct-to-host); ``layer_first`` only."""
+        return pool_api.contiguous_buf_infos(self.core)
+
+    def get_size_per_token(self) -> int:
+        return self.size_per_token
+
+    def get_ksize_per_token(self) -> int:
+        return self.core.get_ksize_per_token()
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        """Whether every page pointer the zero-copy paths hand out is ``page_size_bytes``-aligned (O_DIRECT)."""
+        if self.layout == "layer_first":
+            # Its page runs are per layer; SGLang answers False for it, and so does this.
+            return False
+        return self.core.is_stride_page_aligned(page_size_bytes)
+
+    def destroy(self) -> None:
+        """Release the host buffers; the pool is unusable after (SGLang calls it at shutdown)."""
+        self.core.destroy()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.pool_label!r} {self.core!r}>"
+
+
+class SGLangMHAHostPool(SGLangHostPool):
+    """MHA: ``k_buffer``/``v_buffer``, with SGLang's ``head_num``, ``head_dim`` and ``v_head_dim``."""
+
+    def __init__(self, core: HostPool, **kw: Any) -> None:
+        super().__init__(core, **kw)
+        self.head_num, self.head_dim, self.v_head_dim = pool_api.head_geometry(core)
+        if self.head_dim == self.v_head_dim:
+            # SGLang leaves these unset for head_dim != v_head_dim, so that nothing uses one stride for both.
+            self.token_stride_size = self.head_num * self.head_dim * self.dtype.itemsize
+            self.layout_dim = self.token_stride_size * self.layer_num
+
+    @property
+    def host_kv_data_refs(self) -> list[torch.Tensor]:
+        """Per-layer K views, then per-layer V views, each ``[size, head_num, dim]`` (``layer_first`` only)."""
+        out = []
+        for part, _layer, view in pool_api.layer_slabs(self.core):
+            out.append(view.view(self.dtype).view(self.size, part.heads, -1))
+        return out
+
+
+class SGLangMLAHostPool(SGLangHostPool):
+    """MLA: one row per token (``kv_buffer``), or latent and rope parts (``page_first_kv_split``)."""
+
+    def __init__(self, core: HostPool, *, kv_lora_rank: int, qk_rope_head_dim: int, kv_cache_dim: int,
+                 packed_fp8: bool, **kw: Any) -> None:  # fmt: skip
+        super().__init__(core, **kw)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.kv_cache_dim = kv_cache_dim
+        self.dsa_kv_cache_store_fp8 = packed_fp8
+        self.token_stride_size = kv_cache_dim * self.dtype.itemsize
+        self.layout_dim = self.token_stride_size * self.layer_num
+
+    def get_ksize_per_token(self) -> int:
+        # SGLang's MLA pool counts the whole row (latent and rope) as its "K" size.
+        return self.size_per_token

@@ -1,0 +1,152 @@
+"""SGLang's HiCacheController drives a hicache host pool: write, ack, load, layer-done counting.
+
+The pool is the one SGLang's own ``build_kv_host_pool`` returns once the adapter is
+installed; the controller, its L2 transfer engine and its LayerDoneCounter are SGLang's.
+Every check is on bytes: the host rows (read through SGLang's host shapes) and the
+device rows after a round trip. ``start_layer=20`` is a pipeline-parallel rank: SGLang
+passes layer ids local to its device pool there.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from sglang_setup import (
+    LAYERS,
+    MHA_PAIRS,
+    MLA_PAIRS,
+    PP_START,
+    allocator_for,
+    device_layers,
+    device_pool,
+    device_rows,
+    fill_random,
+    host_rows,
+    ids,
+    publish_settings,
+    synchronize,
+)
+
+CASES = [("mha", *pair) for pair in MHA_PAIRS] + [("mla", *pair) for pair in MLA_PAIRS]
+CASE_IDS = [f"{kind}-{i}" for kind, i in zip([c[0] for c in CASES], ids([c[1:] for c in CASES]))]
+
+
+def build(kind: str, layout: str, io_backend: str, page_size: int, start_layer: int):
+    import hicache_sglang
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+
+    publish_settings(layout=layout, io_backend=io_backend, page_size=page_size)
+    dev = device_pool(kind, page_size, start_layer=start_layer)
+    allocator = allocator_for(dev)
+    host = hybrid_pool_assembler.build_kv_host_pool(kv_pool=dev, page_size=page_size, use_mla=kind == "mla")
+    assert isinstance(host, hicache_sglang.SGLangHostPool), type(host)
+    controller = HiCacheController(
+        token_to_kv_pool_allocator=allocator,
+        mem_pool_host=host,
+        page_size=page_size,
+        tp_group=None,
+        load_cache_event=threading.Event(),
+        io_backend=io_backend,
+    )
+    return dev, allocator, host, controller
+
+
+@pytest.mark.parametrize("start_layer", [0, PP_START], ids=["rank0", "pp-start20"])
+@pytest.mark.parametrize("page_size", [1, 16], ids=["page1", "page16"])
+@pytest.mark.parametrize("kind, layout, io_backend", CASES, ids=CASE_IDS)
+def test_write_then_load_back(kind, layout, io_backend, page_size, start_layer):
+    dev, allocator, host, controller = build(kind, layout, io_backend, page_size, start_layer)
+    assert host.layout == layout and host.io_backend == io_backend
+    assert (host.start_layer, host.layer_num) == (start_layer, LAYERS)
+    fill_random(device_layers(dev), seed=1)
+    device_indices = allocator.alloc(4 * page_size)
+    written = [device_rows(dev, kind, layer, device_indices) for layer in range(LAYERS)]
+
+    host_indices = controller.write(device_indices, node_id=1)
+    assert host_indices is not None and len(host_indices) == len(device_indices)
+    ack = controller.ack_write_queue.pop()
+    ack.finish_event.synchronize()
+    assert ack.node_ids == [1] and ack.num_tokens == len(device_indices)
+    assert ack.num_bytes == len(device_indices) * host.size_per_token
+    for layer in range(LAYERS):  # host bytes, where SGLang's shapes say they are
+        assert all(torch.equal(h, d) for h, d in zip(host_rows(host, kind, layer, host_indices), written[layer]))
+
+    load_indices = controller.load(host_indices, node_id=2)
+    assert load_indices is not None and not bool(torch.isin(load_indices, device_indices).any())
+    fill_random(device_layers(dev), seed=2)  # the load, not leftovers, must put the bytes there
+    producer = controller.start_loading()
+    ack = controller.ack_load_queue.pop()
+    ack.finish_event.synchronize()
+    assert producer >= 0 and ack.node_ids == [2]
+    for layer in range(LAYERS):
+        assert all(torch.equal(a, b) for a, b in zip(device_rows(dev, kind, layer, load_indices), written[layer]))
+
+
+@pytest.mark.parametrize("kind, layout, io_backend", [CASES[1], CASES[-2]], ids=[CASE_IDS[1], CASE_IDS[-2]])
+def test_layer_done_counter(kind, layout, io_backend):
+    """Each layer's event completes after that layer's bytes landed and before the next layer moves.
+
+    SGLang's forward pass waits on these events per layer (``get_key_buffer`` ->
+    ``LayerDoneCounter.wait_until``), so the order is what makes overlap safe.
+    """
+    page_size = 16
+    dev, allocator, host, controller = build(kind, layout, io_backend, page_size, PP_START)
+    fill_random(device_layers(dev), seed=3)
+    device_indices = allocator.alloc(2 * page_size)
+    written = [device_rows(dev, kind, layer, device_indices) for layer in range(LAYERS)]
+    host_indices = controller.write(device_indices, node_id=1)
+    controller.ack_write_queue.pop().finish_event.synchronize()
+    load_indices = controller.load(host_indices, node_id=2)
+    fill_random(device_layers(dev), seed=4)
+
+    seen = []
+    counter = controller.layer_done_counter
+    events = counter.events[(counter.producer_index + 1) % counter.num_counters]
+    complete = events.complete
+
+    def observed_complete(layer_index: int) -> None:
+        synchronize()  # on a GPU the copies are queued on the load stream; look at what landed
+        loaded = [all(torch.equal(a, b) for a, b in zip(device_rows(dev, kind, layer, load_indices), written[layer]))
+                  for layer in range(LAYERS)]  # fmt: skip
+        seen.append((layer_index, loaded))
+        complete(layer_index)
+
+    events.complete = observed_complete
+    producer = controller.start_loading()
+    counter.set_consumer(producer)
+    assert [layer for layer, _ in seen] == list(range(LAYERS))
+    for layer, loaded in seen:
+        assert loaded == [i <= layer for i in range(LAYERS)], f"at layer {layer}'s event: {loaded}"
+    # The forward's side: SGLang's device pool waits on the counter by absolute layer id.
+    for layer in range(LAYERS):
+        buffer = dev.get_key_buffer(PP_START + layer)
+        got = buffer[load_indices.to(buffer.device)].view(torch.uint8).cpu().reshape(len(load_indices), -1)
+        assert torch.equal(got, written[layer][0])
+    controller.ack_load_queue.pop().finish_event.synchronize()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_local_layer_ids_would_be_silent_without_the_adapter(kind, monkeypatch):
+    """The bug the adapter fixes: hicache's pool takes absolute layer ids, SGLang passes local ones.
+
+    On a rank whose device pool starts at layer 20, a local id is a layer the core pool does
+    not own: a no-op (nothing moves), which HICACHE_VALIDATE reports. Through the adapter the
+    same call moves the layer.
+    """
+    dev, allocator, host, controller = build(kind, "layer_first", "direct", 1, PP_START)
+    fill_random(device_layers(dev), seed=5)
+    slots = allocator.alloc(4)
+    h = host.alloc(4)
+    host.backup_from_device_all_layer(dev, h, slots, "direct")
+    before = device_rows(dev, kind, 0, slots)
+    fill_random(device_layers(dev), seed=6)
+    host.core.load_to_device_per_layer(host._view, h, slots, 0, "direct")  # local id 0, as SGLang passes it
+    assert not any(torch.equal(a, b) for a, b in zip(device_rows(dev, kind, 0, slots), before))
+    monkeypatch.setattr(host.core, "validate", True)
+    with pytest.raises(ValueError, match=r"layer_id 0 is not owned by this host pool \(it owns layers \[20, 23\)"):
+        host.core.load_to_device_per_layer(host._view, h, slots, 0, "direct")
+    host.load_to_device_per_layer(dev, h, slots, 0, "direct")  # the adapter: local 0 is model layer 20
+    assert all(torch.equal(a, b) for a, b in zip(device_rows(dev, kind, 0, slots), before))
