@@ -17,7 +17,7 @@ SGLang's controller, radix tree, transfer engine and storage backends then talk 
 from __future__ import annotations
 
 from .errors import NotServedError
-from .install import SGLANG_VERSION, install, is_installed, sglang_version, uninstall
+from .installer import SGLANG_VERSION, install, is_installed, sglang_version, uninstall
 from .pool import SGLangHostPool, SGLangMHAHostPool, SGLangMLAHostPool
 
 __all__ = [

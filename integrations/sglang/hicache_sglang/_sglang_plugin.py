@@ -23,7 +23,7 @@ def activate() -> None:
     """
     if os.environ.get(ENV, "") in ("", "0"):
         return
-    from .install import install
+    from .installer import install
 
     try:
         install()

@@ -12,7 +12,7 @@ import os
 import sys
 
 from hicache_sglang._sglang_plugin import ENV
-from hicache_sglang.install import install
+from hicache_sglang.installer import install
 
 os.environ[ENV] = "1"
 install()
