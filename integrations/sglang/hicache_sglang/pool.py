@@ -259,7 +259,7 @@ class SGLangHostPool:
 
     def get_split_heads_page_buffer_meta(self, indices: torch.Tensor, split_factor: int) -> tuple[list[int], list[int]]:
         """Per page and head group, the K and V runs (storage shared by ranks of different TP sizes)."""
-        return pool_api.split_heads_page_buffer_meta(self.core, indices, split_factor)
+        return self.core.get_split_heads_page_buffer_meta(indices, split_factor)
 
     def get_page_buffer_element_size(self, split_factor: int = 1) -> int | None:
         return pool_api.page_buffer_element_size(self.core, split_factor)
@@ -269,8 +269,8 @@ class SGLangHostPool:
         return pool_api.part_buffers(self.core)
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
-        """``(ptrs, lens, item_lens)`` per part and layer (PD direct-to-host); ``layer_first`` only."""
-        return pool_api.contiguous_buf_infos(self.core)
+        """``(ptrs, lens, item_lens)`` of the host regions made of whole pages (PD direct-to-host registration)."""
+        return self.core.get_contiguous_buf_infos()
 
     def get_size_per_token(self) -> int:
         return self.size_per_token

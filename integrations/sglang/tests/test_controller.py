@@ -146,7 +146,7 @@ def test_local_layer_ids_would_be_silent_without_the_adapter(kind, monkeypatch):
     host.core.load_to_device_per_layer(host._view, h, slots, 0, "direct")  # local id 0, as SGLang passes it
     assert not any(torch.equal(a, b) for a, b in zip(device_rows(dev, kind, 0, slots), before))
     monkeypatch.setattr(host.core, "validate", True)
-    with pytest.raises(ValueError, match=r"layer_id 0 is not owned by this host pool \(it owns layers \[20, 23\)"):
+    with pytest.raises(ValueError, match=r"layer_id 0 is not owned by this rank \(it owns layers \[20, 23\)"):
         host.core.load_to_device_per_layer(host._view, h, slots, 0, "direct")
     host.load_to_device_per_layer(dev, h, slots, 0, "direct")  # the adapter: local 0 is model layer 20
     assert all(torch.equal(a, b) for a, b in zip(device_rows(dev, kind, 0, slots), before))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hicache_sglang import pool_api
 from sglang_setup import LAYERS, PP_START, device_pool, mha_pool, publish_settings
 
 MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
@@ -134,7 +135,8 @@ def test_split_heads_meta_matches_sglangs(page_size, split):
 def test_split_heads_meta_refused_off_page_head(layout):
     dev = mha_pool(16, head_num=4)
     dev, ours, _ = ours_and_theirs("mha", layout, 16, dev)
-    with pytest.raises(ValueError, match=f"layout '{layout}' does not keep a page's heads in contiguous groups"):
+    with pytest.raises(ValueError, match=f"layout '{layout}' keeps .* outside the head axis within a page, so a "
+                                         "group of heads is not one contiguous run; use layout 'page_head'"):
         ours.get_split_heads_page_buffer_meta(torch.arange(16), 2)
 
 
@@ -157,8 +159,14 @@ def test_per_layer_registration_matches_sglangs(kind):
             t.data_ptr() - theirs.kv_buffer.data_ptr() for t in theirs.get_hybrid_pool_buffer()
         ]
     dev, ours, _ = ours_and_theirs(kind, "page_first", 16)
+    # page_first keeps a page's layers together: one region of whole pages per part
+    # (SGLang's MLA pool answers per-layer views of it there, which are not regions of pages).
+    ptrs, lens, items = ours.get_contiguous_buf_infos()
+    page_bytes = ours.kv_buffer.nbytes // (2 if kind == "mha" else 1) // ours.page_num
+    assert (lens, items) == ([ours.page_num * page_bytes] * len(ptrs), [page_bytes] * len(ptrs))
+    assert [p - ours.kv_buffer.data_ptr() for p in ptrs] == [i * ours.page_num * page_bytes for i in range(len(ptrs))]
     with pytest.raises(ValueError, match="does not keep each layer in one contiguous host slab"):
-        ours.get_contiguous_buf_infos()
+        ours.host_kv_data_refs if kind == "mha" else pool_api.layer_slabs(ours.core)
 
 
 def test_allocator():
