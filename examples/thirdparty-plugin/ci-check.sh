@@ -77,7 +77,7 @@ import torch
 
 import hicache_core as hc
 
-dev = hc.MHADevicePool(96, 16, torch.bfloat16, 2, 8, 3, "cpu")
+dev = hc.MHADevicePool(64, 16, torch.bfloat16, 2, 8, 3, "cpu")  # host (64 tokens) >= device, as main requires
 host = hc.make_host_pool(dev, layout="page_blob_direct", io_backend="blob", size=64)
 assert set(host.implementations.values()) == {"pageblob.gather"}, host.implementations
 assert tuple(host.kv_buffer.shape) == (4, 2, 3, 16, 2, 8), host.kv_buffer.shape
