@@ -28,7 +28,7 @@ def check_group(group: Any) -> None:
     backend = dist.get_backend(group)
     if str(backend).lower() != "gloo":
         raise ValueError(
-            f"the rank-agreement group must be a gloo group (it reduces CPU tensors off the CUDA stream), got {backend!r}; "
+            f"the rank-agreement group must be a gloo group (CPU tensors, off the CUDA stream), got {backend!r}; "
             "make one with torch.distributed.new_group(backend='gloo')"
         )
 

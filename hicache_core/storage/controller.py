@@ -237,7 +237,7 @@ class StorageController:
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch_policy {prefetch_policy!r}; choose one of {', '.join(PREFETCH_POLICIES)}")
         if storage.host_pool is None:
-            raise ValueError("the storage backend is not bound to a host pool: make it with make_storage(url, host_pool)")
+            raise ValueError("the storage backend is not bound to a host pool: use make_storage(url, host_pool, ...)")
         if not 1 <= batch_pages <= STORAGE_BATCH_SIZE:
             raise ValueError(f"batch_pages must be in [1, {STORAGE_BATCH_SIZE}], got {batch_pages}")
         if queue_depth < 1 or op_timeout <= 0:
@@ -514,7 +514,7 @@ def _whole_pages(host_indices: torch.Tensor, pages: int, page_size: int) -> torc
     if not isinstance(host_indices, torch.Tensor):
         raise TypeError(f"host_indices must be a torch tensor of token slots, got {type(host_indices).__name__}")
     if host_indices.numel() < pages * page_size:
-        raise ValueError(f"{pages} whole pages of tokens need {pages * page_size} host slots, got {host_indices.numel()}")
+        raise ValueError(f"{pages} whole pages need {pages * page_size} host slots, got {host_indices.numel()}")
     return host_indices[: pages * page_size]
 
 
