@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .keys import Namespace
+from .keys import Namespace, fingerprint, geometry_description
 from .page_format import HEADER_SIZE, HeaderError, address_of, checksum_runs, pack_header, unpack_header
 from .pages import PageMap, Span
 
@@ -218,7 +218,9 @@ class StorageBackend:
         self.host_pool = host_pool
         self.namespace = namespace
         self._pages = PageMap(host_pool)
-        self._fingerprint = bytes.fromhex(namespace.fingerprint)
+        # From the pool itself, not the namespace: a page is checked against the geometry it
+        # would land in, even if a caller forced a namespace that does not describe this pool.
+        self._fingerprint = bytes.fromhex(fingerprint(geometry_description(host_pool)))
         self.register_memory(self._pages.buffer_spans())
 
     @property
