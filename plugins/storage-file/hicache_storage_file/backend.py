@@ -98,8 +98,7 @@ class FileStorage(StorageBackend):
         return f"{path.parent.parent.name}/{path.name[: -len(SUFFIX)]}"
 
     def _pages(self):
-        for path in self.root.glob(f"*/*/*{SUFFIX}"):
-            yield path
+        yield from self.root.glob(f"*/*/*{SUFFIX}")
 
     def _remove_stale_tmp(self) -> int:
         """Temporary files of writers that died (their pid is gone) are never pages: remove them."""
