@@ -97,7 +97,7 @@ class FileStorage(StorageBackend):
     def _key_of(self, path: Path) -> str:
         return f"{path.parent.parent.name}/{path.name[: -len(SUFFIX)]}"
 
-    def _pages(self):
+    def _page_files(self):
         yield from self.root.glob(f"*/*/*{SUFFIX}")
 
     def _remove_stale_tmp(self) -> int:
@@ -115,7 +115,7 @@ class FileStorage(StorageBackend):
 
     def _scan(self) -> None:
         found = []
-        for path in self._pages():
+        for path in self._page_files():
             try:
                 st = path.stat()
             except OSError:
@@ -180,7 +180,7 @@ class FileStorage(StorageBackend):
             self._forget(key)
 
     def clear(self) -> None:
-        for path in list(self._pages()):
+        for path in list(self._page_files()):
             try:
                 path.unlink()
             except FileNotFoundError:
@@ -194,7 +194,7 @@ class FileStorage(StorageBackend):
             with self._lock:
                 objects, used = len(self._lru), self._used
         else:
-            sizes = [p.stat().st_size for p in self._pages()]
+            sizes = [p.stat().st_size for p in self._page_files()]
             objects, used = len(sizes), sum(sizes)
         return {
             "directory": str(self.root),
