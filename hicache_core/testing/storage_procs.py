@@ -47,8 +47,9 @@ def run_ranks(target, world: int, workdir: Path, timeout: float = 120.0, **kwarg
 
 
 def _init(rank: int, world: int, init_file: str):
-    import torch.distributed as dist
     from datetime import timedelta
+
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
