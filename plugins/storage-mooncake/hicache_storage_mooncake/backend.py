@@ -1,0 +1,193 @@
+"""``mooncake://master-host:port``: pages in Mooncake Store, moved zero-copy from and into the host pool.
+
+The host pool's buffers are registered with the transfer engine once (``register_buffer``);
+each page then moves as one object with ``batch_put_from_multi_buffers`` /
+``batch_get_into_multi_buffers`` on the page's own addresses (header first, from a small
+registered scratch arena, then the page's runs). This client also contributes a segment of
+its memory to the store (``segment``), as every Mooncake client does; the default
+transport is TCP (no RDMA needed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from hicache_core.storage.backend import (
+    Capabilities,
+    ObjectMissing,
+    SizeMismatch,
+    StorageBackend,
+    StorageError,
+    StorageFull,
+)
+from hicache_core.storage.page_format import HEADER_SIZE
+from hicache_core.storage.pages import Span
+from hicache_core.storage.url import StorageURL, option_bytes
+
+# Mooncake's ErrorCode values that mean "no such object" and "no space".
+OBJECT_NOT_FOUND = -704
+NO_SPACE = {-200, -201, -202}  # NO_AVAILABLE_HANDLE, and the allocation failures around it
+ARENA_SLOTS = 128
+
+
+class MooncakeStorage(StorageBackend):
+    """Pages as Mooncake Store objects, registered host memory, TCP by default."""
+
+    scheme: ClassVar[str] = "mooncake"
+    capabilities: ClassVar[Capabilities] = Capabilities(zero_copy=True, durable=False, shared=True)
+    description: ClassVar[str] = "Mooncake Store: zero-copy batch_put_from/batch_get_into on registered host pages"
+    options_help: ClassVar[dict[str, str]] = {
+        "segment": "bytes of this process's memory lent to the store (default 1GiB)",
+        "local_buffer": "the client's own transfer buffer (default 64MiB)",
+        "protocol": "transfer protocol (default tcp)",
+        "device": "RDMA device names (default none)",
+        "local_hostname": "this client's address as the others see it (default 127.0.0.1)",
+        "metadata": "metadata server (default P2PHANDSHAKE: none needed)",
+    }
+
+    def __init__(self, url: StorageURL, **options: Any) -> None:
+        super().__init__(url, **options)
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise StorageError(
+                "mooncake:// needs Mooncake Store's Python client: pip install mooncake-transfer-engine "
+                f"(or mooncake-transfer-engine-non-cuda on a machine without CUDA), and libibverbs1 ({exc})"
+            ) from exc
+        if not url.host or not url.port:
+            raise ValueError(f"mooncake:// takes the master's address, as mooncake://127.0.0.1:50051; got {url.raw!r}")
+        self.master = f"{url.host}:{url.port}"
+        self.segment = option_bytes(options.get("segment", 1 << 30), "segment")
+        self.local_buffer = option_bytes(options.get("local_buffer", 64 << 20), "local_buffer")
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup(
+            str(options.get("local_hostname", "127.0.0.1")),
+            str(options.get("metadata", "P2PHANDSHAKE")),
+            self.segment,
+            self.local_buffer,
+            str(options.get("protocol", "tcp")),
+            str(options.get("device", "")),
+            self.master,
+        )
+        if rc != 0:
+            raise StorageError(f"Mooncake Store setup against master {self.master} failed with code {rc}")
+        self._registered: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._arenas: list[torch.Tensor] = []
+        self._refused = 0
+
+    # ---- memory --------------------------------------------------------------------------------
+
+    def register_memory(self, spans: Sequence[Span]) -> None:
+        for s in spans:
+            self._register(s.ptr, s.nbytes)
+
+    def _register(self, ptr: int, nbytes: int) -> None:
+        if nbytes == 0:
+            return
+        rc = self.store.register_buffer(ptr, nbytes)
+        if rc != 0:
+            raise StorageError(f"Mooncake register_buffer({ptr:#x}, {nbytes}) failed with code {rc}")
+        with self._lock:
+            self._registered.append((ptr, nbytes))
+
+    def _arena(self) -> torch.Tensor:
+        """This thread's registered scratch for page headers (one slot per page of a batch)."""
+        arena = getattr(self._local, "arena", None)
+        if arena is None:
+            arena = torch.zeros(ARENA_SLOTS * HEADER_SIZE, dtype=torch.uint8)
+            self._register(arena.data_ptr(), arena.numel())
+            with self._lock:
+                self._arenas.append(arena)
+            self._local.arena = arena
+        return arena
+
+    # ---- primitives ----------------------------------------------------------------------------
+
+    def exists_objects(self, keys: Sequence[str]) -> list[bool]:
+        codes = self.store.batch_is_exist(list(keys))
+        bad = [c for c in codes if c < 0]
+        if bad:
+            raise StorageError(f"Mooncake batch_is_exist failed with code {bad[0]}")
+        return [c == 1 for c in codes]
+
+    def put_objects(self, keys: Sequence[str], values: Sequence[Sequence[Span]]) -> list[BaseException | None]:
+        out: list[BaseException | None] = []
+        arena = self._arena()
+        base = arena.data_ptr()
+        for start in range(0, len(keys), ARENA_SLOTS):
+            ks, vs = list(keys[start : start + ARENA_SLOTS]), values[start : start + ARENA_SLOTS]
+            ptrs, sizes = [], []
+            for i, spans in enumerate(vs):
+                header, payload = spans[0], spans[1:]
+                ctypes.memmove(base + i * HEADER_SIZE, header.ptr, header.nbytes)
+                ptrs.append([base + i * HEADER_SIZE] + [s.ptr for s in payload])
+                sizes.append([header.nbytes] + [s.nbytes for s in payload])
+            codes = self.store.batch_put_from_multi_buffers(ks, ptrs, sizes)
+            for code in codes:
+                if code == 0:
+                    out.append(None)
+                elif code in NO_SPACE:
+                    self._refused += 1
+                    out.append(StorageFull(f"Mooncake Store has no space (code {code})"))
+                else:
+                    out.append(StorageError(f"Mooncake put failed with code {code}"))
+        return out
+
+    def get_objects_into(self, keys: Sequence[str], targets: Sequence[Sequence[Span]]) -> list[BaseException | None]:
+        out: list[BaseException | None] = []
+        arena = self._arena()
+        base = arena.data_ptr()
+        for start in range(0, len(keys), ARENA_SLOTS):
+            ks, ts = list(keys[start : start + ARENA_SLOTS]), targets[start : start + ARENA_SLOTS]
+            ptrs, sizes, totals = [], [], []
+            for i, spans in enumerate(ts):
+                payload = spans[1:]
+                ptrs.append([base + i * HEADER_SIZE] + [s.ptr for s in payload])
+                sizes.append([HEADER_SIZE] + [s.nbytes for s in payload])
+                totals.append(sum(sizes[-1]))
+            codes = self.store.batch_get_into_multi_buffers(ks, ptrs, sizes)
+            for i, (code, total, spans) in enumerate(zip(codes, totals, ts)):
+                if code == total:
+                    ctypes.memmove(spans[0].ptr, base + i * HEADER_SIZE, HEADER_SIZE)
+                    out.append(None)
+                elif code == OBJECT_NOT_FOUND:
+                    out.append(ObjectMissing(ks[i]))
+                elif code >= 0 or code == -600:  # -600: the object does not fit the targets
+                    out.append(SizeMismatch(f"Mooncake object {ks[i]!r} does not match a {total}-byte page ({code})"))
+                else:
+                    out.append(StorageError(f"Mooncake get failed with code {code}"))
+        return out
+
+    def remove_objects(self, keys: Sequence[str]) -> None:
+        if keys:
+            self.store.batch_remove(list(keys), True)
+
+    def clear(self) -> None:
+        self.store.remove_all(True)
+
+    def close(self) -> None:
+        store = getattr(self, "store", None)
+        if store is None:
+            return
+        with self._lock:
+            registered, self._registered = self._registered, []
+        for ptr, _ in registered:
+            store.unregister_buffer(ptr)
+        store.close()
+        self.store = None
+
+    def backend_stats(self) -> dict[str, Any]:
+        return {
+            "master": self.master,
+            "segment_bytes": self.segment,
+            "registered_buffers": len(self._registered),
+            "refused_full": self._refused,
+            "healthy": self.store.health_check() == 0 if self.store is not None else False,
+        }
