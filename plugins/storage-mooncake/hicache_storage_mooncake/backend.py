@@ -10,6 +10,7 @@ transport is TCP (no RDMA needed).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import threading
 from collections.abc import Sequence
@@ -33,6 +34,55 @@ from hicache_core.storage.url import StorageURL, option_bytes
 OBJECT_NOT_FOUND = -704
 NO_SPACE = {-200, -201, -202}  # NO_AVAILABLE_HANDLE, and the allocation failures around it
 ARENA_SLOTS = 128
+
+
+class _Client:
+    """One Mooncake client per (master, settings) in a process, shared by every backend on it.
+
+    Closing a Mooncake client takes a second or more (it unmounts its segment), so backends
+    share one, and it closes when the process exits. Buffer registrations are counted, so two
+    backends on one host pool register it once and unregister it when the last one closes.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.lock = threading.Lock()
+        self.registered: dict[int, int] = {}  # address -> backends using it
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        with self.lock:
+            if self.registered.get(ptr):
+                self.registered[ptr] += 1
+                return
+            rc = self.store.register_buffer(ptr, nbytes)
+            if rc != 0:
+                raise StorageError(f"Mooncake register_buffer({ptr:#x}, {nbytes}) failed with code {rc}")
+            self.registered[ptr] = 1
+
+    def unregister(self, ptr: int) -> None:
+        with self.lock:
+            left = self.registered.get(ptr, 0) - 1
+            if left > 0:
+                self.registered[ptr] = left
+                return
+            self.registered.pop(ptr, None)
+            self.store.unregister_buffer(ptr)
+
+
+_CLIENTS: dict[tuple, _Client] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_clients() -> None:
+    with _CLIENTS_LOCK:
+        clients = list(_CLIENTS.values())
+        _CLIENTS.clear()
+    for client in clients:
+        try:
+            client.store.close()
+        except Exception:  # noqa: BLE001 - the process is exiting
+            pass
 
 
 class MooncakeStorage(StorageBackend):
@@ -64,8 +114,7 @@ class MooncakeStorage(StorageBackend):
         self.master = f"{url.host}:{url.port}"
         self.segment = option_bytes(options.get("segment", 1 << 30), "segment")
         self.local_buffer = option_bytes(options.get("local_buffer", 64 << 20), "local_buffer")
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup(
+        settings = (
             str(options.get("local_hostname", "127.0.0.1")),
             str(options.get("metadata", "P2PHANDSHAKE")),
             self.segment,
@@ -74,8 +123,16 @@ class MooncakeStorage(StorageBackend):
             str(options.get("device", "")),
             self.master,
         )
-        if rc != 0:
-            raise StorageError(f"Mooncake Store setup against master {self.master} failed with code {rc}")
+        with _CLIENTS_LOCK:
+            client = _CLIENTS.get(settings)
+            if client is None:
+                store = MooncakeDistributedStore()
+                rc = store.setup(*settings)
+                if rc != 0:
+                    raise StorageError(f"Mooncake Store setup against master {self.master} failed with code {rc}")
+                client = _CLIENTS[settings] = _Client(store)
+        self._client = client
+        self.store = client.store
         self._registered: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -91,9 +148,7 @@ class MooncakeStorage(StorageBackend):
     def _register(self, ptr: int, nbytes: int) -> None:
         if nbytes == 0:
             return
-        rc = self.store.register_buffer(ptr, nbytes)
-        if rc != 0:
-            raise StorageError(f"Mooncake register_buffer({ptr:#x}, {nbytes}) failed with code {rc}")
+        self._client.register(ptr, nbytes)
         with self._lock:
             self._registered.append((ptr, nbytes))
 
@@ -179,8 +234,7 @@ class MooncakeStorage(StorageBackend):
         with self._lock:
             registered, self._registered = self._registered, []
         for ptr, _ in registered:
-            store.unregister_buffer(ptr)
-        store.close()
+            self._client.unregister(ptr)
         self.store = None
 
     def backend_stats(self) -> dict[str, Any]:
