@@ -19,9 +19,11 @@ All integers little-endian. The payload is the page in the host pool's flat orde
 (``get_data_page(i, flat=True)``): host buffer by buffer, each page view in memory order.
 
 XXH3-64 is the payload checksum because it is the one fast enough to sit on the
-I/O path (about 17 GB/s per core from DRAM here, against 5 GB/s for zlib's CRC-32,
-8.6 for CRC-32C and 1.1 for SHA-256). It is taken from the system's libxxhash through
-ctypes, which releases the GIL while it hashes, and from the ``xxhash`` package otherwise.
+I/O path: measured here (2-core AMD EPYC VM) at 15-19 GB/s on a cache-resident 4.5 MB page
+and about 17 GB/s from DRAM, against 5 GB/s for zlib's CRC-32, 8.6 for CRC-32C, 7 for
+BLAKE3 and 1.1 for SHA-256. It comes from the ``xxhash`` package (its bundled xxHash picks
+AVX2 at run time); the system's libxxhash through ctypes is the fallback (Debian's build
+runs at about 6 GB/s, SSE2 only). Both give the same digest.
 """
 
 from __future__ import annotations
@@ -115,8 +117,25 @@ def _load_libxxhash():
 _LIB = _load_libxxhash()
 
 
+try:
+    import xxhash as _xxhash
+except ImportError:  # hicache-core depends on xxhash; the fallback serves stripped installs
+    _xxhash = None
+
+_EMPTY = 0x2D06800538D394C2  # XXH3-64 of zero bytes, seed 0
+
+
 def checksum_runs(runs: Sequence[tuple[int, int]]) -> int:
     """XXH3-64 (seed 0) of the concatenation of memory runs ``(address, nbytes)``."""
+    if _xxhash is not None:
+        if len(runs) == 1:
+            ptr, n = runs[0]
+            return _xxhash.xxh3_64_intdigest((ctypes.c_char * n).from_address(ptr)) if n else _EMPTY
+        h = _xxhash.xxh3_64()
+        for ptr, n in runs:
+            if n:
+                h.update((ctypes.c_char * n).from_address(ptr))
+        return h.intdigest()
     if _LIB is not None:
         if len(runs) == 1:
             return int(_LIB.XXH3_64bits(runs[0][0], runs[0][1]))
@@ -128,12 +147,7 @@ def checksum_runs(runs: Sequence[tuple[int, int]]) -> int:
             return int(_LIB.XXH3_64bits_digest(state))
         finally:
             _LIB.XXH3_freeState(state)
-    import xxhash  # the same digest, holding the GIL
-
-    h = xxhash.xxh3_64()
-    for ptr, n in runs:
-        h.update((ctypes.c_char * n).from_address(ptr))
-    return h.intdigest()
+    raise RuntimeError("no XXH3 implementation: pip install xxhash (hicache-core depends on it)")
 
 
 def checksum_bytes(data: bytes | bytearray | memoryview) -> int:

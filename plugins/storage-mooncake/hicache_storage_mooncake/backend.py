@@ -220,6 +220,16 @@ class MooncakeStorage(StorageBackend):
                     out.append(StorageError(f"Mooncake get failed with code {code}"))
         return out
 
+    def raw_put_from(self, keys: Sequence[str], spans: Sequence[Span]) -> None:
+        codes = self.store.batch_put_from(list(keys), [s.ptr for s in spans], [s.nbytes for s in spans])
+        if any(codes):
+            raise StorageError(f"raw batch_put_from failed: {sorted(set(codes))}")
+
+    def raw_get_into(self, keys: Sequence[str], spans: Sequence[Span]) -> None:
+        codes = self.store.batch_get_into(list(keys), [s.ptr for s in spans], [s.nbytes for s in spans])
+        if any(c != s.nbytes for c, s in zip(codes, spans)):
+            raise StorageError(f"raw batch_get_into failed: {sorted(set(codes))}")
+
     def remove_objects(self, keys: Sequence[str]) -> None:
         if keys:
             self.store.batch_remove(list(keys), True)
