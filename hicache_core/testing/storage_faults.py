@@ -98,9 +98,26 @@ def _page_of(image, host, page):
     return as_bytes(_flat_from(image, host, page))
 
 
-def slow_store_timeout(url: str, slow_down, **options: Any) -> None:
-    """A slow store: the ``timeout`` policy returns, within its limit (plus the batch in flight), what arrived."""
+def slow_store_timeout(url: str, slow_down=None, **options: Any) -> None:
+    """A slow store: the ``timeout`` policy returns, within its limit (plus the batch in flight), what arrived.
+
+    ``slow_down(stop_event)`` makes the real server slow (pauses it) until ``stop_event`` is set; without
+    one, each read call of the backend is delayed by 0.3 s at the primitive (for stores a test cannot pause).
+    """
     host, backend, toks, keys, src = stored_pages(url, n_pages=16, salt=9, **options)
+    if slow_down is None:
+        name = "get_objects_into" if backend.capabilities.zero_copy else "get_objects"
+        real = getattr(backend, name)
+
+        def delayed(*args):
+            time.sleep(0.3)
+            return real(*args)
+
+        setattr(backend, name, delayed)
+
+        def slow_down(stop):
+            stop.wait()
+
     limit = PrefetchTimeout(base_s=1.0, per_ki_token_s=0.0, max_s=1.0)
     with StorageController(backend, prefetch_policy="timeout", prefetch_timeout=limit, batch_pages=2,
                            op_timeout=30) as ctl:  # fmt: skip

@@ -61,3 +61,16 @@ def mooncake_master(tmp_path_factory):
 @pytest.fixture
 def mooncake_url(mooncake_master):
     return f"mooncake://127.0.0.1:{mooncake_master.port}?segment=64MiB&local_buffer=16MiB"
+
+
+def start_holder(tmp_path, master: ServerProcess) -> ServerProcess:
+    """A mooncake_client process that lends 256 MB to the store, so pages outlive the servers that wrote them."""
+    binary = str(Path(master_binary()).parent / "mooncake_client")
+    if not Path(binary).exists():
+        pytest.skip("mooncake_client is not in the Mooncake wheel here")
+
+    def argv(port):
+        return [binary, "-host=127.0.0.1", f"-port={port}", "-global_segment_size=256MB", "-protocol=tcp",
+                f"-master_server_address=127.0.0.1:{master.port}", "-metadata_server=P2PHANDSHAKE"]  # fmt: skip
+
+    return ServerProcess(argv, tmp_path / f"holder-{uuid.uuid4().hex[:6]}.log", start_timeout=30).start()
