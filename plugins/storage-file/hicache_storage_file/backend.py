@@ -140,7 +140,7 @@ class FileStorage(StorageBackend):
         for key, spans in zip(keys, values):
             size = sum(s.nbytes for s in spans)
             try:
-                self._make_room(key, size)
+                self._make_room(key, size + HEADER_BLOCK - spans[0].nbytes)  # what it takes on disk
                 self._write(self.path_of(key), spans, size)
             except StorageFull as exc:
                 out.append(exc)
