@@ -92,8 +92,8 @@ def kill_mid_prefetch(url: str, pause, kill, **options: Any) -> None:
 
 
 def _page_of(image, host, page):
-    from .storage_kit import _flat_from
     from .cases import as_bytes
+    from .storage_kit import _flat_from
 
     return as_bytes(_flat_from(image, host, page))
 
