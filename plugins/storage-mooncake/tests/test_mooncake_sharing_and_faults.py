@@ -5,12 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from mooncake_server import start_holder, start_master
 
 from hicache_core.storage import make_storage
 from hicache_core.testing import storage_faults as F
 from hicache_core.testing.storage_kit import make_pool, slots_of
-
-from .conftest import start_holder, start_master
 
 
 def test_two_servers_with_two_ranks_share_pages(mooncake_master, tmp_path):
