@@ -76,13 +76,30 @@ _CLIENTS_LOCK = threading.Lock()
 @atexit.register
 def _close_clients() -> None:
     with _CLIENTS_LOCK:
-        clients = list(_CLIENTS.values())
+        clients = list(_CLIENTS.items())
         _CLIENTS.clear()
-    for client in clients:
+    for settings, client in clients:
+        # Closing against a master that is gone retries for seconds per client; the master
+        # drops a vanished client by itself, so only clients of a reachable master close.
+        if not _reachable(settings[-1]):
+            # Its destructor would retry for seconds too: keep it alive until the OS reclaims the process.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(client.store))
+            continue
         try:
             client.store.close()
         except Exception:  # noqa: BLE001 - the process is exiting
             pass
+
+
+def _reachable(address: str, timeout: float = 0.2) -> bool:
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 class MooncakeStorage(StorageBackend):
