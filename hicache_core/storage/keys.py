@@ -25,6 +25,7 @@ from typing import Any
 
 #: Bumped when the namespace description changes meaning; part of every fingerprint.
 NAMESPACE_VERSION = 1
+_LAYOUT_FIELDS = ("split", "split_at", "merge", "merge_slots", "components")
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -78,7 +79,8 @@ def geometry_description(host_pool: Any) -> dict[str, Any]:
         "pool_kind": geometry.kind,
         "layout": layout.name,
         "layout_axes": list(layout.axes),
-        "layout_split_at": layout.split_at,
+        # whatever else the declaration says about placement (split parts, merged axes, components)
+        "layout_decl": [repr(getattr(layout, f, None)) for f in _LAYOUT_FIELDS],
         "dtype": str(geometry.dtype).replace("torch.", ""),
         "item_bytes": list(geometry.item_bytes),
         "page_size": geometry.page_size,
