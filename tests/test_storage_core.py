@@ -312,3 +312,15 @@ def test_controller_refuses_bad_arguments():
     with StorageController(storage) as ctl:
         with pytest.raises(ValueError, match="host slots"):
             ctl.backup(list(range(16)), slots_of([1], 4))
+
+
+def test_cli_storage_check_stats_and_two_process_demo(tmp_path, capsys):
+    from hicache_core.cli import main
+
+    url = f"memory://cli-{time.monotonic_ns()}"
+    assert main(["storage", "check", url]) == 0
+    assert "all checks passed" in capsys.readouterr().out
+    assert main(["storage", "stats", url]) == 0
+    assert '"backend_class": "MemoryStorage"' in capsys.readouterr().out
+    # process 1 backs up and exits, process 2 (fresh pools) finds, prefetches, loads and compares
+    assert main(["demo", "--storage", f"file://{tmp_path}/l3", "--tokens", "64", "--device", "cpu"]) == 0

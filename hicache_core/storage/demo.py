@@ -33,15 +33,14 @@ def _pools(tokens: int, device: str):
     return dev, host
 
 
-def _prefix(tokens: int, seed: int) -> tuple[list[int], torch.Tensor, list[torch.Tensor]]:
+def _prefix(tokens: int, seed: int, dev) -> tuple[list[int], torch.Tensor, list[torch.Tensor]]:
     """The prompt's token ids, the device slots its KV sits in, and that KV (per layer K, V), from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 32000, (tokens,), generator=gen).tolist()
     pages = torch.randperm(2 * tokens // PAGE - 1, generator=gen)[: tokens // PAGE] + 1
     slots = (pages[:, None] * PAGE + torch.arange(PAGE)).reshape(-1)
-    shape = SHAPES[SHAPE]
-    kv = [torch.randint(0, 256, (tokens, shape.heads, shape.head_dim * 2), dtype=torch.uint8, generator=gen)
-          for _ in range(2 * LAYERS)]  # fmt: skip
+    kv = [torch.randint(0, 256, (tokens, _byte_rows(t).shape[1]), dtype=torch.uint8, generator=gen)
+          for t in _device_rows(dev)]  # fmt: skip
     return ids, slots, kv
 
 
@@ -49,11 +48,16 @@ def _device_rows(dev) -> list[torch.Tensor]:
     return [t for pair in zip(dev.k_buffer, dev.v_buffer) for t in pair]
 
 
+def _byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor as (rows, bytes per row)."""
+    return t.view(torch.uint8).reshape(t.shape[0], -1)
+
+
 def role_backup(url: str, model_id: str, tokens: int, seed: int, device: str) -> int:
     dev, host = _pools(tokens, device)
-    ids, slots, kv = _prefix(tokens, seed)
+    ids, slots, kv = _prefix(tokens, seed, dev)
     for rows, data in zip(_device_rows(dev), kv):
-        rows.view(torch.uint8).view(rows.shape[0], -1)[slots] = data.view(tokens, -1).to(rows.device)
+        _byte_rows(rows)[slots] = data.to(rows.device)
     host_slots = host.alloc(tokens)
     host.backup_from_device_all_layer(dev, host_slots, slots.to(device), "auto")
     if device == "cuda":
@@ -68,7 +72,7 @@ def role_backup(url: str, model_id: str, tokens: int, seed: int, device: str) ->
 
 def role_load(url: str, model_id: str, tokens: int, seed: int, device: str) -> int:
     dev, host = _pools(tokens, device)
-    ids, _, kv = _prefix(tokens, seed)
+    ids, _, kv = _prefix(tokens, seed, dev)
     storage = make_storage(url, host, model_id=model_id)
     with StorageController(storage, prefetch_policy="wait_complete") as ctl:
         t0 = time.perf_counter()
@@ -84,7 +88,7 @@ def role_load(url: str, model_id: str, tokens: int, seed: int, device: str) -> i
         host.load_to_device_per_layer(dev, res.host_indices, new_slots.to(device), layer, "auto")
     rows = _device_rows(dev)
     same = all(
-        torch.equal(r.view(torch.uint8).view(r.shape[0], -1)[new_slots].cpu(), data.view(tokens, -1))
+        torch.equal(_byte_rows(r)[new_slots].cpu(), data)
         for r, data in zip(rows, kv)
     )
     print(f"process 2: loaded to {device} layer by layer; the bytes {'match' if same else 'DO NOT match'} "
