@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("demo", help="back up, evict and reload model-shaped pools, checked against the reference")
     p.add_argument("--device", help="default: cuda when present, else cpu")
     p.add_argument("--tokens", type=int, help="tokens per transfer (default: 4096 on CUDA, 256 on CPU)")
+    p.add_argument("--storage", metavar="URL", help="L3 demo across two processes through this store (file:///dir)")
 
     p = sub.add_parser("bench", help="the benchmark sweep of ../shared/benchmarks.md (GPU)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
@@ -51,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shapes", help="comma-separated shape names (default: all; quick: deepseek-mla,llama-8b)")
     p.add_argument("--name", help="file name of the JSON and PNG (default: quick, sweep or overlap)")
     p.add_argument("--layouts", help="comma-separated layouts (default: every registered layout)")
+    p.add_argument("--storage", metavar="URL", help="benchmark L3 backup and prefetch through this store instead")
+    p.add_argument("--storage-tokens", default="4096,32768", help="prefix lengths for --storage (tokens)")
 
     p = sub.add_parser("calibrate", help="measure the implementations on this GPU and write the profile auto uses")
     p.add_argument("--shapes", default="llama-8b,deepseek-mla", help="comma-separated shape names")
@@ -60,6 +63,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer repeats and SM budgets")
     p.add_argument("--out", help="profile file (default: the per-device file in the user's cache directory)")
 
+    p = sub.add_parser("storage", help="L3 storage: check a live store, or print its statistics")
+    storage_sub = p.add_subparsers(dest="storage_command", required=True)
+    q = storage_sub.add_parser("check", help="write, find, read back and compare a few pages, then remove them")
+    q.add_argument("url")
+    q.add_argument("--json", action="store_true")
+    q = storage_sub.add_parser("stats", help="the store's own figures as JSON")
+    q.add_argument("url")
+
     args = parser.parse_args(argv)
     if args.command == "plugins":
         return cmd_plugins(get_registry(), args.json)
@@ -67,6 +78,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_matrix(get_registry(), args)
     if args.command == "explain":
         return cmd_explain(get_registry(), args)
+    if args.command == "storage":
+        from .storage.tools import run_check, run_stats
+
+        return run_check(args.url, args.json) if args.storage_command == "check" else run_stats(args.url)
+    if args.command == "demo" and args.storage:
+        from .storage.demo import run_storage_demo
+
+        return run_storage_demo(args.storage, device=args.device, tokens=args.tokens or 512)
+    if args.command == "bench" and args.storage:
+        from .storage.bench import run_storage_bench
+
+        return run_storage_bench(args.storage, out=args.out, tokens=[int(t) for t in args.storage_tokens.split(",")])
     if args.command == "demo":
         from .demo import run_demo
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .implementation import Implementation
     from .layouts import Layout
     from .pool_kinds import PoolKind
+    from .storage.backend import StorageBackend
 
 PROJECT = "hicache"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -77,4 +78,25 @@ def hicache_register_pool_kinds(register: Callable[[PoolKind], None]) -> None:
         registered is refused and recorded against this plugin.
 
     Return nothing. An exception marks the plugin as failed with that error.
+    """
+
+
+@hookspec
+def hicache_register_storage_backends(register: Callable[[type[StorageBackend]], None]) -> None:
+    """Register the L3 storage backends this plugin provides, one per URL scheme.
+
+    Called once per process, when hicache first needs its registry, after every
+    plugin's :func:`hicache_register_backends`. :func:`hicache_core.storage.make_storage`
+    then builds a backend for any URL whose scheme one of them registered.
+
+    :param register: call ``register(BackendClass)`` for each subclass of
+        :class:`hicache_core.storage.StorageBackend`; its ``scheme`` class attribute
+        (``"file"``, ``"redis"``, ...) is the URL scheme it serves. A class that is not
+        such a subclass, has no scheme, or takes a scheme already registered is refused
+        and recorded against this plugin; its other registrations stand.
+
+    Return nothing. Do not connect to a store or import a heavy client library here:
+    registration must stay cheap, and a missing client is an error when a URL of that
+    scheme is opened, not at startup. An exception raised here marks the plugin as
+    failed with that error; it never takes other plugins down.
     """

@@ -42,6 +42,7 @@ class PluginRecord:
     layouts: list[str] = field(default_factory=list)
     hooks: list[str] = field(default_factory=list)
     pool_kinds: list[str] = field(default_factory=list)
+    storage_backends: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -54,6 +55,7 @@ class PluginRecord:
             "pool_kinds": list(self.pool_kinds),
             "layouts": list(self.layouts),
             "implementations": list(self.implementations),
+            "storage_backends": list(self.storage_backends),
         }
 
 
@@ -76,6 +78,12 @@ class _CorePlugin:
 
         register(ReferenceImplementation)
 
+    @hookspecs.hookimpl
+    def hicache_register_storage_backends(self, register):
+        from .storage.memory import MemoryStorage
+
+        register(MemoryStorage)
+
 
 def allowed_plugins(value: str | None = None) -> set[str] | None:
     """Parse ``HICACHE_PLUGINS``: ``None`` allows all, an empty set none."""
@@ -94,6 +102,7 @@ class Registry:
         self.pool_kinds: dict[str, PoolKind] = {}
         self.layouts: dict[str, Layout] = {}
         self.implementations: dict[str, type[Implementation]] = {}
+        self.storage_backends: dict[str, type] = {}  # URL scheme -> StorageBackend subclass
         self.owner: dict[str, str] = {}  # implementation or layout name -> plugin name
         self.plugins: dict[str, PluginRecord] = {}
         self.allow: set[str] | None = None
@@ -134,6 +143,8 @@ class Registry:
             self._call(plugin, record, "hicache_register_layouts", self._layout_registrar(record))
         for plugin, record in loaded:
             self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
+        for plugin, record in loaded:
+            self._call(plugin, record, "hicache_register_storage_backends", self._storage_registrar(record))
         self._resolved.clear()
         self._sorted.clear()
         for name in sorted((allow or set()) - seen):  # a typo in HICACHE_PLUGINS must not pass silently
@@ -179,6 +190,7 @@ class Registry:
             self._call(plugin, record, "hicache_register_pool_kinds", self._pool_kind_registrar(record))
             self._call(plugin, record, "hicache_register_layouts", self._layout_registrar(record))
             self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
+            self._call(plugin, record, "hicache_register_storage_backends", self._storage_registrar(record))
             self._resolved.clear()
             self._sorted.clear()
         return record
@@ -261,6 +273,24 @@ class Registry:
             record.implementations.append(impl.name)
 
         return register
+
+    def _storage_registrar(self, record: PluginRecord):
+        def register(backend: type) -> None:
+            from .storage.registration import storage_backend_problems
+
+            problems = storage_backend_problems(backend, self.storage_backends, self.owner)
+            if problems:
+                record.errors.append(f"storage backend {getattr(backend, '__qualname__', backend)!r} refused: "
+                                     + "; ".join(problems))  # fmt: skip
+                return
+            self.storage_backends[backend.scheme] = backend
+            self.owner[f"storage:{backend.scheme}"] = record.name
+            record.storage_backends.append(backend.scheme)
+
+        return register
+
+    def plugin_of_storage(self, scheme: str) -> str:
+        return self.owner.get(f"storage:{scheme}", "?")
 
     # ---- queries the dispatcher and the CLI use -------------------------------------------------
 

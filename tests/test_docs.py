@@ -29,7 +29,12 @@ HOOKS = sorted(
 
 
 def test_the_hook_specs_are_found():
-    assert HOOKS[:3] == ["hicache_register_backends", "hicache_register_layouts", "hicache_register_pool_kinds"]
+    assert HOOKS == [
+        "hicache_register_backends",
+        "hicache_register_layouts",
+        "hicache_register_pool_kinds",
+        "hicache_register_storage_backends",
+    ]
 
 
 @pytest.mark.parametrize("hook", HOOKS)

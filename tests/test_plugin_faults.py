@@ -265,7 +265,8 @@ def test_unmarked_and_misspelled_hooks_are_not_silent(entry_points):
     assert misspelled.status == "failed"
     assert misspelled.errors[0] == (
         "implements hicache_register_backend, not a hicache hook "
-        "(hooks: hicache_register_backends, hicache_register_layouts, hicache_register_pool_kinds)"
+        "(hooks: hicache_register_backends, hicache_register_layouts, hicache_register_pool_kinds, "
+        "hicache_register_storage_backends)"
     )
     assert not misspelled.implementations and not unmarked.implementations
     works(registry, "goodcopy")

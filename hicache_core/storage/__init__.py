@@ -1,0 +1,102 @@
+"""hicache's L3 tier: pages of the host pool in a store (files, Redis, Mooncake Store, ...), as plugins.
+
+* :func:`make_storage` builds the backend of a URL (``file:///dir``, ``redis://host:port/db``,
+  ``mooncake://host:port``, ``memory://name``) and binds it to a host pool.
+* :class:`StorageBackend` is the base class a storage plugin subclasses (SGLang's
+  ``HiCacheStorage`` contract); plugins register it through ``hicache_register_storage_backends``.
+* :func:`page_hashes` is SGLang's SHA-256 key chain; :class:`Namespace` keeps pages of
+  other models, geometries and rank shares apart.
+* :class:`StorageController` backs pages up and prefetches them on worker threads, and
+  makes tensor-parallel ranks agree on what was found.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .backend import (
+        STORAGE_BATCH_SIZE,
+        Capabilities,
+        ObjectMissing,
+        PageResult,
+        PageStatus,
+        SizeMismatch,
+        StorageBackend,
+        StorageError,
+        StorageFull,
+        StorageStats,
+    )
+    from .controller import BackupFuture, PrefetchFuture, PrefetchResult, PrefetchTimeout, StorageController
+    from .keys import Namespace, hash_page, namespace_for, page_hashes
+    from .pages import PageMap, Span
+    from .url import KNOWN_STORAGE_PLUGINS, StorageURL, UnknownStorageScheme, make_storage
+
+_EXPORTS = {
+    "STORAGE_BATCH_SIZE": "backend",
+    "Capabilities": "backend",
+    "ObjectMissing": "backend",
+    "PageResult": "backend",
+    "PageStatus": "backend",
+    "SizeMismatch": "backend",
+    "StorageBackend": "backend",
+    "StorageError": "backend",
+    "StorageFull": "backend",
+    "StorageStats": "backend",
+    "BackupFuture": "controller",
+    "PrefetchFuture": "controller",
+    "PrefetchResult": "controller",
+    "PrefetchTimeout": "controller",
+    "StorageController": "controller",
+    "Namespace": "keys",
+    "hash_page": "keys",
+    "namespace_for": "keys",
+    "page_hashes": "keys",
+    "PageMap": "pages",
+    "Span": "pages",
+    "KNOWN_STORAGE_PLUGINS": "url",
+    "StorageURL": "url",
+    "UnknownStorageScheme": "url",
+    "make_storage": "url",
+}
+__all__ = [
+    "BackupFuture",
+    "Capabilities",
+    "KNOWN_STORAGE_PLUGINS",
+    "Namespace",
+    "ObjectMissing",
+    "PageMap",
+    "PageResult",
+    "PageStatus",
+    "PrefetchFuture",
+    "PrefetchResult",
+    "PrefetchTimeout",
+    "STORAGE_BATCH_SIZE",
+    "SizeMismatch",
+    "Span",
+    "StorageBackend",
+    "StorageController",
+    "StorageError",
+    "StorageFull",
+    "StorageStats",
+    "StorageURL",
+    "UnknownStorageScheme",
+    "hash_page",
+    "make_storage",
+    "namespace_for",
+    "page_hashes",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

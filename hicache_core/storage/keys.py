@@ -1,0 +1,163 @@
+"""Page keys: SGLang's SHA-256 chain over token ids, inside a namespace of model, geometry and rank share.
+
+A page's hash covers its own tokens and, through the previous page's hash, every token
+before it, so one key names a whole prefix and ``batch_exists`` can answer "how many
+leading pages are stored". The chain is SGLang's (``get_hash_str``): SHA-256 over the
+previous hash's raw 32 bytes, then each token id as 4 little-endian bytes (each element
+of a tuple token, as EAGLE bigrams are). A hicache key is ``<namespace>/<page hash>``, so
+the hash part equals SGLang's for the same tokens.
+
+The namespace keeps pages that cannot be loaded into a pool apart from the pages that
+can: a different model, a different pool geometry (kind, layout, dtype, item bytes,
+page size, layers per page) or a different share of the model (tensor-parallel rank,
+layer shard) is a different namespace, so it is never even found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: Bumped when the namespace description changes meaning; part of every fingerprint.
+NAMESPACE_VERSION = 1
+_LAYOUT_FIELDS = ("split", "split_at", "merge", "merge_slots", "components")
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _token_bytes(tokens: Sequence[Any]) -> bytes:
+    flat: list[int] = []
+    for t in tokens:
+        if isinstance(t, (tuple, list)):
+            flat.extend(int(x) for x in t)
+        else:
+            flat.append(int(t))
+    try:
+        return struct.pack(f"<{len(flat)}I", *flat)
+    except struct.error:
+        bad = next(x for x in flat if not 0 <= x < 2**32)
+        raise ValueError(f"token id {bad} does not fit in 4 unsigned bytes (the key chain hashes uint32)") from None
+
+
+def hash_page(tokens: Sequence[Any], prior_hash: str | None = None) -> str:
+    """SHA-256 hex of one page of token ids chained onto ``prior_hash`` (SGLang's ``get_hash_str``)."""
+    hasher = hashlib.sha256()
+    if prior_hash:
+        hasher.update(bytes.fromhex(prior_hash))
+    hasher.update(_token_bytes(tokens))
+    return hasher.hexdigest()
+
+
+def page_hashes(token_ids: Sequence[Any], page_size: int, prior_hash: str | None = None) -> list[str]:
+    """One chained hash per whole page of ``token_ids``; a trailing partial page gets none.
+
+    ``prior_hash`` is the hash of the page before ``token_ids[0]`` (a server that keys a
+    suffix of a cached prefix passes the prefix's last hash).
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if hasattr(token_ids, "tolist"):
+        token_ids = token_ids.tolist()
+    out: list[str] = []
+    last = prior_hash
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        last = hash_page(token_ids[start : start + page_size], last)
+        out.append(last)
+    return out
+
+
+def geometry_description(host_pool: Any) -> dict[str, Any]:
+    """What a stored page's bytes depend on: the pool kind, the layout declaration, dtype and sizes."""
+    geometry = host_pool.geometry
+    layout = host_pool.spec.layout
+    return {
+        "version": NAMESPACE_VERSION,
+        "pool_kind": geometry.kind,
+        "layout": layout.name,
+        "layout_axes": list(layout.axes),
+        # whatever else the declaration says about placement (split parts, merged axes, components)
+        "layout_decl": [repr(getattr(layout, f, None)) for f in _LAYOUT_FIELDS],
+        "dtype": str(geometry.dtype).replace("torch.", ""),
+        "item_bytes": list(geometry.item_bytes),
+        "page_size": geometry.page_size,
+        "layers_per_page": geometry.host_layers,
+        "draft_layers": geometry.draft_layers,
+        "extras": [list(e) for e in geometry.extras],
+    }
+
+
+def fingerprint(description: dict[str, Any]) -> str:
+    """16 bytes (32 hex digits) of SHA-256 over a canonical JSON of ``description``."""
+    canonical = json.dumps(description, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Where a host pool's pages live in a store: model id, geometry fingerprint, this rank's share.
+
+    :param model_id: the model's name (any string; it is made path-safe in keys).
+    :param fingerprint: :func:`fingerprint` of the pool geometry (32 hex digits).
+    :param share: this rank's part of the model, e.g. ``tp1of4`` or ``replicated``, plus a
+        layer shard ``-L16-32of61`` where the pool owns only some layers.
+    """
+
+    model_id: str
+    fingerprint: str
+    share: str
+
+    @property
+    def prefix(self) -> str:
+        model = _SAFE.sub("_", self.model_id).strip("._") or "model"
+        return f"{model[:80]}.{self.fingerprint}.{self.share}"
+
+    def key(self, page_hash: str) -> str:
+        """The store key of one page hash."""
+        return f"{self.prefix}/{page_hash}"
+
+    def keys(self, page_hashes: Iterable[str]) -> list[str]:
+        prefix = self.prefix
+        return [f"{prefix}/{h}" for h in page_hashes]
+
+
+def rank_share(
+    *, tp_rank: int = 0, tp_size: int = 1, replicated: bool = False, layer_range: tuple[int, int, int] | None = None
+) -> str:
+    """The share string of a rank: ``tp<rank>of<size>`` (or ``replicated``), plus ``-L<start>-<end>of<n>``.
+
+    :param replicated: every TP rank holds the same bytes (MLA): one copy serves all ranks.
+    :param layer_range: ``(start, end, layer_num)`` when the pool owns only layers ``[start, end)``.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
+    share = "replicated" if replicated else f"tp{tp_rank}of{tp_size}"
+    if layer_range is not None:
+        start, end, num = layer_range
+        if (start, end) != (0, num):
+            share += f"-L{start}-{end}of{num}"
+    return share
+
+
+def namespace_for(
+    host_pool: Any, model_id: str, *, tp_rank: int = 0, tp_size: int = 1, replicated: bool | None = None
+) -> Namespace:
+    """The namespace of ``host_pool``'s pages for ``model_id`` on this rank.
+
+    ``replicated`` defaults to true for MLA pools (every TP rank holds the whole latent cache).
+    """
+    if not isinstance(model_id, str) or not model_id:
+        raise ValueError("model_id must be a non-empty string (pages of different models must never mix)")
+    geometry = host_pool.geometry
+    if replicated is None:
+        replicated = geometry.kind == "mla"
+    share = rank_share(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        replicated=replicated,
+        layer_range=(geometry.start_layer, geometry.end_layer, geometry.layer_num),
+    )
+    return Namespace(model_id, fingerprint(geometry_description(host_pool)), share)

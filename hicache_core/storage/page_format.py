@@ -1,0 +1,175 @@
+"""The stored form of a page: an 80-byte header, then the payload.
+
+Every object hicache writes is self-describing, so a reader never trusts a store to
+hand back the bytes that were put under a key::
+
+    offset size field
+         0    4 magic b"HICP"
+         4    2 format version (1)
+         6    2 header size (80; a backend may pad, e.g. to 4096 for O_DIRECT, and say so here)
+         8    2 checksum algorithm (1 = XXH3-64, seed 0)
+        10    2 reserved, zero
+        12    8 payload bytes
+        20    8 payload checksum
+        28   16 geometry fingerprint (the namespace's, raw bytes)
+        44   32 SHA-256 of the object key (namespace and page hash)
+        76    4 CRC-32 of bytes 0..75 (the header's own check)
+
+All integers little-endian. The payload is the page in the host pool's flat order
+(``get_data_page(i, flat=True)``): host buffer by buffer, each page view in memory order.
+
+XXH3-64 is the payload checksum because it is the one fast enough to sit on the
+I/O path: measured here (2-core AMD EPYC VM) at 15-19 GB/s on a cache-resident 4.5 MB page
+and about 17 GB/s from DRAM, against 5 GB/s for zlib's CRC-32, 8.6 for CRC-32C, 7 for
+BLAKE3 and 1.1 for SHA-256. It comes from the ``xxhash`` package (its bundled xxHash picks
+AVX2 at run time); the system's libxxhash through ctypes is the fallback (Debian's build
+runs at about 6 GB/s, SSE2 only). Both give the same digest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MAGIC = b"HICP"
+FORMAT_VERSION = 1
+HEADER_SIZE = 80
+CHECKSUM_XXH3_64 = 1
+_BODY = struct.Struct("<4sHHHHQQ16s32s")  # 76 bytes, then the CRC-32
+assert _BODY.size == HEADER_SIZE - 4
+
+
+@dataclass(frozen=True)
+class PageHeader:
+    """A decoded header (see the module docstring for the bytes)."""
+
+    version: int
+    header_size: int
+    checksum_algorithm: int
+    payload_bytes: int
+    checksum: int
+    fingerprint: bytes
+    key_digest: bytes
+
+
+class HeaderError(ValueError):
+    """The bytes are not a hicache page header (bad magic, version or header CRC)."""
+
+
+def pack_header(
+    *, payload_bytes: int, checksum: int, fingerprint: bytes, key_digest: bytes, header_size: int = HEADER_SIZE
+) -> bytes:
+    """The 80 header bytes (callers pad to ``header_size`` themselves)."""
+    body = _BODY.pack(
+        MAGIC, FORMAT_VERSION, header_size, CHECKSUM_XXH3_64, 0, payload_bytes, checksum, fingerprint, key_digest
+    )
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def unpack_header(data: bytes | bytearray | memoryview) -> PageHeader:
+    """Decode and self-check a header; raise :class:`HeaderError` on anything wrong."""
+    data = memoryview(data)
+    if len(data) < HEADER_SIZE:
+        raise HeaderError(f"object is {len(data)} bytes, shorter than a {HEADER_SIZE}-byte page header")
+    body = bytes(data[: HEADER_SIZE - 4])
+    magic, version, size, algo, _, payload, checksum, fp, key_digest = _BODY.unpack(body)
+    if magic != MAGIC:
+        raise HeaderError(f"bad magic {magic!r} (not a hicache page)")
+    (crc,) = struct.unpack("<I", data[HEADER_SIZE - 4 : HEADER_SIZE])
+    if crc != zlib.crc32(body):
+        raise HeaderError("header CRC mismatch (the header itself is corrupted)")
+    if version != FORMAT_VERSION:
+        raise HeaderError(f"page format version {version}, this hicache reads version {FORMAT_VERSION}")
+    if algo != CHECKSUM_XXH3_64:
+        raise HeaderError(f"unknown checksum algorithm {algo}")
+    if size < HEADER_SIZE:
+        raise HeaderError(f"header size {size} < {HEADER_SIZE}")
+    return PageHeader(version, size, algo, payload, checksum, fp, key_digest)
+
+
+# ---- XXH3-64 over a list of memory runs --------------------------------------------------------
+
+
+def _load_libxxhash():
+    for name in (ctypes.util.find_library("xxhash"), "libxxhash.so.0", "libxxhash.dylib"):
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name)
+            lib.XXH3_64bits.restype = ctypes.c_uint64
+            lib.XXH3_64bits.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            lib.XXH3_createState.restype = ctypes.c_void_p
+            lib.XXH3_freeState.argtypes = [ctypes.c_void_p]
+            lib.XXH3_64bits_reset.argtypes = [ctypes.c_void_p]
+            lib.XXH3_64bits_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+            lib.XXH3_64bits_digest.restype = ctypes.c_uint64
+            lib.XXH3_64bits_digest.argtypes = [ctypes.c_void_p]
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+_LIB = _load_libxxhash()
+
+
+try:
+    import xxhash as _xxhash
+except ImportError:  # hicache-core depends on xxhash; the fallback serves stripped installs
+    _xxhash = None
+
+_EMPTY = 0x2D06800538D394C2  # XXH3-64 of zero bytes, seed 0
+
+
+def checksum_runs(runs: Sequence[tuple[int, int]]) -> int:
+    """XXH3-64 (seed 0) of the concatenation of memory runs ``(address, nbytes)``."""
+    if _xxhash is not None:
+        if len(runs) == 1:
+            ptr, n = runs[0]
+            return _xxhash.xxh3_64_intdigest((ctypes.c_char * n).from_address(ptr)) if n else _EMPTY
+        h = _xxhash.xxh3_64()
+        for ptr, n in runs:
+            if n:
+                h.update((ctypes.c_char * n).from_address(ptr))
+        return h.intdigest()
+    if _LIB is not None:
+        if len(runs) == 1:
+            return int(_LIB.XXH3_64bits(runs[0][0], runs[0][1]))
+        state = _LIB.XXH3_createState()
+        try:
+            _LIB.XXH3_64bits_reset(state)
+            for ptr, n in runs:
+                _LIB.XXH3_64bits_update(state, ptr, n)
+            return int(_LIB.XXH3_64bits_digest(state))
+        finally:
+            _LIB.XXH3_freeState(state)
+    raise RuntimeError("no XXH3 implementation: pip install xxhash (hicache-core depends on it)")
+
+
+def checksum_bytes(data: bytes | bytearray | memoryview) -> int:
+    """XXH3-64 of a buffer (tests and tools)."""
+    view = memoryview(data).cast("B")
+    if not len(view):
+        return checksum_runs([(0, 0)])
+    return checksum_runs([(address_of(view), len(view))])
+
+
+def address_of(buffer: bytes | bytearray | memoryview) -> int:
+    """The address of a contiguous buffer's first byte, without copying it."""
+    if isinstance(buffer, bytes):
+        return ctypes.cast(ctypes.c_char_p(buffer), ctypes.c_void_p).value or 0
+    view = memoryview(buffer)
+    if not view.c_contiguous:
+        raise ValueError("buffer is not contiguous")
+    if view.readonly:
+        obj = view.obj
+        if isinstance(obj, bytes) and view.nbytes == len(obj):
+            return address_of(obj)
+        import numpy as np  # a read-only view into something else: numpy knows its address
+
+        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    return ctypes.addressof(ctypes.c_char.from_buffer(view.cast("B")))

@@ -1,0 +1,106 @@
+"""Where each page of a host pool lives in memory, as contiguous runs (the unit of zero-copy storage I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Span:
+    """One contiguous run of bytes: its address, its length, and a memoryview of it."""
+
+    ptr: int
+    nbytes: int
+    view: memoryview
+
+
+def contiguous_runs(view: torch.Tensor) -> list[tuple[int, int]]:
+    """Split a strided view into maximal contiguous runs ``(byte offset from its data_ptr, nbytes)``, in index order."""
+    sizes, strides = list(view.shape), list(view.stride())
+    inner, expected, cut = 1, 1, len(sizes)
+    for axis in range(len(sizes) - 1, -1, -1):
+        if strides[axis] != expected and sizes[axis] != 1:
+            break
+        expected *= sizes[axis]
+        inner *= sizes[axis]
+        cut = axis
+    es = view.element_size()
+    if cut == 0:
+        return [(0, inner * es)]
+    outer = torch.cartesian_prod(*[torch.arange(s) for s in sizes[:cut]]).reshape(-1, cut)
+    offsets = (outer * torch.tensor(strides[:cut])).sum(dim=1).tolist()
+    return [(int(o) * es, inner * es) for o in offsets]
+
+
+class PageMap:
+    """The runs of every page of one host pool, in the pool's flat page order.
+
+    The payload of a stored page is these runs concatenated: host buffer by host buffer,
+    each page view in index order, exactly what ``get_data_page(i, flat=True)`` returns.
+    """
+
+    def __init__(self, host_pool: Any) -> None:
+        self.host_pool = host_pool
+        self.page_size = host_pool.page_size
+        self.num_pages = host_pool.page_num
+        views0 = host_pool.get_data_page(0, flat=False)
+        views0 = views0 if isinstance(views0, tuple) else (views0,)
+        if self.num_pages > 1:
+            views1 = host_pool.get_data_page(self.page_size, flat=False)
+            views1 = views1 if isinstance(views1, tuple) else (views1,)
+            strides = [b.data_ptr() - a.data_ptr() for a, b in zip(views0, views1)]
+        else:
+            strides = [0] * len(views0)
+        # (buffer base address, byte offset of page 0's run from the base, nbytes) per run
+        self._runs: list[tuple[int, int, int]] = []
+        self._bases: list[tuple[int, int]] = []  # (base address, page stride) per buffer
+        self._buffers: list[torch.Tensor] = []
+        for view, stride in zip(views0, strides):
+            base = view.data_ptr()
+            for offset, nbytes in contiguous_runs(view):
+                self._runs.append((len(self._bases), offset, nbytes))
+            self._bases.append((base, stride))
+        self.page_bytes = sum(n for _, _, n in self._runs)
+        for tensor in host_pool.plan.host_buffers.values():
+            self._buffers.append(tensor)
+        self._memory = [_byte_view(t) for t in self._buffers]
+
+    @property
+    def runs_per_page(self) -> int:
+        return len(self._runs)
+
+    def page_runs(self, page: int) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of each run of page ``page``."""
+        if not 0 <= page < self.num_pages:
+            raise IndexError(f"page {page} is outside the host pool ({self.num_pages} pages)")
+        return [(self._bases[b][0] + page * self._bases[b][1] + off, n) for b, off, n in self._runs]
+
+    def page_spans(self, page: int) -> list[Span]:
+        """The runs of page ``page`` as :class:`Span` objects (with writable memoryviews into the pool)."""
+        spans = []
+        for ptr, n in self.page_runs(page):
+            spans.append(Span(ptr, n, self._view_at(ptr, n)))
+        return spans
+
+    def _view_at(self, ptr: int, nbytes: int) -> memoryview:
+        for tensor, view in zip(self._buffers, self._memory):
+            start = tensor.data_ptr()
+            if start <= ptr and ptr + nbytes <= start + len(view):
+                return view[ptr - start : ptr - start + nbytes]
+        raise IndexError(f"run at {ptr:#x} (+{nbytes}) is outside every host buffer")
+
+    def buffer_spans(self) -> list[Span]:
+        """Every host buffer whole (what a zero-copy backend registers once)."""
+        return [Span(t.data_ptr(), len(v), v) for t, v in zip(self._buffers, self._memory)]
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(flat.numpy()).cast("B")

@@ -1,0 +1,79 @@
+"""``hicache storage check URL`` and ``hicache storage stats URL``."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import torch
+
+from .backend import PageStatus
+from .keys import page_hashes
+from .url import make_storage
+
+
+def _small_pool(page_size: int = 4, pages: int = 16) -> Any:
+    from ..testing.storage_kit import StorageCase, make_pool
+
+    seed = int(uuid.uuid4().int % 997)
+    return make_pool(StorageCase("mha", "page_first", "plain", page_size), pages=pages, seed=seed)
+
+
+def run_check(url: str, as_json: bool = False) -> int:
+    """Write, find, read back and compare a few pages against a live store, then remove them."""
+    from ..testing.cases import as_bytes, pages_of
+
+    host = _small_pool()
+    model_id = f"hicache-check-{uuid.uuid4().hex[:12]}"
+    steps: list[tuple[str, bool, str]] = []
+    backend = make_storage(url, host, model_id=model_id)
+    try:
+        p = host.page_size
+        keys = page_hashes(list(range(6 * p)), p)
+        src = pages_of(torch.tensor([1, 3, 5, 7, 9, 11]), p)
+        dst = pages_of(torch.tensor([2, 4, 6, 8, 10, 12]), p)
+        written = backend.write_pages(keys[:5], src[: 5 * p])
+        steps.append(("write 5 pages", all(r.ok for r in written), _why(written)))
+        hits = backend.batch_exists(keys)
+        steps.append(("batch_exists is a prefix length", hits == 5, f"{hits} of 6 (expected 5)"))
+        read = backend.read_pages(keys[:5], dst[: 5 * p])
+        same = all(
+            torch.equal(as_bytes(host.get_data_page(int(src[i * p]))), as_bytes(host.get_data_page(int(dst[i * p]))))
+            for i in range(5)
+        )
+        steps.append(("read back byte-exact", all(r.ok for r in read) and same, _why(read)))
+        missing = backend.read_pages(keys[5:], dst[5 * p :])
+        steps.append(("a missing page reads as missing", missing[0].status is PageStatus.MISSING, _why(missing)))
+        backend.remove_objects(backend.namespace.keys(keys))
+        steps.append(("remove", backend.batch_exists(keys) == 0, ""))
+        stats = backend.get_stats().as_dict()
+    finally:
+        backend.close()
+    ok = all(s[1] for s in steps)
+    if as_json:
+        print(json.dumps({"url": url, "ok": ok, "steps": [dict(step=s, ok=o, detail=d) for s, o, d in steps],
+                          "stats": stats}, indent=2, default=str))  # fmt: skip
+    else:
+        print(f"hicache storage check {url} ({type(backend).__name__}, {backend.capabilities})")
+        for step, passed, detail in steps:
+            print(f"  {'ok  ' if passed else 'FAIL'} {step}{': ' + detail if detail and not passed else ''}")
+        print("all checks passed" if ok else "some checks FAILED")
+    return 0 if ok else 1
+
+
+def run_stats(url: str) -> int:
+    """Print the store's own figures (and this process's counters, which start at zero) as JSON."""
+    backend = make_storage(url)
+    try:
+        stats = backend.get_stats().as_dict()
+    finally:
+        backend.close()
+    print(json.dumps({"url": url, "backend_class": type(backend).__name__,
+                      "capabilities": vars(backend.capabilities), **stats}, indent=2, default=str))  # fmt: skip
+    return 0 if "error" not in stats["backend"] else 1
+
+
+def _why(results) -> str:
+    bad = [r for r in results if not r.ok]
+    return "; ".join(f"{r.key[:12]}: {r.status.value} {r.detail}" for r in bad[:3])

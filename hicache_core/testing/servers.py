@@ -1,0 +1,85 @@
+"""Real store servers for tests: start on 127.0.0.1 on a free port, wait (bounded), stop (bounded)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Return once 127.0.0.1:port accepts a connection; raise after ``timeout`` s or if ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s") from None
+            time.sleep(0.05)
+
+
+class ServerProcess:
+    """One server process: ``argv_for(port)`` is its command line; its output goes to ``log``."""
+
+    def __init__(self, argv_for: Callable[[int], Sequence[str]], log: Path, *, port: int | None = None,
+                 start_timeout: float = 30.0, env: dict | None = None) -> None:  # fmt: skip
+        self.argv_for = argv_for
+        self.log = log
+        self.port = port or free_port()
+        self.start_timeout = start_timeout
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ServerProcess:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(list(self.argv_for(self.port)), stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **(self.env or {})}, start_new_session=True)  # fmt: skip
+        try:
+            wait_for_port(self.port, self.start_timeout, self.proc)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within ``timeout``."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def pause(self) -> None:
+        """SIGSTOP: the server stops answering (a slow or hung store)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()

@@ -1,0 +1,277 @@
+"""``mooncake://master-host:port``: pages in Mooncake Store, moved zero-copy from and into the host pool.
+
+The host pool's buffers are registered with the transfer engine once (``register_buffer``);
+each page then moves as one object with ``batch_put_from_multi_buffers`` /
+``batch_get_into_multi_buffers`` on the page's own addresses (header first, from a small
+registered scratch arena, then the page's runs). This client also contributes a segment of
+its memory to the store (``segment``), as every Mooncake client does; the default
+transport is TCP (no RDMA needed).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from hicache_core.storage.backend import (
+    Capabilities,
+    ObjectMissing,
+    SizeMismatch,
+    StorageBackend,
+    StorageError,
+    StorageFull,
+)
+from hicache_core.storage.page_format import HEADER_SIZE
+from hicache_core.storage.pages import Span
+from hicache_core.storage.url import StorageURL, option_bytes
+
+# Mooncake's ErrorCode values that mean "no such object" and "no space".
+OBJECT_NOT_FOUND = -704
+NO_SPACE = {-200, -201, -202}  # NO_AVAILABLE_HANDLE, and the allocation failures around it
+ARENA_SLOTS = 128
+
+
+class _Client:
+    """One Mooncake client per (master, settings) in a process, shared by every backend on it.
+
+    Closing a Mooncake client takes a second or more (it unmounts its segment), so backends
+    share one, and it closes when the process exits. Buffer registrations are counted, so two
+    backends on one host pool register it once and unregister it when the last one closes.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.lock = threading.Lock()
+        self.registered: dict[int, int] = {}  # address -> backends using it
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        with self.lock:
+            if self.registered.get(ptr):
+                self.registered[ptr] += 1
+                return
+            rc = self.store.register_buffer(ptr, nbytes)
+            if rc != 0:
+                raise StorageError(f"Mooncake register_buffer({ptr:#x}, {nbytes}) failed with code {rc}")
+            self.registered[ptr] = 1
+
+    def unregister(self, ptr: int) -> None:
+        with self.lock:
+            left = self.registered.get(ptr, 0) - 1
+            if left > 0:
+                self.registered[ptr] = left
+                return
+            self.registered.pop(ptr, None)
+            self.store.unregister_buffer(ptr)
+
+
+_CLIENTS: dict[tuple, _Client] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_clients() -> None:
+    with _CLIENTS_LOCK:
+        clients = list(_CLIENTS.items())
+        _CLIENTS.clear()
+    for settings, client in clients:
+        # Closing against a master that is gone retries for seconds per client; the master
+        # drops a vanished client by itself, so only clients of a reachable master close.
+        if not _reachable(settings[-1]):
+            # Its destructor would retry for seconds too: keep it alive until the OS reclaims the process.
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(client.store))
+            continue
+        try:
+            client.store.close()
+        except Exception:  # noqa: BLE001 - the process is exiting
+            pass
+
+
+def _reachable(address: str, timeout: float = 0.2) -> bool:
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class MooncakeStorage(StorageBackend):
+    """Pages as Mooncake Store objects, registered host memory, TCP by default."""
+
+    scheme: ClassVar[str] = "mooncake"
+    capabilities: ClassVar[Capabilities] = Capabilities(zero_copy=True, durable=False, shared=True)
+    description: ClassVar[str] = "Mooncake Store: zero-copy batch_put_from/batch_get_into on registered host pages"
+    # A Mooncake batch call costs about as much as copying a few MB here; larger groups amortise it
+    # (the checksum pass is from DRAM either way once a group outgrows the cache).
+    io_chunk_bytes: ClassVar[int] = 64 << 20
+    options_help: ClassVar[dict[str, str]] = {
+        "segment": "bytes of this process's memory lent to the store (default 1GiB)",
+        "local_buffer": "the client's own transfer buffer (default 64MiB)",
+        "protocol": "transfer protocol (default tcp)",
+        "device": "RDMA device names (default none)",
+        "local_hostname": "this client's address as the others see it (default 127.0.0.1)",
+        "metadata": "metadata server (default P2PHANDSHAKE: none needed)",
+    }
+
+    def __init__(self, url: StorageURL, **options: Any) -> None:
+        super().__init__(url, **options)
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise StorageError(
+                "mooncake:// needs Mooncake Store's Python client: pip install mooncake-transfer-engine "
+                f"(or mooncake-transfer-engine-non-cuda on a machine without CUDA), and libibverbs1 ({exc})"
+            ) from exc
+        if not url.host or not url.port:
+            raise ValueError(f"mooncake:// takes the master's address, as mooncake://127.0.0.1:50051; got {url.raw!r}")
+        self.master = f"{url.host}:{url.port}"
+        self.segment = option_bytes(options.get("segment", 1 << 30), "segment")
+        self.local_buffer = option_bytes(options.get("local_buffer", 64 << 20), "local_buffer")
+        settings = (
+            str(options.get("local_hostname", "127.0.0.1")),
+            str(options.get("metadata", "P2PHANDSHAKE")),
+            self.segment,
+            self.local_buffer,
+            str(options.get("protocol", "tcp")),
+            str(options.get("device", "")),
+            self.master,
+        )
+        with _CLIENTS_LOCK:
+            client = _CLIENTS.get(settings)
+            if client is None:
+                store = MooncakeDistributedStore()
+                rc = store.setup(*settings)
+                if rc != 0:
+                    raise StorageError(f"Mooncake Store setup against master {self.master} failed with code {rc}")
+                client = _CLIENTS[settings] = _Client(store)
+        self._client = client
+        self.store = client.store
+        self._registered: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._arenas: list[torch.Tensor] = []
+        self._refused = 0
+
+    # ---- memory --------------------------------------------------------------------------------
+
+    def register_memory(self, spans: Sequence[Span]) -> None:
+        for s in spans:
+            self._register(s.ptr, s.nbytes)
+
+    def _register(self, ptr: int, nbytes: int) -> None:
+        if nbytes == 0:
+            return
+        self._client.register(ptr, nbytes)
+        with self._lock:
+            self._registered.append((ptr, nbytes))
+
+    def _arena(self) -> torch.Tensor:
+        """This thread's registered scratch for page headers (one slot per page of a batch)."""
+        arena = getattr(self._local, "arena", None)
+        if arena is None:
+            arena = torch.zeros(ARENA_SLOTS * HEADER_SIZE, dtype=torch.uint8)
+            self._register(arena.data_ptr(), arena.numel())
+            with self._lock:
+                self._arenas.append(arena)
+            self._local.arena = arena
+        return arena
+
+    # ---- primitives ----------------------------------------------------------------------------
+
+    def exists_objects(self, keys: Sequence[str]) -> list[bool]:
+        codes = self.store.batch_is_exist(list(keys))
+        bad = [c for c in codes if c < 0]
+        if bad:
+            raise StorageError(f"Mooncake batch_is_exist failed with code {bad[0]}")
+        return [c == 1 for c in codes]
+
+    def put_objects(self, keys: Sequence[str], values: Sequence[Sequence[Span]]) -> list[BaseException | None]:
+        out: list[BaseException | None] = []
+        arena = self._arena()
+        base = arena.data_ptr()
+        for start in range(0, len(keys), ARENA_SLOTS):
+            ks, vs = list(keys[start : start + ARENA_SLOTS]), values[start : start + ARENA_SLOTS]
+            ptrs, sizes = [], []
+            for i, spans in enumerate(vs):
+                header, payload = spans[0], spans[1:]
+                ctypes.memmove(base + i * HEADER_SIZE, header.ptr, header.nbytes)
+                ptrs.append([base + i * HEADER_SIZE] + [s.ptr for s in payload])
+                sizes.append([header.nbytes] + [s.nbytes for s in payload])
+            codes = self.store.batch_put_from_multi_buffers(ks, ptrs, sizes)
+            for code in codes:
+                if code == 0:
+                    out.append(None)
+                elif code in NO_SPACE:
+                    self._refused += 1
+                    out.append(StorageFull(f"Mooncake Store has no space (code {code})"))
+                else:
+                    out.append(StorageError(f"Mooncake put failed with code {code}"))
+        return out
+
+    def get_objects_into(self, keys: Sequence[str], targets: Sequence[Sequence[Span]]) -> list[BaseException | None]:
+        out: list[BaseException | None] = []
+        arena = self._arena()
+        base = arena.data_ptr()
+        for start in range(0, len(keys), ARENA_SLOTS):
+            ks, ts = list(keys[start : start + ARENA_SLOTS]), targets[start : start + ARENA_SLOTS]
+            ptrs, sizes, totals = [], [], []
+            for i, spans in enumerate(ts):
+                payload = spans[1:]
+                ptrs.append([base + i * HEADER_SIZE] + [s.ptr for s in payload])
+                sizes.append([HEADER_SIZE] + [s.nbytes for s in payload])
+                totals.append(sum(sizes[-1]))
+            codes = self.store.batch_get_into_multi_buffers(ks, ptrs, sizes)
+            for i, (code, total, spans) in enumerate(zip(codes, totals, ts)):
+                if code == total:
+                    ctypes.memmove(spans[0].ptr, base + i * HEADER_SIZE, HEADER_SIZE)
+                    out.append(None)
+                elif code == OBJECT_NOT_FOUND:
+                    out.append(ObjectMissing(ks[i]))
+                elif code >= 0 or code == -600:  # -600: the object does not fit the targets
+                    out.append(SizeMismatch(f"Mooncake object {ks[i]!r} does not match a {total}-byte page ({code})"))
+                else:
+                    out.append(StorageError(f"Mooncake get failed with code {code}"))
+        return out
+
+    def raw_put_from(self, keys: Sequence[str], spans: Sequence[Span]) -> None:
+        codes = self.store.batch_put_from(list(keys), [s.ptr for s in spans], [s.nbytes for s in spans])
+        if any(codes):
+            raise StorageError(f"raw batch_put_from failed: {sorted(set(codes))}")
+
+    def raw_get_into(self, keys: Sequence[str], spans: Sequence[Span]) -> None:
+        codes = self.store.batch_get_into(list(keys), [s.ptr for s in spans], [s.nbytes for s in spans])
+        if any(c != s.nbytes for c, s in zip(codes, spans)):
+            raise StorageError(f"raw batch_get_into failed: {sorted(set(codes))}")
+
+    def remove_objects(self, keys: Sequence[str]) -> None:
+        if keys:
+            self.store.batch_remove(list(keys), True)
+
+    def clear(self) -> None:
+        self.store.remove_all(True)
+
+    def close(self) -> None:
+        store = getattr(self, "store", None)
+        if store is None:
+            return
+        with self._lock:
+            registered, self._registered = self._registered, []
+        for ptr, _ in registered:
+            self._client.unregister(ptr)
+        self.store = None
+
+    def backend_stats(self) -> dict[str, Any]:
+        return {
+            "master": self.master,
+            "segment_bytes": self.segment,
+            "registered_buffers": len(self._registered),
+            "refused_full": self._refused,
+            "healthy": self.store.health_check() == 0 if self.store is not None else False,
+        }
