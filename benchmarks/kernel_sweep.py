@@ -83,8 +83,6 @@ CONFIGS = [
     Config("jit/rows_deep", "jit.one_layer", (("variant", "rows_deep"),)),
     Config("jit/rows_async", "jit.one_layer", (("variant", "rows_async"),), extra_ctas=True),
     Config("jit/rows_async_small", "jit.one_layer", (("variant", "rows_async_small"),)),
-    Config("jit/tma", "jit.one_layer", (("variant", "tma"),), extra_ctas=True),
-    Config("jit/tma_deep", "jit.one_layer", (("variant", "tma_deep"),)),
     Config("kernel/loop", "kernel.triton_uva", (("stages", 0),), extra_ctas=True),
     Config("kernel/stages3", "kernel.triton_uva", (("tile_words", 1024), ("stages", 3))),
 ]
@@ -459,7 +457,8 @@ def host_time(env: Env, results: list) -> None:
 
     rows = []
     for config in CONFIGS:
-        if config.impl not in registry.implementations or config.name not in ("jit/rows", "jit/tma", "kernel/loop"):
+        wanted = ("jit/rows", "jit/rows_async", "kernel/loop")
+        if config.impl not in registry.implementations or config.name not in wanted:
             continue
         ops = [LOAD, BACKUP] if config.impl == "jit.one_layer" else list(hc.OPERATIONS)
         host = hc.make_host_pool(dev, layout="page_first", io_backend="kernel", operations=ops, size=4096,
@@ -519,7 +518,7 @@ def contiguous(env: Env, pools: Pools, link: dict, results: list, skip: set[str]
     """layer_first with sequential indices: each load reads one contiguous slab of the host pool."""
     tokens = min(32768, pools.tokens)
     h, d = pools.indices(tokens, sequential=True)
-    for name in ("jit/rows", "jit/rows_async", "jit/tma", "kernel/loop"):
+    for name in ("jit/rows", "jit/rows_async", "kernel/loop"):
         impl = pools.impls.get(name)
         if impl is None or name in skip:
             continue
@@ -536,7 +535,7 @@ def graph(env: Env, pools: Pools, results: list, skip: set[str]) -> None:
     if env.dry:
         return
     h, d = pools.indices(4096)
-    for name in ("jit/rows", "jit/rows_async", "jit/tma", "kernel/loop"):
+    for name in ("jit/rows", "jit/rows_async", "kernel/loop"):
         impl = pools.impls.get(name)
         if impl is None or name in skip:
             continue
@@ -633,7 +632,7 @@ def overlap(env: Env, results: list, skip: set[str], budget_left) -> None:
         h = random_pages(host.plan.num_items // PAGE, cached // PAGE, gen).cuda()
         d = random_pages(host.plan.min_device_rows // PAGE, cached // PAGE, gen, first=1).cuda()
         alone, _ = bench.timed(bench.gemms)
-        for name in ("jit/rows", "jit/rows_async", "jit/tma"):
+        for name in ("jit/rows", "jit/rows_async"):
             if cls is None or name in skip or budget_left() < 30:
                 continue
             impl = cls(host.plan)

@@ -177,7 +177,8 @@ class LaunchGroup:
     args: dict[bool, list[tuple]] = field(default_factory=dict)
     #: (to_device, host index dtype, device index dtype) -> (launch callable, arguments before the kernel's).
     fast: dict[tuple, tuple] = field(default_factory=dict)
-    #: Per direction: global scratch for kernels that need it (TMA descriptors), grid x size bytes.
+    #: Per direction: global scratch for kernels that need it (Triton allocates some, e.g. for device-made
+    #: tensor descriptors), grid x size bytes.
     scratch: dict[bool, torch.Tensor] = field(default_factory=dict)
 
 
@@ -378,7 +379,10 @@ class TritonImplementation(SMBudget, Implementation):
         fast_key = (to_device, h.dtype, d.dtype)
         if entry is not None and self._cache_launch(group, fast_key, entry, to_device):
             if self._get_device() == self._dev_index and hooks_idle():
-                self._launch(group, grid, h, d, n, to_device, args)
+                # The cached launch itself, not through _launch: this call is one launch, counted once.
+                call, head = group.fast[fast_key]
+                call(grid, 1, 1, self._get_stream(self._dev_index), *head, self._anchor_ptr,
+                     h.data_ptr(), d.data_ptr(), h.stride(0), d.stride(0), n, self._drops.seq, *args)  # fmt: skip
                 return
         call = (self._anchor, h, d, h.stride(0), d.stride(0), n, self._drops.seq, *args)
         start = time.perf_counter()
@@ -402,7 +406,7 @@ class TritonImplementation(SMBudget, Implementation):
         size = getattr(entry.run, "global_scratch_size", 0)
         scratch = group.scratch.get(to_device)
         if size and (scratch is None or scratch.numel() < self._cap * size):
-            # Device-made TMA descriptors live here, one slot per CTA. Launches of one direction of a pool
+            # Kernel scratch lives here, one slot per CTA. Launches of one direction of a pool
             # run in stream order, so they may share it (one buffer per direction: loads and backups of a
             # pool may overlap on two streams).
             scratch = group.scratch[to_device] = torch.empty(self._cap * size, dtype=torch.uint8,

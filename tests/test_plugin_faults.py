@@ -495,7 +495,7 @@ def test_an_implementation_raising_while_deciding_is_a_named_refusal(entry_point
 class FailsToConstruct(hc.Implementation):
     name = "ctor.fails"
     io_backend = "ctorfail"
-    device_types = frozenset({"cpu"})
+    device_types = frozenset({"cpu", "cuda"})  # the suite runs on CUDA pools too (HICACHE_TEST_DEVICE)
 
     def __init__(self, plan):
         raise RuntimeError("could not map host memory")

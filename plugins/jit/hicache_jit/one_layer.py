@@ -31,7 +31,6 @@ from hicache_core.triton_base import (
     CALL_PARAMS,
     LaunchGroup,
     TritonImplementation,
-    cdiv,
     check_kernel_params,
     compiled_entries,
     load_triton_runtime,
@@ -57,21 +56,13 @@ MAX_TILE_ROWS = 1024
 MAX_FLAT_BLOCK = 4096
 #: Row indices are int32 in the row kernel, and its prefetch looks up to a grid's worth of tiles ahead.
 _MAX_ROW_ITEMS = 2**30
-#: TMA: the widest box (elements per dimension), the most rows one iteration copies (each row is
-#: unrolled into its own copies), and the shared memory all stages together may take (a block gets
-#: up to 227 KB on H100/H200; Triton needs some for itself).
-TMA_MAX_BOX = 256
-TMA_MAX_ROWS = 32
-TMA_SHARED_BYTES = 160 * 1024
-#: TMA coordinates are int32.
-_TMA_MAX_ROWS_IN_POOL = 2**31 - 1
 
 #: Host-side cache hints: none; loads ``.cg`` (L2 only) and stores ``.cs`` (streaming);
 #: ``evict_first`` on loads and stores. (ptxas refuses ``.cg`` together with ``evict_first``.)
 HINTS = {"none": 0, "cg": 1, "evict_first": 2}
 #: Row kernel prefetch: none; the next tile's indices; the next tile's indices and data.
 PREFETCH = {"none": 0, "indices": 1, "data": 2}
-KERNELS = ("rows", "flat", "tma")
+KERNELS = ("rows", "flat")
 
 
 @dataclass(frozen=True)
@@ -117,15 +108,6 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "rows_async_small", "rows", 16 * 1024, 8, HINTS["cg"], 0, 6,
             "software pipelining over 6 stages of ~16 KB tiles (~80 KB in flight per CTA)",
-        ),
-        Variant(
-            "tma", "tma", 16 * 1024, 4, HINTS["none"], 0, 4,
-            "Hopper TMA: one bulk tensor copy per row into shared memory and one out, ~16 KB per stage, "
-            "3 stages in flight",
-        ),
-        Variant(
-            "tma_deep", "tma", 16 * 1024, 4, HINTS["none"], 0, 8,
-            "Hopper TMA as tma, 7 stages (~112 KB) in flight per CTA",
         ),
     )
 }  # fmt: skip
@@ -180,7 +162,7 @@ def triton_cache_entries() -> int:
     if module is None:
         return 0
     total = 0
-    for kernel in (module.rows_kernel, module.flat_kernel, module.tma_kernel):
+    for kernel in (module.rows_kernel, module.flat_kernel):
         for cache in getattr(kernel, "device_caches", {}).values():
             total += len(cache[0])
     return total
@@ -195,9 +177,7 @@ ROWS_CONSTEXPRS = ("TO_DEVICE", "HINTS", "VEC", "TPP", "A_PAGE", "A_TOKEN", "A_R
                    "ROWS", "PREFETCH", "STAGES")  # fmt: skip
 FLAT_CONSTEXPRS = ("TO_DEVICE", "HINTS", "VEC", "TPP", "A_PAGE", "A_TOKEN", "A_ROW", "A_WORDS",
                    "B_PAGE", "B_TOKEN", "B_ROW", "B_WORDS", "BLOCK")  # fmt: skip
-TMA_CONSTEXPRS = ("TO_DEVICE", "TPP", "A_PAGE", "A_TOKEN", "A_ROW", "A_WORDS", "A_BOX",
-                  "B_PAGE", "B_TOKEN", "B_ROW", "B_WORDS", "B_BOX", "ROWS", "STAGES")  # fmt: skip
-CONSTEXPRS = {"rows": ROWS_CONSTEXPRS, "flat": FLAT_CONSTEXPRS, "tma": TMA_CONSTEXPRS}
+CONSTEXPRS = {"rows": ROWS_CONSTEXPRS, "flat": FLAT_CONSTEXPRS}
 
 _kernels_module: Any = None
 
@@ -230,10 +210,6 @@ def _pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
-def _pow2_ceil(x: int) -> int:
-    return 1 << (max(1, x) - 1).bit_length()
-
-
 def _split_words(words: int) -> tuple[int, int, int]:
     """``(main, tail, padded tail)``: a power-of-two block plus the rest padded to a power of two."""
     main = _pow2_floor(words)
@@ -249,7 +225,7 @@ class _Group(LaunchGroup):
     strides: tuple[int, ...] = ()  # TPP, then per part (page, token, device row) in elements
     layer_args: list[tuple[int, ...]] = field(default_factory=list)  # per host layer: LAYER_PARAMS
     kernel: str = "rows"
-    per_tile: int = 1  # rows per tile (rows and tma kernels) or words per tile (flat kernel)
+    per_tile: int = 1  # rows per tile (rows kernel) or words per tile (flat kernel)
     total_words: int = 0
     max_items: int = 1  # most items one call may address
     tail: dict[bool, tuple] = field(default_factory=dict)  # per direction: the constexpr arguments
@@ -335,7 +311,6 @@ class JitOneLayer(TritonImplementation):
                 )
         super().__init__(plan)
         self._num_layers = plan.num_layers
-        self._rows_in_pool = max(plan.num_items, max(plan.device_rows_per_layer))
         for first in range(0, len(plan.parts), 2):
             chosen = tuple(range(first, min(first + 2, len(plan.parts))))
             table = uva.layer_offset_table(plan, self._anchor, self._elem_bytes, parts=chosen, device="cpu")
@@ -437,10 +412,6 @@ class JitOneLayer(TritonImplementation):
             for g in self._groups
         ]
 
-    def _tma_fits(self) -> bool:
-        """Whether TMA can address this plan: 16-byte words (int64 elements, 16-byte strides), int32 row numbers."""
-        return self.word_bytes == 16 and self._rows_in_pool < _TMA_MAX_ROWS_IN_POOL
-
     def _configure(self) -> None:
         """Rebuild the per-direction constexpr tuples and per-layer argument tuples after a tuning change."""
         vec = self._vec
@@ -452,8 +423,6 @@ class JitOneLayer(TritonImplementation):
             tpp, a_page, a_token, a_row = group.strides[:4]
             b_page, b_token, b_row = group.strides[4:7] if wb else (0, 0, 0)
             kind = self._kernel_kind
-            if kind == "tma" and not self._tma_fits():
-                kind = "rows"  # narrower words: the row kernel moves them
             if kind == "rows" and max(wa, wb) > ROW_KERNEL_MAX_WORDS:
                 kind = "flat"
             group.kernel = kind
@@ -472,20 +441,6 @@ class JitOneLayer(TritonImplementation):
                 tails = {
                     to_device: (to_device, self._hints, vec, tpp, a_page, a_token, a_row, am, at, ap,
                                 b_page, b_token, b_row, bm, bt, bp, rows, self._prefetch, pipelined)
-                    for to_device in (True, False)
-                }  # fmt: skip
-                max_items = _MAX_ROW_ITEMS
-            elif kind == "tma":
-                a_box = min(TMA_MAX_BOX, _pow2_ceil(wa * 2))
-                b_box = min(TMA_MAX_BOX, _pow2_ceil(wb * 2)) if wb else 0
-                per_row = (a_box * cdiv(wa * 2, a_box) + (b_box * cdiv(wb * 2, b_box) if wb else 0)) * 8
-                rows = min(_pow2_near(self._tile_bytes / (group.total_words * self.word_bytes)), TMA_MAX_ROWS)
-                while rows > 1 and rows * per_row * max(stages, 1) > TMA_SHARED_BYTES:
-                    rows //= 2
-                group.per_tile = rows
-                tails = {
-                    to_device: (to_device, tpp, a_page, a_token, a_row, wa, a_box, b_page, b_token, b_row, wb,
-                                b_box or 1, rows, stages)
                     for to_device in (True, False)
                 }  # fmt: skip
                 max_items = _MAX_ROW_ITEMS
