@@ -89,6 +89,19 @@ def trees() -> dict[str, str]:
 _ONLY: set[str] | None = None
 
 
+class _Saved(list):
+    """The steps so far, written to gpu-check.json after each one: a run stopped from outside keeps its record."""
+
+    def __init__(self, record: dict) -> None:
+        super().__init__()
+        self.record = record
+
+    def append(self, step: dict) -> None:
+        super().append(step)
+        self.record["passed"] = False  # until every step has run
+        (RESULTS / "gpu-check.json").write_text(json.dumps(self.record, indent=1))
+
+
 def run(name: str, argv: list[str], timeout: int, env: dict | None = None) -> dict:
     if _ONLY is not None and name not in _ONLY:
         return {"name": name, "passed": None, "tail": "not run (--only)"}
@@ -165,9 +178,9 @@ def main() -> int:
     _ONLY = set(args.only.split(",")) if args.only else None
     RESULTS.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    record: dict = {"what": "scripts/dev gpu: the GPU gate", **trees(), "environment": environment(), "steps": []}
+    record: dict = {"what": "scripts/dev gpu: the GPU gate", **trees(), "environment": environment()}
     cuda = {"HICACHE_TEST_DEVICE": "cuda", "PYTHONUNBUFFERED": "1"}
-    steps = record["steps"]
+    steps = record["steps"] = _Saved(record)
 
     # 1. The suite on CUDA pools. Workers in parallel where pytest-xdist is there: the first call of each
     # kernel specialisation compiles, and compiling is what takes the time.
