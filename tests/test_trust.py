@@ -43,8 +43,8 @@ def test_k_and_v_aliases_select_the_component_axis_wherever_it_is():
     slots = torch.arange(4, 8)
     host.backup_from_device_all_layer(dev, slots, torch.arange(8, 12), "direct")
     for layer in range(3):
-        assert torch.equal(host.k_buffer[1, layer], dev.k_buffer[layer][8:12])
-        assert torch.equal(host.v_buffer[1, layer], dev.v_buffer[layer][8:12])
+        assert torch.equal(host.k_buffer[1, layer], dev.k_buffer[layer][8:12].cpu())
+        assert torch.equal(host.v_buffer[1, layer], dev.v_buffer[layer][8:12].cpu())
     # and where K/V is outermost, as in SGLang: k_buffer = kv_buffer[0]
     host = hc.make_host_pool(dev, layout="page_first", io_backend="reference", size=24, registry=registry)
     assert host.k_buffer.shape == host.kv_buffer[0].shape and host.k_buffer.data_ptr() == host.kv_buffer.data_ptr()

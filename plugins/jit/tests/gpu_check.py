@@ -344,7 +344,7 @@ def main() -> int:
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
         for layout, decl in sorted(registry.layouts.items()):
-            if shape.kind not in decl.pool_kinds:
+            if not hc.TransferRequest("reference", hc.LOAD, shape.geometry(page_size=PAGE), decl).storable:
                 continue
             request = hc.TransferRequest("kernel", hc.LOAD, shape.geometry(page_size=PAGE), decl, True)
             why = hicache_jit.JitOneLayer.not_supported_reasons(request)

@@ -208,7 +208,9 @@ def main() -> int:
     failures = 0
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        layouts = [n for n, lay in sorted(registry.layouts.items()) if shape.kind in lay.pool_kinds]
+        geometry = shape.geometry(page_size=args.page_size)
+        layouts = [n for n, lay in sorted(registry.layouts.items())
+                   if hc.TransferRequest("reference", hc.LOAD, geometry, lay).storable]  # fmt: skip
         for layout in layouts:
             for max_ctas, fast in ((8, False), (8, True), (0, True)):
                 try:
