@@ -70,7 +70,7 @@ class Gemm:
 def run_case(shape, layout: str, args, gemm: Gemm, gen: torch.Generator, max_ctas, fast: bool) -> tuple[bool, str]:
     tokens, page_size = args.tokens, args.page_size
     dev = shape.device_pool(2 * tokens, page_size=page_size, device="cuda", layers=args.layers)
-    kw = dict(layout=layout, size=2 * tokens, operations=hc.OPERATIONS)
+    kw = dict(layout=layout, size=dev.size, operations=hc.OPERATIONS)  # never smaller than the device pool
     host = hc.make_host_pool(dev, io_backend="kernel", **kw)
     ref = hc.make_host_pool(dev, io_backend="reference", **kw)
     impls = {host.implementation_for(op) for op in hc.OPERATIONS}
