@@ -73,13 +73,15 @@ def _tree_of(path: Path) -> bytes:
 def trees() -> dict[str, str]:
     """Commit and tree hashes of the code under test (git's, or computed from the files with git's format)."""
     head = _git("rev-parse", "HEAD")
-    out: dict[str, str] = {"commit": head or "unknown (no .git in this copy)"}
+    out: dict[str, str] = {}
+    matches = head is not None
     for folder in ("hicache_core", "plugins"):
         on_disk = _tree_of(ROOT / folder).hex()
-        committed = _git("rev-parse", f"HEAD:{folder}")
         out[f"{folder}_tree"] = on_disk
-        if committed is not None and committed != on_disk:
-            out[f"{folder}_tree_note"] = f"differs from HEAD:{folder} ({committed}): uncommitted changes were tested"
+        matches = matches and _git("rev-parse", f"HEAD:{folder}") == on_disk
+    # A copy of the working tree may carry a .git that is not its HEAD (the device tool copies the session's
+    # first one): name a commit only where git's trees are the ones on disk. The trees are what counts.
+    out["commit"] = head if matches else "unknown: the trees on disk are not .git's HEAD here (see the tree hashes)"
     return out
 
 

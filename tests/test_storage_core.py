@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,8 +108,12 @@ def test_unknown_scheme_names_installed_backends_and_install_hint():
         make_storage("nosuch://x/y", registry=Registry())
     text = str(info.value)
     assert "No storage backend serves nosuch://" in text and "memory://" in text
-    with pytest.raises(UnknownStorageScheme, match="Install hicache-storage-redis"):
+    with pytest.raises(UnknownStorageScheme) as info:
         make_storage("redis://127.0.0.1:1/0", registry=Registry())
+    text = str(info.value)
+    assert "hicache-storage-redis serves redis:// and is not installed" in text
+    assert text.rstrip().splitlines()[-2].endswith("pip install -e " + str(Path(__file__).resolve().parents[1]
+                                                                         / "plugins" / "storage-redis"))
     with pytest.raises(ValueError, match="storage URL looks like"):
         make_storage("/just/a/path")
 

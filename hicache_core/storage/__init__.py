@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .controller import BackupFuture, PrefetchFuture, PrefetchResult, PrefetchTimeout, StorageController
     from .keys import Namespace, hash_page, namespace_for, page_hashes
     from .pages import PageMap, Span
-    from .url import KNOWN_STORAGE_PLUGINS, StorageURL, UnknownStorageScheme, make_storage
+    from .url import StorageURL, UnknownStorageScheme, make_storage
 
 _EXPORTS = {
     "STORAGE_BATCH_SIZE": "backend",
@@ -55,7 +55,6 @@ _EXPORTS = {
     "page_hashes": "keys",
     "PageMap": "pages",
     "Span": "pages",
-    "KNOWN_STORAGE_PLUGINS": "url",
     "StorageURL": "url",
     "UnknownStorageScheme": "url",
     "make_storage": "url",
@@ -63,7 +62,6 @@ _EXPORTS = {
 __all__ = [
     "BackupFuture",
     "Capabilities",
-    "KNOWN_STORAGE_PLUGINS",
     "Namespace",
     "ObjectMissing",
     "PageMap",

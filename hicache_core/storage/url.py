@@ -6,17 +6,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from ..plugin_sources import source_tree_plugins
+
 if TYPE_CHECKING:
     from ..registry import Registry
     from .backend import StorageBackend
 
-#: First-party storage plugins, by URL scheme: the install hint when a scheme has no backend.
-KNOWN_STORAGE_PLUGINS: dict[str, str] = {
-    "file": "hicache-storage-file",
-    "mooncake": "hicache-storage-mooncake",
-    "redis": "hicache-storage-redis",
-}
-assert list(KNOWN_STORAGE_PLUGINS) == sorted(KNOWN_STORAGE_PLUGINS)
 
 
 class UnknownStorageScheme(ValueError):
@@ -108,12 +103,20 @@ def _unknown_scheme_message(url: StorageURL, registry: Registry) -> str:
         lines.append(f"Installed storage backends: {listed}.")
     else:
         lines.append("No storage backend is installed.")
-    hint = KNOWN_STORAGE_PLUGINS.get(url.scheme)
-    if hint:
-        lines.append(f"Install {hint} to enable {url.scheme}:// (pip install {hint}).")
-    missing = [f"{h} ({s}://)" for s, h in KNOWN_STORAGE_PLUGINS.items() if s not in installed and s != url.scheme]
-    if missing:
-        lines.append("Other first-party storage plugins: " + ", ".join(missing) + ".")
+    # Install hints from the plugins' own metadata in hicache's source tree: they are on no package index.
+    for plugin in source_tree_plugins():
+        if url.scheme in plugin.storage_schemes:
+            lines.append(
+                f"{plugin.distribution} serves {url.scheme}:// and is not installed; it ships in hicache's source "
+                f"tree and is on no package index: pip install -e {plugin.path}"
+            )
+    others = [
+        f"{p.distribution} ({', '.join(s + '://' for s in p.storage_schemes)})"
+        for p in source_tree_plugins()
+        if p.storage_schemes and url.scheme not in p.storage_schemes and not set(p.storage_schemes) & set(installed)
+    ]
+    if others:
+        lines.append("Other first-party storage plugins in the source tree: " + ", ".join(others) + ".")
     failed = [f"{r.name}: {' | '.join(r.errors)}" for r in registry.failed_plugins()]
     if failed:
         lines.append("Plugins that failed to load or register: " + "; ".join(failed) + ".")

@@ -42,7 +42,7 @@ class RedisStorage(StorageBackend):
         try:
             import redis
         except ImportError as exc:
-            raise StorageError("redis:// needs the redis package: pip install hicache-storage-redis") from exc
+            raise StorageError("redis:// needs the redis package: pip install redis==8.1.0 hiredis==3.5.0") from exc
         self._redis = redis
         db = url.path.strip("/") or "0"
         if not db.isdigit():

@@ -26,7 +26,7 @@ def start_redis(tmp_path, *extra: str) -> ServerProcess:
     binary = redis_binary()
     if binary is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server): the Redis tests need a real server")
-    pytest.importorskip("redis", reason="the redis package is not installed (pip install hicache-storage-redis)")
+    pytest.importorskip("redis", reason="the redis package is not installed (pip install redis==8.1.0)")
 
     def argv(port):
         return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
