@@ -110,7 +110,7 @@ class PageAccess:
             runs = []
             for b, (spec, view) in enumerate(zip(self.spec.buffers, self._page_views(page))):
                 axes = [a for a in spec.axes if a != "page"]
-                for ptr, nbytes, coords in _contiguous_runs(view):
+                for ptr, nbytes, coords in contiguous_runs(view):
                     where = dict(zip(axes, coords))
                     runs.append(((where.get("layer", 0), where.get("component", 0), b), ptr, nbytes))
             for _, ptr, nbytes in sorted(runs, key=lambda r: r[0]):
@@ -208,7 +208,7 @@ def _page_stride_bytes(buf: torch.Tensor, spec: HostBufferSpec) -> int:
     return buf.view(spec.full_shape).stride(spec.axes.index("page")) * buf.element_size()
 
 
-def _contiguous_runs(view: torch.Tensor) -> list[tuple[int, int, tuple[int, ...]]]:
+def contiguous_runs(view: torch.Tensor) -> list[tuple[int, int, tuple[int, ...]]]:
     """Split a strided view into maximal contiguous runs: (pointer, bytes, index of the outer axes)."""
     sizes, strides = list(view.shape), list(view.stride())
     inner, expected, cut = 1, 1, len(sizes)

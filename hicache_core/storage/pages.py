@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ..pages import contiguous_runs
+
 
 @dataclass(frozen=True)
 class Span:
@@ -15,24 +17,6 @@ class Span:
     ptr: int
     nbytes: int
     view: memoryview
-
-
-def contiguous_runs(view: torch.Tensor) -> list[tuple[int, int]]:
-    """Split a strided view into maximal contiguous runs ``(byte offset from its data_ptr, nbytes)``, in index order."""
-    sizes, strides = list(view.shape), list(view.stride())
-    inner, expected, cut = 1, 1, len(sizes)
-    for axis in range(len(sizes) - 1, -1, -1):
-        if strides[axis] != expected and sizes[axis] != 1:
-            break
-        expected *= sizes[axis]
-        inner *= sizes[axis]
-        cut = axis
-    es = view.element_size()
-    if cut == 0:
-        return [(0, inner * es)]
-    outer = torch.cartesian_prod(*[torch.arange(s) for s in sizes[:cut]]).reshape(-1, cut)
-    offsets = (outer * torch.tensor(strides[:cut])).sum(dim=1).tolist()
-    return [(int(o) * es, inner * es) for o in offsets]
 
 
 class PageMap:
@@ -60,7 +44,8 @@ class PageMap:
         self._buffers: list[torch.Tensor] = []
         for view, stride in zip(views0, strides):
             base = view.data_ptr()
-            for offset, nbytes in contiguous_runs(view):
+            for ptr, nbytes, _ in contiguous_runs(view):
+                offset = ptr - view.data_ptr()
                 self._runs.append((len(self._bases), offset, nbytes))
             self._bases.append((base, stride))
         self.page_bytes = sum(n for _, _, n in self._runs)
