@@ -32,6 +32,9 @@ MLA_PAIRS = [
     ("layer_first", "direct"),
     ("page_first_direct", "direct"),
 ]
+#: Every (kind, layout, io backend) the SGLang tests drive, and their readable ids.
+KIND_PAIRS = [("mha", *pair) for pair in MHA_PAIRS] + [("mla", *pair) for pair in MLA_PAIRS]
+KIND_PAIR_IDS = [f"{kind}-{layout}-{io}" for kind, layout, io in KIND_PAIRS]
 
 
 def publish_settings(*, layout: str, io_backend: str, page_size: int, **extra):
@@ -127,10 +130,6 @@ def rows(tensor: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 def synchronize() -> None:
     if DEVICE != "cpu":
         torch.cuda.synchronize()
-
-
-def ids(pairs) -> list[str]:
-    return [f"{layout}-{io}" for layout, io in pairs]
 
 
 def _mha_host(host, layout: str, component: int, layer: int, slots: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,9 @@ import threading
 import pytest
 import torch
 from sglang_setup import (
+    KIND_PAIR_IDS,
+    KIND_PAIRS,
     LAYERS,
-    MHA_PAIRS,
-    MLA_PAIRS,
     PP_START,
     allocator_for,
     device_layers,
@@ -24,13 +24,11 @@ from sglang_setup import (
     device_rows,
     fill_random,
     host_rows,
-    ids,
     publish_settings,
     synchronize,
 )
 
-CASES = [("mha", *pair) for pair in MHA_PAIRS] + [("mla", *pair) for pair in MLA_PAIRS]
-CASE_IDS = [f"{kind}-{i}" for kind, i in zip([c[0] for c in CASES], ids([c[1:] for c in CASES]))]
+CASES, CASE_IDS = KIND_PAIRS, KIND_PAIR_IDS
 
 
 def build(kind: str, layout: str, io_backend: str, page_size: int, start_layer: int):

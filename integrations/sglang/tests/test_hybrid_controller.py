@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 from sglang_setup import (
+    KIND_PAIR_IDS,
+    KIND_PAIRS,
     LAYERS,
-    MHA_PAIRS,
-    MLA_PAIRS,
     PP_START,
     allocator_for,
     device_layers,
@@ -26,8 +26,7 @@ from sglang_setup import (
 )
 
 DRAFTS = 2
-CASES = [("mha", *pair) for pair in MHA_PAIRS] + [("mla", *pair) for pair in MLA_PAIRS]
-CASE_IDS = [f"{k}-{layout}-{io}" for k, layout, io in CASES]
+CASES, CASE_IDS = KIND_PAIRS, KIND_PAIR_IDS
 
 
 @pytest.mark.parametrize("start_layer", [0, PP_START], ids=["rank0", "pp-start20"])

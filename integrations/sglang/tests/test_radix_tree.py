@@ -12,9 +12,9 @@ import pytest
 import torch
 from radix_kit import kit_pointed_at, make_case
 from sglang_setup import (
+    KIND_PAIR_IDS,
+    KIND_PAIRS,
     LAYERS,
-    MHA_PAIRS,
-    MLA_PAIRS,
     PP_START,
     device_layers,
     device_rows,
@@ -22,8 +22,7 @@ from sglang_setup import (
     host_rows,
 )
 
-CASES = [("mha", *pair) for pair in MHA_PAIRS] + [("mla", *pair) for pair in MLA_PAIRS]
-CASE_IDS = [f"{k}-{layout}-{io}" for k, layout, io in CASES]
+CASES, CASE_IDS = KIND_PAIRS, KIND_PAIR_IDS
 
 
 @pytest.mark.parametrize("start_layer", [0, PP_START], ids=["rank0", "pp-start20"])
