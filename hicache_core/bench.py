@@ -15,12 +15,13 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
+from .bench_clock import Timer, batch_for, queued_seconds
 from .demo import fill_random, random_pages
 from .dispatch import reasons_for
 from .host_pool import make_host_pool
@@ -33,35 +34,6 @@ TOKENS = (64, 512, 4096, 32768)
 PAGE_SIZES = (1, 16, 64)
 SM_BUDGETS = (2, 4, 8, 16, None)
 OPS = (LOAD, BACKUP_ALL, BACKUP_LAYER)
-
-
-@dataclass
-class Timer:
-    """Median wall time of a CUDA callable between events, repeated within a time box."""
-
-    warmup: int = 2
-    min_reps: int = 3
-    max_reps: int = 20
-    budget_s: float = 0.25
-
-    def __call__(self, fn: Callable[[], None]) -> float:
-        t0 = time.perf_counter()
-        for _ in range(self.warmup):
-            fn()
-        torch.cuda.synchronize()
-        slow = (time.perf_counter() - t0) / max(self.warmup, 1) > self.budget_s
-        times: list[float] = []
-        start_wall = time.perf_counter()
-        while len(times) < self.max_reps:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-            if (slow or len(times) >= self.min_reps) and time.perf_counter() - start_wall > self.budget_s:
-                break
-        return statistics.median(times)
 
 
 def measure_ceiling(nbytes: int = 2 << 30) -> dict[str, float]:
@@ -230,12 +202,24 @@ class variant_applied:
             setattr(self.copier, key, value)
 
 
-def _run_op(impl: Implementation, op: str, h: torch.Tensor, d: torch.Tensor) -> Callable[[], None]:
+def _run_op(impl: Implementation, op: str, h: torch.Tensor, d: torch.Tensor, layer: int = 0) -> Callable[[], None]:
     if op == LOAD:
-        return lambda: impl.load_to_device_per_layer(h, d, 0)
+        return lambda: impl.load_to_device_per_layer(h, d, layer)
     if op == BACKUP_LAYER:
-        return lambda: impl.backup_from_device_per_layer(h, d, 0)
+        return lambda: impl.backup_from_device_per_layer(h, d, layer)
     return lambda: impl.backup_from_device_all_layer(h, d)
+
+
+def _layers_in_turn(layers: int, count: int) -> list[int]:
+    """Layer ids for ``count`` queued calls: every layer in a stride, as a layer-by-layer load reads them."""
+    return [(i * 7) % layers for i in range(count)]
+
+
+def time_both(make_call: Callable[[int], Callable[[], None]], layers: int, timer: Timer) -> tuple[float, float]:
+    """(isolated seconds of one call, queued GPU seconds per call) of the call ``make_call(layer)`` builds."""
+    single = timer(make_call(0))
+    calls = [make_call(layer) for layer in _layers_in_turn(layers, batch_for(single))]
+    return single, queued_seconds(calls)
 
 
 def host_time_us(impl: Implementation, h: torch.Tensor, d: torch.Tensor, calls: int = 300,
@@ -289,7 +273,11 @@ def gemm_interference(impl: Implementation, fn: Callable[[], None], bytes_per_ca
 
 def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | None = None,
               overlap: bool = False, name: str | None = None, tokens: tuple[int, ...] | None = None,
-              shapes: tuple[str, ...] | None = None, layouts: tuple[str, ...] | None = None) -> int:  # fmt: skip
+              shapes: tuple[str, ...] | None = None, layouts: tuple[str, ...] | None = None,
+              anchor_module: str | None = None) -> int:  # fmt: skip
+    """The sweep: every implementation on every pool it claims, both clocks, the ceilings, SGLang's anchor."""
+    from .bench_anchor import find_anchor
+
     if overlap:
         return run_overlap(out=out, quick=quick, only=only, name=name)
     if not torch.cuda.is_available():
@@ -304,8 +292,12 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
     env = environment()
     ceiling = measure_ceiling()
     overhead = measure_dispatch_overhead(50_000 if quick else 200_000)
+    anchor = find_anchor(anchor_module)
     print(f"ceiling: H2D {ceiling['h2d_gbps']:.1f} GB/s, D2H {ceiling['d2h_gbps']:.1f} GB/s; "
-          f"core dispatch overhead {overhead['overhead_us']:.2f} us")  # fmt: skip
+          f"core dispatch overhead {overhead['overhead_us']:.2f} us; SGLang anchor: "
+          f"{anchor.module if anchor.available else 'skipped (' + str(anchor.why_not) + ')'}")  # fmt: skip
+    file_name = name or ("quick" if quick else "sweep")
+    meta = {"environment": env, "ceiling": ceiling, "dispatch_overhead": overhead, "anchor": anchor.describe()}
     if shapes:
         shape_list = [SHAPES[s] for s in shapes]
     else:
@@ -325,74 +317,193 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
             if not quick and (shape.name, layout) == ("llama-8b", "page_first_direct"):
                 # pages of 256 and 512 KiB per layer and part: the copy engine's regime (its bar)
                 plan += [(shape, layout, p, (4096, 32768)) for p in (128, 256)]
-    records: list[dict] = []
+    records: list[dict] = _ceiling_records(plan, ceiling)
     timer = Timer(budget_s=0.1)
     for shape, layout, p, token_counts in progress(plan, len(plan), "pools"):
         case = Case(registry, shape, layout, p, max(token_counts), impls)
-        for name, impl in case.impls.items():
-            if not hasattr(impl, "max_ctas"):
-                budgets: tuple = (None,)
-            elif p == 64 and layout == "page_first":
-                budgets = SM_BUDGETS  # the full SM-budget sweep, on one layout per shape
-            else:
-                budgets = (8, None)  # the bars: at most 8 CTAs, and unlimited
-            for tokens in token_counts:
-                h, d = case.indices(tokens, impl)
-                for op in case.claimed[name]:
-                    for budget in budgets if tokens >= 4096 else (8,) if budgets[0] is not None else (None,):
-                        if hasattr(impl, "max_ctas"):
-                            impl.max_ctas = budget if budget is not None else 0
-                        nbytes = case.bytes_moved(tokens, op)
-                        link = ceiling["h2d_gbps"] if op == LOAD else ceiling["d2h_gbps"]
-                        for variant in _variants(impl, tokens):
-                            with variant_applied(impl, variant):
-                                seconds = timer(_run_op(impl, op, h, d))
-                            records.append({
-                                "implementation": name, "io_backend": impl.io_backend, "shape": shape.name,
-                                "pool_kind": shape.kind, "layout": layout, "page_size": p, "tokens": tokens,
-                                "operation": op, "layers": case.host.layer_num if op == BACKUP_ALL else 1,
-                                "max_ctas": getattr(impl, "max_ctas", None), "variant": variant, "bytes": nbytes,
-                                "seconds": seconds, "gbps": nbytes / seconds / 1e9,
-                                "fraction_of_ceiling": nbytes / seconds / 1e9 / link,
-                            })  # fmt: skip
-                if tokens == 64 and LOAD in case.claimed[name]:
-                    if hasattr(impl, "max_ctas"):
-                        impl.max_ctas = 8
-                    records.append({
-                        "implementation": name, "shape": shape.name, "layout": layout, "page_size": p,
-                        "tokens": 64, "operation": LOAD, "metric": "host_time_us",
-                        "host_time_us": host_time_us(impl, h, d),
-                        # fresh index tensors every call (no reuse of an earlier call's runs or copies)
-                        "host_time_fresh_us": host_time_us(impl, h, d, fresh=True),
-                    })  # fmt: skip
-            if hasattr(impl, "copier") and hasattr(impl.copier, "path"):
-                records.append({"implementation": name, "shape": shape.name, "layout": layout, "page_size": p,
-                                "metric": "path", "path": impl.copier.path})  # fmt: skip
+        for impl_name, impl in case.impls.items():
+            records += _time_implementation(case, impl_name, impl, token_counts, ceiling, timer)
+        if anchor.available:
+            records += _time_anchor(case, anchor, token_counts, ceiling, timer)
         if shape.name == "deepseek-mla" and layout in ("page_first", "layer_first") and p == 64:
-            for name, impl in case.impls.items():
-                if LOAD not in case.claimed[name]:
-                    continue
-                h, d = case.indices(4096, impl)
-                for budget in (8, None) if hasattr(impl, "max_ctas") else (None,):
-                    if hasattr(impl, "max_ctas"):
-                        impl.max_ctas = budget or 0
-                    result = gemm_interference(impl, _run_op(impl, LOAD, h, d), case.bytes_moved(4096, LOAD))
-                    records.append({"implementation": name, "shape": shape.name, "layout": layout, "page_size": p,
-                                    "tokens": 4096, "operation": LOAD, "metric": "gemm_interference",
-                                    "max_ctas": budget, **result})  # fmt: skip
+            records += _gemm_rows(case)
         del case
         torch.cuda.empty_cache()
         # Written after every pool, so a run cut short by a time limit still leaves its results.
-        _write(Path(out), name or ("quick" if quick else "sweep"), {"environment": env, "ceiling": ceiling,
-               "dispatch_overhead": overhead, "complete": False}, records, plot=False)  # fmt: skip
+        _write(Path(out), file_name, {**meta, "complete": False}, records, plot=False)
     summary = _summary(records)
     print(summary)
-    path = _write(Path(out), name or ("quick" if quick else "sweep"),
-                  {"environment": env, "ceiling": ceiling, "dispatch_overhead": overhead, "summary": summary,
-                   "complete": True},
-                  records)  # fmt: skip
+    path = _write(Path(out), file_name, {**meta, "summary": summary, "complete": True}, records)
     print(f"wrote {path}")
     return 0
+
+
+def _ceiling_records(plan: list, ceiling: dict) -> list[dict]:
+    """The SM-copy ceiling (256 MiB) and, at each per-layer load's byte count, the copy engine's and the SM copy's."""
+    from .bench_ceilings import ceilings_at_sizes, sm_ceiling
+
+    rows = sm_ceiling(256 << 20, ceiling)
+    sizes = {shape.item_bytes() * t for shape, layout, p, tokens in plan if p == 64 for t in tokens if t >= 4096}
+    rows += ceilings_at_sizes(sorted(sizes), ceiling)
+    for r in rows:
+        if r["metric"] == "ceiling_at_size" and r["direction"] == "h2d":
+            print(f"  {r['bytes'] / 1e6:7.1f} MB H2D: copy engine {r['memcpy_fraction']:.3f}, SM copy "
+                  f"{r['sm_8ctas_fraction']:.3f} at <= 8 CTAs, {r['sm_any_fraction']:.3f} at any")  # fmt: skip
+    return rows
+
+
+def _time_implementation(case: Case, name: str, impl: Implementation, token_counts, ceiling: dict,
+                         timer: Timer) -> list[dict]:  # fmt: skip
+    """Every claimed operation of one implementation on one pool: both clocks per SM budget, and host time."""
+    records = []
+    p, layers = case.page_size, case.host.layer_num
+    if not hasattr(impl, "max_ctas"):
+        budgets: tuple = (None,)
+    elif p == 64 and case.layout == "page_first":
+        budgets = SM_BUDGETS  # the full SM-budget sweep, on one layout per shape
+    else:
+        budgets = (8, None)  # the bars: at most 8 CTAs, and unlimited
+    for tokens in token_counts:
+        h, d = case.indices(tokens, impl)
+        for op in case.claimed[name]:
+            for budget in budgets if tokens >= 4096 else (8,) if budgets[0] is not None else (None,):
+                if hasattr(impl, "max_ctas"):
+                    impl.max_ctas = budget if budget is not None else 0
+                nbytes = case.bytes_moved(tokens, op)
+                link = ceiling["h2d_gbps"] if op == LOAD else ceiling["d2h_gbps"]
+                for variant in _variants(impl, tokens):
+                    with variant_applied(impl, variant):
+                        if tokens >= 4096 and op != BACKUP_ALL:  # one all-layer call outlasts its submission
+                            seconds, queued = time_both(partial(_run_op, impl, op, h, d), layers, timer)
+                        else:
+                            seconds, queued = timer(_run_op(impl, op, h, d)), None
+                    row = {
+                        "implementation": name, "io_backend": impl.io_backend, "shape": case.shape.name,
+                        "pool_kind": case.shape.kind, "layout": case.layout, "page_size": p, "tokens": tokens,
+                        "operation": op, "layers": layers if op == BACKUP_ALL else 1,
+                        "max_ctas": getattr(impl, "max_ctas", None), "variant": variant, "bytes": nbytes,
+                        "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+                        "fraction_of_ceiling": nbytes / seconds / 1e9 / link,
+                    }  # fmt: skip
+                    if queued is not None:
+                        row |= {"seconds_queued": queued, "fraction_queued": nbytes / queued / 1e9 / link}
+                    records.append(row)
+        if tokens == 64 and LOAD in case.claimed[name]:
+            if hasattr(impl, "max_ctas"):
+                impl.max_ctas = 8
+            records.append({
+                "implementation": name, "shape": case.shape.name, "layout": case.layout, "page_size": p,
+                "tokens": 64, "operation": LOAD, "metric": "host_time_us",
+                "host_time_us": host_time_us(impl, h, d),
+                # fresh index tensors every call (no reuse of an earlier call's runs or copies)
+                "host_time_fresh_us": host_time_us(impl, h, d, fresh=True),
+                "through_pool_us": _pool_host_time_us(case, impl, h, d),
+            })  # fmt: skip
+    if hasattr(impl, "copier") and hasattr(impl.copier, "path"):
+        records.append({"implementation": name, "shape": case.shape.name, "layout": case.layout, "page_size": p,
+                        "metric": "path", "path": impl.copier.path})  # fmt: skip
+    return records
+
+
+def _pool_host_time_us(case: Case, impl: Implementation, h: torch.Tensor, d: torch.Tensor, calls: int = 300) -> float:
+    """Host time per 64-token load through a host pool bound to ``impl`` (what a server calls)."""
+    from .host_pool import make_host_pool
+
+    host = make_host_pool(case.dev, layout=case.layout, io_backend=impl.io_backend, size=case.host.size,
+                          implementation=impl.name, operations=(LOAD,), validate=False)  # fmt: skip
+    mine = host.implementation_for(LOAD)
+    if hasattr(mine, "max_ctas"):
+        mine.max_ctas = 8
+    call = host.load_to_device_per_layer
+    for _ in range(10):
+        call(case.dev, h, d, 1, impl.io_backend)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        call(case.dev, h, d, 1, impl.io_backend)
+    elapsed = time.perf_counter() - t
+    torch.cuda.synchronize()
+    host.destroy()
+    return elapsed / calls * 1e6
+
+
+def _time_anchor(case: Case, anchor, token_counts, ceiling: dict, timer: Timer) -> list[dict]:
+    """SGLang's transfer functions on this pool, checked byte for byte first (see hicache_core.bench_anchor)."""
+    from .bench_anchor import BLOCK_QUOTAS, AnchorCalls
+
+    if not AnchorCalls.supports(case.host) or case.page_size != 64:
+        return []
+    calls = AnchorCalls(anchor, case.host, case.dev)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    records = []
+
+    class OnGpu:  # Case.indices places indices where an implementation wants them; SGLang's: the GPU
+        index_device = "device"
+
+    for op in (LOAD, BACKUP_ALL):
+        base = {"implementation": "sglang." + calls.function(op), "io_backend": "sglang-anchor",
+                "shape": case.shape.name, "pool_kind": case.shape.kind, "layout": case.layout,
+                "page_size": case.page_size, "operation": op, "variant": "default"}  # fmt: skip
+        h, d = case.indices(min(token_counts), OnGpu())
+        wrong = calls.moved_right(op, h.long(), d.long(), 1 if op == LOAD else 0)
+        if wrong is not None:
+            records.append({**base, "metric": "anchor_refused", "why": wrong})
+            print(f"  anchor refused: {wrong}")
+            continue
+        link = ceiling["h2d_gbps"] if op == LOAD else ceiling["d2h_gbps"]
+        for tokens in token_counts:
+            h, d = (t.long() for t in case.indices(tokens, OnGpu()))
+            if tokens == 64 and op == LOAD:
+                records.append({**base, "tokens": 64, "metric": "host_time_us",
+                                "host_time_us": _calls_host_time_us(calls.call(op, h, d, 1, 8))})  # fmt: skip
+                continue
+            if tokens < 4096:
+                continue
+            for quota in BLOCK_QUOTAS:
+                blocks = quota or sms
+                make = partial(calls.call, op, h, d, block_quota=blocks)
+                if op == LOAD:
+                    seconds, queued = time_both(make, case.host.layer_num, timer)
+                else:
+                    seconds, queued = timer(make(0)), None
+                nbytes = case.bytes_moved(tokens, op)
+                row = {**base, "tokens": tokens, "max_ctas": quota, "blocks": blocks, "bytes": nbytes,
+                       "layers": case.host.layer_num if op == BACKUP_ALL else 1,
+                       "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+                       "fraction_of_ceiling": nbytes / seconds / 1e9 / link}  # fmt: skip
+                if queued is not None:
+                    row |= {"seconds_queued": queued, "fraction_queued": nbytes / queued / 1e9 / link}
+                records.append(row)
+    return records
+
+
+def _calls_host_time_us(fn: Callable[[], None], calls: int = 300) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def _gemm_rows(case: Case) -> list[dict]:
+    """GEMM slowdown beside each load implementation at 8 CTAs and unlimited (MLA, 4096 tokens)."""
+    records = []
+    for name, impl in case.impls.items():
+        if LOAD not in case.claimed[name]:
+            continue
+        h, d = case.indices(4096, impl)
+        for budget in (8, None) if hasattr(impl, "max_ctas") else (None,):
+            if hasattr(impl, "max_ctas"):
+                impl.max_ctas = budget or 0
+            result = gemm_interference(impl, _run_op(impl, LOAD, h, d), case.bytes_moved(4096, LOAD))
+            records.append({"implementation": name, "shape": case.shape.name, "layout": case.layout,
+                            "page_size": case.page_size, "tokens": 4096, "operation": LOAD,
+                            "metric": "gemm_interference", "max_ctas": budget, **result})  # fmt: skip
+    return records
 
 
 def _summary(records: list[dict]) -> str:

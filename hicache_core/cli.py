@@ -52,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shapes", help="comma-separated shape names (default: all; quick: deepseek-mla,llama-8b)")
     p.add_argument("--name", help="file name of the JSON and PNG (default: quick, sweep or overlap)")
     p.add_argument("--layouts", help="comma-separated layouts (default: every registered layout)")
+    p.add_argument("--anchor-module", help="module with sgl-kernel's transfer_kv_* functions to time beside hicache "
+                   "(default: $HICACHE_BENCH_ANCHOR, else sgl_kernel.kvcacheio; skipped where it does not import)")
     p.add_argument("--storage", metavar="URL", help="benchmark L3 backup and prefetch through this store instead")
     p.add_argument("--storage-tokens", default="4096,32768", help="prefix lengths for --storage (tokens)")
 
@@ -109,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_bench(out=args.out, quick=args.quick, only=args.only, overlap=args.overlap, name=args.name,
                      tokens=tuple(int(t) for t in _csv(args.tokens)) if args.tokens else None,
                      shapes=tuple(_csv(args.shapes)) if args.shapes else None,
-                     layouts=tuple(_csv(args.layouts)) if args.layouts else None)  # fmt: skip
+                     layouts=tuple(_csv(args.layouts)) if args.layouts else None,
+                     anchor_module=args.anchor_module)  # fmt: skip
 
 
 def _csv(text: str) -> list[str]:

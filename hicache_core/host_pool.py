@@ -160,6 +160,7 @@ def _device_layers(device_pool, draft_pools, geometry: PoolGeometry) -> dict[str
 
 #: Returned by ``_host_layer`` for a layer another rank owns: the call checks its arguments and does nothing.
 _NOT_OWNED = -1
+_INT64, _INT32 = torch.int64, torch.int32
 
 
 class HostPool(PageAccess):
@@ -230,7 +231,11 @@ class HostPool(PageAccess):
                 except Exception as exc:
                     raise TransferError(cls, registry.plugin_of(cls.name), "binding to the host pool", exc) from exc
             target = plan.device if cls.index_device == "device" else torch.device("cpu")
-            entry = (impl, target.type == "cuda", cls.index_dtypes, target)
+            cuda = target.type == "cuda"
+            if cuda and target.index is None:
+                target = torch.device("cuda", torch.cuda.current_device())
+            # (implementation, wants CUDA indices, index dtypes, where, that device's index as get_device() says it)
+            entry = (impl, cuda, cls.index_dtypes, target, target.index if cuda else -1)
             for name in {io_backend, cls.io_backend}:
                 self._impls[(op, name)] = entry
             self.implementations[op] = cls.name
@@ -420,20 +425,21 @@ class HostPool(PageAccess):
 
     def _indices(self, op: str, layer_id, host_indices, device_indices, entry, layer: int | None):
         """Checked indices, where and as the implementation wants them; ``(None, None)`` when nothing moves."""
-        # The hot path: a handful of attribute reads, no allocation unless indices must move.
+        # The hot path: a handful of attribute reads, the cheapest ones (a small load's cost is host time),
+        # no allocation unless indices must move.
         try:
-            hd, dd, n = host_indices.dtype, device_indices.dtype, host_indices.numel()
+            hd, dd, shape = host_indices.dtype, device_indices.dtype, host_indices.shape
             ok = (
-                (hd is torch.int64 or hd is torch.int32)
-                and (dd is torch.int64 or dd is torch.int32)
-                and device_indices.numel() == n
-                and host_indices.dim() == 1
-                and device_indices.dim() == 1
+                (hd is _INT64 or hd is _INT32)
+                and (dd is _INT64 or dd is _INT32)
+                and len(shape) == 1
+                and device_indices.shape == shape
             )
         except (AttributeError, TypeError):
             ok = False
         if not ok:
             reject_indices(host_indices, device_indices)
+        n = shape[0]
         if self._items_are_pages and n % self.page_size:
             raise ValueError(
                 f"indices must come in whole pages: got {n} slots with page_size {self.page_size} "
@@ -455,19 +461,11 @@ class HostPool(PageAccess):
             check_bounds(host_indices, self._num_items, "host_indices")
             rows = self._rows[layer] if layer is not None else min(self._rows)  # all layers: the fewest rows
             check_bounds(device_indices, rows, "device_indices")
-        _, want_cuda, dtypes, target = entry
-        # Short-circuited: reading .device builds an object, so only where the device matters.
-        if (
-            host_indices.is_cuda is not want_cuda
-            or hd not in dtypes
-            or (want_cuda and host_indices.device != target)
-        ):
+        _, want_cuda, dtypes, target, where = entry
+        # get_device() (-1 on the CPU) rather than .device, which builds an object on every call.
+        if host_indices.is_cuda is not want_cuda or host_indices.get_device() != where or hd not in dtypes:
             host_indices = self._cache.move(host_indices, hd if hd in dtypes else torch.int64, target)
-        if (
-            device_indices.is_cuda is not want_cuda
-            or dd not in dtypes
-            or (want_cuda and device_indices.device != target)
-        ):
+        if device_indices.is_cuda is not want_cuda or device_indices.get_device() != where or dd not in dtypes:
             device_indices = self._cache.move(device_indices, dd if dd in dtypes else torch.int64, target)
         return host_indices, device_indices
 

@@ -477,11 +477,11 @@ class JitOneLayer(TritonImplementation):
             raise IndexError(f"host layer {layer} is out of range [0, {self._num_layers})")
         if n == 0:
             return
-        cap = self._cap
+        cap, ready = self._cap, self._ready(h, d, n)
         for group in self._groups:
             per_tile = group.per_tile
             tiles = -(-(n * group.total_words) // per_tile) if group.kernel == "flat" else -(-n // per_tile)
-            self._launch(group, tiles if tiles < cap else cap, h, d, n, to_device, group.args[to_device][layer])
+            self._launch(group, tiles if tiles < cap else cap, h, d, n, to_device, group.args[to_device][layer], ready)
 
     # ---- the kernels ------------------------------------------------------------------------
 

@@ -164,11 +164,11 @@ class TritonUVA(TritonImplementation):
         n = self._count(h, d)
         if n == 0:
             return
-        block, cap = self._tile_words, self._cap
+        block, cap, ready = self._tile_words, self._cap, self._ready(h, d, n)
         for group in self._groups:
             tiles = num_layers * (cdiv(n * group.words_a, block) + cdiv(n * group.words_b, block))
             args = group.args[to_device][layer0] if num_layers == 1 else group.all_args[to_device]
-            self._launch(group, tiles if tiles < cap else cap, h, d, n, to_device, args)
+            self._launch(group, tiles if tiles < cap else cap, h, d, n, to_device, args, ready)
 
     # ---- the kernel ---------------------------------------------------------------------------
 

@@ -1,0 +1,27 @@
+# shellcheck shell=bash
+# The step runner of the GPU check scripts (sourced): each step under its own time limit and all under
+# one deadline ($deadline, epoch seconds), logged to $LOG, its outcome appended to the array results.
+
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local left=$(( deadline - $(date +%s) ))
+  if (( left < 10 )); then
+    results+=("$name: skipped (deadline)")
+    echo "=== $name: skipped, the deadline is near" | tee -a "$LOG"
+    return
+  fi
+  (( limit > left )) && limit=$left
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+  local t0=$(date +%s)
+  timeout --signal=TERM --kill-after=5 "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  local took=$(( $(date +%s) - t0 ))
+  local what="rc $rc"
+  (( rc == 124 || rc == 137 )) && what="TIMED OUT"
+  (( rc == 0 )) && what="ok"
+  results+=("$name: $what (${took}s)")
+  echo "=== $name: $what in ${took}s" | tee -a "$LOG"
+  tail -n 6 "$LOG" | sed 's/^/    /'
+}
+
