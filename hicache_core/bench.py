@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .bench_clock import Timer, batch_for, queued_seconds
+from .bench_clock import Timer, batch_for, host_us, queued_seconds
 from .demo import fill_random, random_pages
 from .dispatch import reasons_for
 from .host_pool import make_host_pool
@@ -222,22 +222,16 @@ def time_both(make_call: Callable[[int], Callable[[], None]], layers: int, timer
     return single, queued_seconds(calls)
 
 
-def host_time_us(impl: Implementation, h: torch.Tensor, d: torch.Tensor, calls: int = 300,
-                 fresh: bool = False) -> float:  # fmt: skip
+def host_time_us(impl: Implementation, h: torch.Tensor, d: torch.Tensor, fresh: bool = False) -> float:
     """Host-side time per small load: submission cost, with the GPU keeping up.
 
     ``fresh``: a different (equal-valued) pair of index tensors every call, so nothing an
     implementation keeps from an earlier call's indices applies."""
-    pairs = [(h.clone(), d.clone()) for _ in range(calls)] if fresh else [(h, d)] * calls
-    for _ in range(10):
-        impl.load_to_device_per_layer(h, d, 0)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for hh, dd in pairs:
-        impl.load_to_device_per_layer(hh, dd, 0)
-    elapsed = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    if not fresh:
+        return host_us(lambda: impl.load_to_device_per_layer(h, d, 0))
+    pairs = [(h.clone(), d.clone()) for _ in range(1000)]
+    turn = iter(range(10**9))
+    return host_us(lambda: impl.load_to_device_per_layer(*pairs[next(turn) % 1000], 0))
 
 
 def gemm_interference(impl: Implementation, fn: Callable[[], None], bytes_per_call: int) -> dict[str, float]:
@@ -405,26 +399,16 @@ def _time_implementation(case: Case, name: str, impl: Implementation, token_coun
     return records
 
 
-def _pool_host_time_us(case: Case, impl: Implementation, h: torch.Tensor, d: torch.Tensor, calls: int = 300) -> float:
+def _pool_host_time_us(case: Case, impl: Implementation, h: torch.Tensor, d: torch.Tensor) -> float:
     """Host time per 64-token load through a host pool bound to ``impl`` (what a server calls)."""
-    from .host_pool import make_host_pool
-
     host = make_host_pool(case.dev, layout=case.layout, io_backend=impl.io_backend, size=case.host.size,
                           implementation=impl.name, operations=(LOAD,), validate=False)  # fmt: skip
     mine = host.implementation_for(LOAD)
     if hasattr(mine, "max_ctas"):
         mine.max_ctas = 8
-    call = host.load_to_device_per_layer
-    for _ in range(10):
-        call(case.dev, h, d, 1, impl.io_backend)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        call(case.dev, h, d, 1, impl.io_backend)
-    elapsed = time.perf_counter() - t
-    torch.cuda.synchronize()
+    us = host_us(lambda: host.load_to_device_per_layer(case.dev, h, d, 1, impl.io_backend))
     host.destroy()
-    return elapsed / calls * 1e6
+    return us
 
 
 def _time_anchor(case: Case, anchor, token_counts, ceiling: dict, timer: Timer) -> list[dict]:
@@ -455,7 +439,7 @@ def _time_anchor(case: Case, anchor, token_counts, ceiling: dict, timer: Timer) 
             h, d = (t.long() for t in case.indices(tokens, OnGpu()))
             if tokens == 64 and op == LOAD:
                 records.append({**base, "tokens": 64, "metric": "host_time_us",
-                                "host_time_us": _calls_host_time_us(calls.call(op, h, d, 1, 8))})  # fmt: skip
+                                "host_time_us": host_us(calls.call(op, h, d, 1, 8))})  # fmt: skip
                 continue
             if tokens < 4096:
                 continue
@@ -475,18 +459,6 @@ def _time_anchor(case: Case, anchor, token_counts, ceiling: dict, timer: Timer) 
                     row |= {"seconds_queued": queued, "fraction_queued": nbytes / queued / 1e9 / link}
                 records.append(row)
     return records
-
-
-def _calls_host_time_us(fn: Callable[[], None], calls: int = 300) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def _gemm_rows(case: Case) -> list[dict]:
@@ -510,7 +482,8 @@ def _summary(records: list[dict]) -> str:
     """The README table: per implementation, operation and shape, the best layout's fraction at >= 4096 tokens."""
     rows = {}
     for r in records:
-        if "gbps" not in r or r["tokens"] < 4096 or r["page_size"] < 64 or r.get("variant", "default") != "default":
+        if "tokens" not in r or "gbps" not in r or r["tokens"] < 4096 or r["page_size"] < 64 or \
+                r.get("variant", "default") != "default":
             continue
         key = (r["implementation"], r["operation"], r["shape"], f"{r['layout']} p{r['page_size']}")
         budget = r.get("max_ctas")

@@ -67,3 +67,22 @@ def queued_seconds(calls: Sequence[Callable[[], None]], trials: int = 5) -> floa
 def batch_for(single_s: float, target_s: float = 2e-3) -> int:
     """How many calls to queue so that a batch lasts about ``target_s`` (4 to 32)."""
     return max(4, min(32, int(target_s / max(single_s, 1e-6))))
+
+
+def host_us(fn: Callable[[], None], calls: int = 1000, batches: int = 5) -> float:
+    """Host microseconds per call of ``fn``: the median over ``batches`` of ``calls`` calls each.
+
+    The median of several batches, because a virtual machine's host is shared: one preemption
+    inside a single batch of a few milliseconds would double its figure.
+    """
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    per_batch = []
+    for _ in range(batches):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_batch.append((time.perf_counter() - t) / calls)
+        torch.cuda.synchronize()
+    return statistics.median(per_batch) * 1e6

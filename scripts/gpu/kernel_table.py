@@ -36,7 +36,7 @@ def main(path: str) -> int:
                   f"({top['ctas']} CTAs x {top['num_warps']} warps, {top['block_words']} words)")
     cells: dict = defaultdict(dict)
     for r in records:
-        if "fraction_of_ceiling" not in r or r.get("variant", "default") != "default" or r["tokens"] < 4096:
+        if "fraction_of_ceiling" not in r or r.get("variant", "default") != "default" or r.get("tokens", 0) < 4096:
             continue
         key = (r["shape"], r["layout"], r["operation"][:28], r["tokens"])
         budget = r.get("max_ctas")

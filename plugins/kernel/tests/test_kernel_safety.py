@@ -135,6 +135,7 @@ def test_cached_launcher_gets_the_kernel_arguments_in_order(kernel_device, monke
         group.fast[key] = (lambda *a: calls.append(a), head)
     monkeypatch.setattr(impl, "_get_device", lambda: impl._dev_index)
     monkeypatch.setattr(impl, "_get_stream", lambda index: 1234)
+    monkeypatch.setattr(impl, "_fast_launch", 2)  # what CUDA sets; the interpreter launches through Triton
     h = torch.tensor([5, 0, 9], dtype=torch.int32, device=kernel_device)
     d = torch.tensor([2, 11, 7], dtype=torch.int32, device=kernel_device)
     seq = plan.drop_report.begin(hc.LOAD, 1, 3)
