@@ -37,7 +37,7 @@ CASES = (("deepseek-mla", "page_first"), ("deepseek-mla", "layer_first"), ("llam
 IMPLS = ("jit.one_layer", "kernel.triton_uva")
 
 
-def _empty_triton_us() -> float:
+def empty_triton_us() -> float:
     import triton
 
     @triton.jit
@@ -75,7 +75,7 @@ def main() -> int:
                          "implementation_us": direct})  # fmt: skip
             print(f"{args.label:8} {shape:13} {layout:12} {name:18} pool {pool:6.2f} us  implementation {direct:6.2f}")
             host.destroy()
-    floors = {"empty_triton_c_launch_us": _empty_triton_us()}
+    floors = {"empty_triton_c_launch_us": empty_triton_us()}
     x = torch.zeros(1, device="cuda")
     floors["torch_add__us"] = host_us(lambda: x.add_(1))
     print(f"{args.label:8} floors: " + "  ".join(f"{k} {v:.2f}" for k, v in floors.items()))

@@ -55,6 +55,7 @@ import torch
 
 import hicache_core as hc
 from hicache_core.bench import Timer
+from hicache_core.bench_clock import queued_seconds
 from hicache_core.drops import DroppedIndicesError
 from hicache_core.shapes import SHAPES
 
@@ -127,23 +128,11 @@ class Env:
 
     def queued(self, calls: list[Callable[[], None]], trials: int = 5) -> float:
         """Median GPU seconds per call, ``calls`` queued back to back behind a GPU sleep (no host time shows)."""
-        for call in calls[:2]:
-            call()
-        self.sync()
         if self.dry:
-            return _wall(calls[0])
-        samples = []
-        for _ in range(trials):
-            # ~1 ms of GPU spin: the host queues the whole batch before the first event is reached.
-            torch.cuda._sleep(2_000_000)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for call in calls:
+            for call in calls[:2]:
                 call()
-            b.record()
-            b.synchronize()
-            samples.append(a.elapsed_time(b) / 1e3 / len(calls))
-        return statistics.median(samples)
+            return _wall(calls[0])
+        return queued_seconds(calls, trials)
 
 
 def _wall(fn: Callable[[], None]) -> float:
@@ -467,7 +456,9 @@ def host_time(env: Env, results: list) -> None:
         config.apply(impl)
         rows.append(_host_row(env, config.name, host, dev, impl, per_call))
     if not env.dry:
-        rows.append({"phase": "host", "config": "floor/empty_triton", "direct_us": _empty_triton_us(per_call)})
+        from host_time import empty_triton_us  # benchmarks/host_time.py, beside this script
+
+        rows.append({"phase": "host", "config": "floor/empty_triton", "direct_us": empty_triton_us()})
         x = torch.zeros(1, device="cuda")
         rows.append({"phase": "host", "config": "floor/torch_add_", "direct_us": per_call(lambda: x.add_(1))})
     for row in rows:
@@ -491,24 +482,6 @@ def _host_row(env: Env, name: str, host, dev, impl, per_call) -> dict:
         args = (impl._anchor_ptr, h.data_ptr(), d.data_ptr(), 1, 1, 64, 1, *group.args[True][1])
         row["triton_c_launch_us"] = per_call(lambda: call(1, 1, 1, stream, *head, *args))
     return row
-
-
-def _empty_triton_us(per_call) -> float:
-    """Host time of the bare C launch of a one-argument Triton kernel: the floor of any Triton launch."""
-    import triton
-
-    @triton.jit
-    def empty(x):
-        pass
-
-    x = torch.zeros(1, device="cuda")
-    compiled = empty[(1,)](x)
-    run = compiled.run
-    stream = torch.cuda.current_stream().cuda_stream
-    head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
-            None, None, None)  # fmt: skip
-    ptr = x.data_ptr()
-    return per_call(lambda: run.launch(1, 1, 1, stream, *head, ptr))
 
 
 # ---- phase 6: contiguous reads, phase 7: graphs, phase 8: overlap ---------------------------------
