@@ -9,6 +9,7 @@ plot. Timings live here, never in tests.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -229,9 +230,8 @@ def host_time_us(impl: Implementation, h: torch.Tensor, d: torch.Tensor, fresh: 
     implementation keeps from an earlier call's indices applies."""
     if not fresh:
         return host_us(lambda: impl.load_to_device_per_layer(h, d, 0))
-    pairs = [(h.clone(), d.clone()) for _ in range(1000)]
-    turn = iter(range(10**9))
-    return host_us(lambda: impl.load_to_device_per_layer(*pairs[next(turn) % 1000], 0))
+    pairs = itertools.cycle([(h.clone(), d.clone()) for _ in range(1000)])
+    return host_us(lambda: impl.load_to_device_per_layer(*next(pairs), 0))
 
 
 def gemm_interference(impl: Implementation, fn: Callable[[], None], bytes_per_call: int) -> dict[str, float]:
@@ -280,9 +280,7 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
         _write(Path(out), "dispatch-cpu", {"environment": environment(), "dispatch_overhead": overhead}, [])
         return 0
     registry = get_registry()
-    wanted = set(only.split(",")) if only else None
-    impls = [c for n, c in sorted(registry.implementations.items())
-             if c.auto_selectable and (wanted is None or n in wanted)]  # fmt: skip
+    impls = _implementations(registry, only)
     env = environment()
     ceiling = measure_ceiling()
     overhead = measure_dispatch_overhead(50_000 if quick else 200_000)
@@ -330,6 +328,13 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
     path = _write(Path(out), file_name, {**meta, "summary": summary, "complete": True}, records)
     print(f"wrote {path}")
     return 0
+
+
+def _implementations(registry: Registry, only: str | None) -> list[type[Implementation]]:
+    """The implementations a sweep times: those ``auto`` may pick, or the comma-separated names in ``only``."""
+    wanted = set(only.split(",")) if only else None
+    return [c for n, c in sorted(registry.implementations.items())
+            if c.auto_selectable and (wanted is None or n in wanted)]  # fmt: skip
 
 
 def _ceiling_records(plan: list, ceiling: dict) -> list[dict]:
@@ -559,9 +564,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
         print("hicache bench --overlap needs a GPU")
         return 1
     registry = get_registry()
-    wanted = set(only.split(",")) if only else None
-    impls = [c for n, c in sorted(registry.implementations.items())
-             if c.auto_selectable and (wanted is None or n in wanted)]  # fmt: skip
+    impls = _implementations(registry, only)
     env = environment()
     ceiling = measure_ceiling(1 << 30)
     print(f"ceiling: H2D {ceiling['h2d_gbps']:.1f} GB/s, D2H {ceiling['d2h_gbps']:.1f} GB/s")

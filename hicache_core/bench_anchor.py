@@ -103,6 +103,11 @@ class AnchorCalls:
         self.layout = host.layout
         self.layers = host.layer_num
         self.mla = self.kind == "mla"
+        # Each part's host buffer (K and V, or MLA's one): layer_first (L, size, ...), page_first (size, L, ...);
+        # and each part's device tensors, per layer.
+        self.parts = [host.kv_buffer] if self.mla else [host.k_buffer, host.v_buffer]
+        self.dev_layers = [list(dev.kv_buffer)] if self.mla else [list(dev.k_buffer), list(dev.v_buffer)]
+        self.dev_device = self.dev_layers[0][0].device
         self._tables: dict[str, torch.Tensor] = {}
 
     @staticmethod
@@ -116,21 +121,9 @@ class AnchorCalls:
 
     # ---- the tensors SGLang's host pool would pass --------------------------------------------
 
-    def _host_parts(self) -> list[torch.Tensor]:
-        """Each part's host buffer (K and V, or MLA's one): layer_first (L, size, ...), page_first (size, L, ...)."""
-        if self.mla:
-            return [self.host.kv_buffer]
-        return [self.host.k_buffer, self.host.v_buffer]
-
-    def _dev_layers(self) -> list[list[torch.Tensor]]:
-        """The device tensors of each part, per layer."""
-        if self.mla:
-            return [list(self.dev.kv_buffer)]
-        return [list(self.dev.k_buffer), list(self.dev.v_buffer)]
-
     def item_size(self) -> int:
         """One token's bytes in one layer and part."""
-        t = self._dev_layers()[0][0]
+        t = self.dev_layers[0][0]
         return t[0].numel() * t.element_size()
 
     def _pointer_table(self, name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -140,17 +133,13 @@ class AnchorCalls:
             table = self._tables[name] = torch.tensor(ptrs, dtype=torch.uint64, device=self.dev_device)
         return table
 
-    @property
-    def dev_device(self) -> torch.device:
-        return self._dev_layers()[0][0].device
-
     # ---- calls ----------------------------------------------------------------------------------
 
     def call(self, op: str, h: torch.Tensor, d: torch.Tensor, layer: int, block_quota: int,
              warps: int = WARPS_PER_BLOCK) -> Callable[[], None]:  # fmt: skip
         """A callable running SGLang's ``op`` with these token indices (int64 on the GPU)."""
         fn = getattr(self.fns, self.function(op))
-        item, parts, dev = self.item_size(), self._host_parts(), self._dev_layers()
+        item, parts, dev = self.item_size(), self.parts, self.dev_layers
         lf = self.layout == "layer_first"
         layout_dim = item * self.layers
         if op == LOAD:
@@ -188,7 +177,7 @@ class AnchorCalls:
         from .demo import same_bytes
 
         gen = torch.Generator().manual_seed(12)
-        parts, dev = self._host_parts(), self._dev_layers()
+        parts, dev = self.parts, self.dev_layers
         hi, di = h.cpu(), d.cpu()
         layers = [layer] if op == LOAD else list(range(self.layers))
 

@@ -48,8 +48,7 @@ class SMCopy:
         base = self.anchor.data_ptr()
         self.host_off = (self.host.data_ptr() - base) // WORD
         self.dev_off = (self.dev.data_ptr() - base) // WORD
-        programs = torch.cuda.get_device_properties(self.device).multi_processor_count if pinned else 4
-        self.sms = programs
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count if pinned else 4
 
     def ctas(self, shape: Any) -> int:
         return shape if isinstance(shape, int) else int(shape.removesuffix("sm")) * self.sms

@@ -391,11 +391,11 @@ class TritonImplementation(SMBudget, Implementation):
         entry = _compiled.get(key)
         fast_key = (to_device, h.dtype, d.dtype)
         if entry is not None and self._cache_launch(group, fast_key, entry, to_device):
-            if self._get_device() == self._dev_index and hooks_idle():
+            ready = self._ready(h, d, n)
+            if ready is not None:
                 # The cached launch itself, not through _launch: this call is one launch, counted once.
                 call, head = group.fast[fast_key]
-                call(grid, 1, 1, self._get_stream(self._dev_index), *head, self._anchor_ptr,
-                     h.data_ptr(), d.data_ptr(), h.stride()[0], d.stride()[0], n, self._drops.seq, *args)  # fmt: skip
+                call(grid, 1, 1, ready[0], *head, *ready[1], *args)
                 return
         call = (self._anchor, h, d, h.stride()[0], d.stride()[0], n, self._drops.seq, *args)
         start = time.perf_counter()

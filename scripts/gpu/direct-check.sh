@@ -20,16 +20,8 @@
 # direct-bench.json/.png, overlap.json/.png, profile.json.
 set -u
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/hicache-direct-check}
-mkdir -p "$OUT"
-LOG="$OUT/direct-check.log"
-: >"$LOG"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-PY=${PYTHON:-python3}
-deadline=$(( $(date +%s) + ${HICACHE_CHECK_DEADLINE:-345} ))
-results=()
-
 source scripts/gpu/steps.sh
+begin_check direct-check 345
 
 step install 60 "$PY" -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check \
   -e . -e plugins/direct -e plugins/kernel -e plugins/jit

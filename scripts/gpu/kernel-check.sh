@@ -12,15 +12,8 @@
 #   5. a compact table (scripts/gpu/kernel_table.py)
 set -u
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/hicache-kernel-check}
-mkdir -p "$OUT"
-LOG="$OUT/kernel-check.log"
-: >"$LOG"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-PY=${PYTHON:-python3}
-deadline=$(( $(date +%s) + ${HICACHE_CHECK_DEADLINE:-540} ))
-results=()
 source scripts/gpu/steps.sh
+begin_check kernel-check 540
 
 step install 60 "$PY" -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check \
   -e . -e plugins/direct -e plugins/kernel -e plugins/jit

@@ -1,6 +1,18 @@
 # shellcheck shell=bash
-# The step runner of the GPU check scripts (sourced): each step under its own time limit and all under
-# one deadline ($deadline, epoch seconds), logged to $LOG, its outcome appended to the array results.
+# The step runner of the GPU check scripts (sourced from the repository root): each step under its own
+# time limit and all under one deadline ($deadline, epoch seconds), logged to $LOG, its outcome appended
+# to the array results.
+
+begin_check() {  # begin_check NAME DEFAULT_DEADLINE_S: $OUT (default /tmp/hicache-NAME), $LOG, $PY, $deadline
+  OUT=${OUT:-/tmp/hicache-$1}
+  mkdir -p "$OUT"
+  LOG="$OUT/$1.log"
+  : >"$LOG"
+  export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+  PY=${PYTHON:-python3}
+  deadline=$(( $(date +%s) + ${HICACHE_CHECK_DEADLINE:-$2} ))
+  results=()
+}
 
 step() {  # step NAME LIMIT_S COMMAND...
   local name=$1 limit=$2

@@ -30,6 +30,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from hicache_core.triton_support import cuda_current_functions
+
 from .descriptors import Batch
 
 _DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
@@ -144,7 +146,7 @@ class CudaCopier:
                                            _MemLocation(_LOC_HOST, 0), 0)  # fmt: skip
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._local = threading.local()
-        self._get_device, self._get_stream = _stream_functions()
+        self._get_device, self._get_stream = cuda_current_functions()
         self.batch = _env_int("HICACHE_DIRECT_BATCH", 1) != 0
         self.max_batch = _env_int("HICACHE_DIRECT_MAX_BATCH", 32)
         self.streams = max(1, _env_int("HICACHE_DIRECT_STREAMS", 1))
@@ -419,18 +421,6 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
-
-
-@functools.lru_cache(maxsize=1)
-def _stream_functions():
-    get_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
-    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get_stream is None:
-
-        def get_stream(index: int) -> int:
-            return torch.cuda.current_stream(index).cuda_stream
-
-    return get_device, get_stream
 
 
 @functools.lru_cache(maxsize=1)
