@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .dispatch import reasons_for
 from .implementation import OPERATIONS, Implementation, TransferRequest
 
 #: Upper edges (tokens per call) of the buckets; a call falls in the first edge >= its tokens,
@@ -254,8 +255,6 @@ def static_rule(request: TransferRequest, candidates: list[type[Implementation]]
 def choices(registry, request: TransferRequest, profile: Profile | None = None,
             use_profile: bool = True) -> dict[int, Choice]:  # fmt: skip
     """Per bucket edge, what auto runs for ``request`` (a request of io backend ``"auto"``)."""
-    from .dispatch import reasons_for
-
     if request.device_type != "cuda":
         return {}  # the measurements behind the rule are GPU ones: CPU pools keep the priority order
     candidates = [c for c in registry.candidates("auto") if not reasons_for(c, request)]

@@ -20,9 +20,11 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
+from .builtin import CorePlugin
 from .implementation import Implementation
-from .layouts import BUILTIN_LAYOUTS, Layout, layout_problems
-from .pool_kinds import BUILTIN_POOL_KINDS, PoolKind, pool_kind_problems
+from .layouts import Layout, layout_problems
+from .pool_kinds import PoolKind, pool_kind_problems
+from .storage.registration import storage_backend_problems
 
 ENV_PLUGINS = "HICACHE_PLUGINS"
 ENTRY_POINT_GROUP = "hicache"
@@ -59,32 +61,6 @@ class PluginRecord:
         }
 
 
-class _CorePlugin:
-    """The core registers its built-in pool kinds and layouts through the same hooks as everyone else."""
-
-    @hookspecs.hookimpl
-    def hicache_register_pool_kinds(self, register):
-        for kind in BUILTIN_POOL_KINDS:
-            register(kind)
-
-    @hookspecs.hookimpl
-    def hicache_register_layouts(self, register):
-        for layout in BUILTIN_LAYOUTS:
-            register(layout)
-
-    @hookspecs.hookimpl
-    def hicache_register_backends(self, register):
-        from .reference import ReferenceImplementation
-
-        register(ReferenceImplementation)
-
-    @hookspecs.hookimpl
-    def hicache_register_storage_backends(self, register):
-        from .storage.memory import MemoryStorage
-
-        register(MemoryStorage)
-
-
 def allowed_plugins(value: str | None = None) -> set[str] | None:
     """Parse ``HICACHE_PLUGINS``: ``None`` allows all, an empty set none."""
     value = os.environ.get(ENV_PLUGINS) if value is None else value
@@ -108,7 +84,7 @@ class Registry:
         self.allow: set[str] | None = None
         self._resolved: dict[Any, Any] = {}
         self._sorted: dict[str, list[type[Implementation]]] = {}
-        self.add_plugin(_CorePlugin(), CORE_PLUGIN, distribution="hicache-core", version=_version("hicache-core"))
+        self.add_plugin(CorePlugin(), CORE_PLUGIN, distribution="hicache-core", version=_version("hicache-core"))
 
     @classmethod
     def from_entry_points(cls, allow: set[str] | None = None) -> Registry:
@@ -276,8 +252,6 @@ class Registry:
 
     def _storage_registrar(self, record: PluginRecord):
         def register(backend: type) -> None:
-            from .storage.registration import storage_backend_problems
-
             problems = storage_backend_problems(backend, self.storage_backends, self.owner)
             if problems:
                 record.errors.append(f"storage backend {getattr(backend, '__qualname__', backend)!r} refused: "

@@ -30,8 +30,9 @@ if TYPE_CHECKING:
     )
     from .controller import BackupFuture, PrefetchFuture, PrefetchResult, PrefetchTimeout, StorageController
     from .keys import Namespace, hash_page, namespace_for, page_hashes
+    from .make import UnknownStorageScheme, make_storage
     from .pages import PageMap, Span
-    from .url import StorageURL, UnknownStorageScheme, make_storage
+    from .url import StorageURL
 
 _EXPORTS = {
     "STORAGE_BATCH_SIZE": "backend",
@@ -56,8 +57,8 @@ _EXPORTS = {
     "PageMap": "pages",
     "Span": "pages",
     "StorageURL": "url",
-    "UnknownStorageScheme": "url",
-    "make_storage": "url",
+    "UnknownStorageScheme": "make",
+    "make_storage": "make",
 }
 __all__ = [
     "BackupFuture",

@@ -28,8 +28,8 @@ import torch
 from ..host_pool import make_host_pool
 from ..shapes import SHAPES
 from .keys import page_hashes
+from .make import make_storage
 from .page_format import checksum_runs
-from .url import make_storage
 
 SHAPE = "deepseek-mla"
 PAGE = 64

@@ -19,7 +19,7 @@ import torch
 from ..host_pool import make_host_pool
 from ..shapes import SHAPES
 from .controller import StorageController
-from .url import make_storage
+from .make import make_storage
 
 SHAPE = "llama-8b"
 LAYERS = 4

@@ -6,13 +6,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .backend import Capabilities, StorageBackend
+
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*$")
 
 
 def storage_backend_problems(backend: Any, registered: Mapping[str, type], owner: Mapping[str, str]) -> list[str]:
     """Why ``backend`` cannot be registered (empty when it can)."""
-    from .backend import Capabilities, StorageBackend
-
     if not (isinstance(backend, type) and issubclass(backend, StorageBackend)):
         return [f"{backend!r} is not a subclass of hicache_core.storage.StorageBackend"]
     problems = []

@@ -10,7 +10,7 @@ import torch
 
 from .backend import PageStatus
 from .keys import page_hashes
-from .url import make_storage
+from .make import make_storage
 
 
 def _small_pool(page_size: int = 4, pages: int = 16) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 from ..storage.backend import PageStatus
 from ..storage.controller import PrefetchTimeout, StorageController
 from ..storage.keys import page_hashes
-from ..storage.url import make_storage
+from ..storage.make import make_storage
 from .storage_kit import StorageCase, make_pool, page_bytes, pool_image, slots_of
 from .storage_procs import run_ranks, server
 

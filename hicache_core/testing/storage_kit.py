@@ -33,7 +33,7 @@ from ..host_pool import make_host_pool
 from ..registry import Registry, get_registry
 from ..storage.backend import PageStatus, StorageBackend
 from ..storage.keys import Namespace, page_hashes
-from ..storage.url import make_storage
+from ..storage.make import make_storage
 from . import cases as C
 
 

@@ -99,7 +99,7 @@ def _page_digest(host, slot: int) -> str:
 def _agreement(rank: int, world: int, init_file: str, rounds: int = 12) -> dict:
     """Per round, each rank's store holds a different number of pages, and some ranks fail in some way."""
     from ..storage.controller import StorageController
-    from ..storage.url import make_storage
+    from ..storage.make import make_storage
 
     group = _init(rank, world, init_file)
     page = SHAPE[3]
@@ -164,7 +164,7 @@ def _server(rank: int, world: int, init_file: str, *, url: str, role: str, model
     """``role="backup"``: compute (seeded) pages and back them up, then exit. ``"prefetch"``: a fresh pool finds,
     prefetches and checks them against the same seed, byte for byte."""
     from ..storage.controller import StorageController
-    from ..storage.url import make_storage
+    from ..storage.make import make_storage
     from .cases import as_bytes
 
     group = _init(rank, world, init_file)

@@ -1,0 +1,91 @@
+""":func:`make_storage`: a storage URL's scheme picks the backend, through the registry (a door)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..plugin_sources import source_tree_plugins
+from ..registry import Registry, get_registry
+from .backend import StorageBackend
+from .keys import namespace_for
+from .url import StorageURL
+
+
+class UnknownStorageScheme(ValueError):
+    """No installed storage backend serves the URL's scheme."""
+
+
+def make_storage(
+    url: str,
+    host_pool: Any = None,
+    *,
+    model_id: str | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    replicated: bool | None = None,
+    registry: Registry | None = None,
+    **options: Any,
+) -> StorageBackend:
+    """Build the storage backend of ``url`` and bind it to ``host_pool``'s pages.
+
+    :param url: ``file:///dir``, ``redis://host:port/db``, ``mooncake://host:port``, or any
+        scheme an installed plugin registers through ``hicache_register_storage_backends``.
+    :param host_pool: the host pool whose pages move; ``None`` makes an unbound backend
+        (statistics and administration only).
+    :param model_id: the model's name; required with a host pool (it is part of every key).
+    :param tp_rank: this rank's tensor-parallel rank; ``tp_size`` the TP world size.
+    :param replicated: every TP rank holds the same bytes (default: true for MLA pools);
+        then all ranks share one copy of each page.
+    :param options: backend options; they override the URL's query (``?capacity=...``).
+    :raises UnknownStorageScheme: no installed backend serves the scheme (the message lists
+        the installed schemes and what to install).
+    :raises ValueError: a bad URL, option or argument, before anything is opened.
+    """
+    parsed = StorageURL.parse(url)
+    registry = registry or get_registry()
+    backends = registry.storage_backends
+    cls = backends.get(parsed.scheme)
+    if cls is None:
+        raise UnknownStorageScheme(_unknown_scheme_message(parsed, registry))
+    if host_pool is not None and not model_id:
+        raise ValueError("make_storage needs model_id= with a host pool: pages of different models must never mix")
+    merged = {**parsed.query, **options}
+    namespace = None
+    if host_pool is not None:
+        namespace = namespace_for(host_pool, model_id, tp_rank=tp_rank, tp_size=tp_size, replicated=replicated)
+    backend = cls(parsed, **merged)
+    if host_pool is not None:
+        try:
+            backend.bind(host_pool, namespace)
+        except BaseException:
+            backend.close()
+            raise
+    return backend
+
+
+def _unknown_scheme_message(url: StorageURL, registry: Registry) -> str:
+    installed = registry.storage_backends
+    lines = [f"No storage backend serves {url.scheme}:// (URL {url.raw!r})."]
+    if installed:
+        listed = ", ".join(f"{s}:// ({registry.plugin_of_storage(s)})" for s in sorted(installed))
+        lines.append(f"Installed storage backends: {listed}.")
+    else:
+        lines.append("No storage backend is installed.")
+    # Install hints from the plugins' own metadata in hicache's source tree: they are on no package index.
+    for plugin in source_tree_plugins():
+        if url.scheme in plugin.storage_schemes:
+            lines.append(
+                f"{plugin.distribution} serves {url.scheme}:// and is not installed; it ships in hicache's source "
+                f"tree and is on no package index: pip install -e {plugin.path}"
+            )
+    others = [
+        f"{p.distribution} ({', '.join(s + '://' for s in p.storage_schemes)})"
+        for p in source_tree_plugins()
+        if p.storage_schemes and url.scheme not in p.storage_schemes and not set(p.storage_schemes) & set(installed)
+    ]
+    if others:
+        lines.append("Other first-party storage plugins in the source tree: " + ", ".join(others) + ".")
+    failed = [f"{r.name}: {' | '.join(r.errors)}" for r in registry.failed_plugins()]
+    if failed:
+        lines.append("Plugins that failed to load or register: " + "; ".join(failed) + ".")
+    return "\n".join(lines)
