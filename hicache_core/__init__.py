@@ -16,9 +16,9 @@ if TYPE_CHECKING:
     from .device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
     from .dispatch import UnsupportedCombinationError, explain_refusal, resolve
     from .drops import DroppedIndicesError, DropReport
-    from .geometry import PoolGeometry, geometry_of
+    from .geometry import PoolGeometry
     from .hookspecs import hookimpl
-    from .host_pool import HostPool, TransferError, make_host_pool
+    from .host_pool import HostPool, TransferError, geometry_of, make_host_pool
     from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
     from .layouts import AXES, Layout
     from .plan import BoundPart, TransferPlan
@@ -34,7 +34,7 @@ _EXPORTS = {
     "explain_refusal": "dispatch",
     "resolve": "dispatch",
     "PoolGeometry": "geometry",
-    "geometry_of": "geometry",
+    "geometry_of": "host_pool",
     "hookimpl": "hookspecs",
     "HostPool": "host_pool",
     "TransferError": "host_pool",

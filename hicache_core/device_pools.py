@@ -125,7 +125,7 @@ class DeclaredDevicePool(_LayeredPool):
 
     def __init__(
         self,
-        kind: PoolKind | str,
+        kind: PoolKind,
         size: int,
         page_size: int,
         layer_num: int,
@@ -137,10 +137,9 @@ class DeclaredDevicePool(_LayeredPool):
         start_layer: int = 0,
         end_layer: int | None = None,
     ) -> None:
-        if isinstance(kind, str):
-            from .registry import get_registry
-
-            kind = get_registry().pool_kinds[kind]
+        if not isinstance(kind, PoolKind):
+            # Names are resolved at the door (a registry's pool_kinds), not here.
+            raise TypeError(f"kind must be a PoolKind (e.g. registry.pool_kinds[{kind!r}]), got {kind!r}")
         self.pool_kind = kind.name
         self.page_size, self.device = page_size, torch.device(device)
         layers = self._layers(layer_num, start_layer, end_layer)

@@ -18,14 +18,17 @@ from typing import Any
 
 import torch
 
+from . import geometry as _geometry
 from .allocator import SlotAllocator
 from .dispatch import UnsupportedCombinationError, resolve
 from .drops import HISTORY_MASK, DropReport
-from .geometry import HostLayoutSpec, PoolGeometry, geometry_of, host_layout_spec, pages_for
+from .geometry import PoolGeometry, pages_for
+from .host_layout import HostLayoutSpec, host_layout_spec
 from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
 from .indices import IndexCache, check_bounds, check_whole_pages, reject_indices, whole_pages_mask
 from .pages import PageAccess
 from .plan import TransferPlan
+from .pool_kinds import PoolKind
 from .registry import Registry, get_registry
 from .validation import positive_int, strict_int
 
@@ -70,7 +73,7 @@ def make_host_pool(
     ratio_ok = not isinstance(host_to_device_ratio, bool) and isinstance(host_to_device_ratio, Real)
     if host_to_device_ratio is not None and not (ratio_ok and host_to_device_ratio > 0):
         raise ValueError(f"host_to_device_ratio must be a number > 0, got {host_to_device_ratio!r}")
-    geometry = geometry_of(
+    geometry = _geometry.geometry_of(
         device_pool, page_size=page_size, draft_pools=tuple(draft_pools), pool_kinds=registry.pool_kinds
     )
     layout_decl = registry.layouts.get(layout) if isinstance(layout, str) else None
@@ -133,6 +136,26 @@ def make_host_pool(
     return HostPool(
         device_pool, tuple(draft_pools), geometry, spec, plan, resolved, deferred, io_backend, bool(validate), registry
     )
+
+
+def geometry_of(
+    device_pool: Any,
+    *,
+    page_size: int | None = None,
+    draft_pools: tuple = (),
+    pool_kinds: Mapping[str, PoolKind] | None = None,
+) -> PoolGeometry:
+    """Read the geometry of any object shaped like SGLang's device pools (duck typing).
+
+    A door: ``pool_kinds`` defaults to the process registry's (:func:`hicache_core.get_registry`).
+    """
+    kinds = get_registry().pool_kinds if pool_kinds is None else pool_kinds
+    return _geometry.geometry_of(device_pool, page_size=page_size, draft_pools=draft_pools, pool_kinds=kinds)
+
+
+def pool_kind_of(device_pool: Any, pool_kinds: Mapping[str, PoolKind] | None = None) -> PoolKind:
+    """The pool kind of ``device_pool``, among ``pool_kinds`` (default: the process registry's)."""
+    return _geometry.pool_kind_of(device_pool, get_registry().pool_kinds if pool_kinds is None else pool_kinds)
 
 
 def _device_size(device_pool: Any) -> int | None:

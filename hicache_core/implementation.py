@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .geometry import HostLayoutSpec, PoolGeometry, host_layout_spec
+from .geometry import PoolGeometry
+from .host_layout import HostLayoutSpec, host_layout_spec
 from .layouts import Layout
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from .indices import check_whole_pages
 from .validation import strict_int
 
 if TYPE_CHECKING:
-    from .geometry import HostBufferSpec
+    from .host_layout import HostBufferSpec
 
 
 class PageAccess:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from .drops import DropReport
-from .geometry import HostLayoutSpec, HostPart, PoolGeometry
+from .geometry import PoolGeometry
+from .host_layout import HostLayoutSpec, HostPart
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ no pool-kind name.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 #: Items of a token kind are one token slot: device rows ``(slots, heads, dim)``. Items of a
@@ -78,6 +78,8 @@ class PoolKind:
     rank_replicated: bool = False
     example_extras: tuple[tuple[str, int], ...] = ()
     description: str = ""
+    #: ``shape_as`` with each other layout's declaration, bound by the registry that holds this kind.
+    shape_layouts: tuple[tuple[str, Any], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         problems = pool_kind_problems(self)
@@ -94,6 +96,27 @@ class PoolKind:
             if name == layout:
                 return other
         return layout
+
+    def resolved(self, layouts: Mapping[str, Any]) -> tuple[PoolKind, list[str]]:
+        """This kind with its ``shape_as`` names bound to the declarations in ``layouts``, and the names missing."""
+        bound = tuple((name, layouts[other]) for name, other in self.shape_as if other in layouts)
+        missing = [other for _, other in self.shape_as if other not in layouts]
+        if bound == self.shape_layouts and all(a[1] is b[1] for a, b in zip(bound, self.shape_layouts)):
+            return self, missing
+        return replace(self, shape_layouts=bound), missing
+
+    def presented_as(self, layout: Any) -> Any:
+        """The layout declaration whose shape ``layout``'s buffers take for this kind (``layout`` itself if none)."""
+        other = self.shape_layout(layout.name)
+        if other == layout.name:
+            return layout
+        for name, decl in self.shape_layouts:
+            if name == layout.name:
+                return decl
+        raise ValueError(
+            f"pool kind {self.name!r} presents layout {layout.name!r} with layout {other!r}'s shape, but {other!r} "
+            "is not bound: take the kind from a registry that holds that layout (registry.pool_kinds)"
+        )
 
 
 def pool_kind_problems(kind: PoolKind) -> list[str]:

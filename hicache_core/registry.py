@@ -117,6 +117,7 @@ class Registry:
             self._call(plugin, record, "hicache_register_pool_kinds", self._pool_kind_registrar(record))
         for plugin, record in loaded:
             self._call(plugin, record, "hicache_register_layouts", self._layout_registrar(record))
+        self._bind_declarations()
         for plugin, record in loaded:
             self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
         for plugin, record in loaded:
@@ -165,11 +166,23 @@ class Registry:
         if run_hooks:
             self._call(plugin, record, "hicache_register_pool_kinds", self._pool_kind_registrar(record))
             self._call(plugin, record, "hicache_register_layouts", self._layout_registrar(record))
+            self._bind_declarations()
             self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
             self._call(plugin, record, "hicache_register_storage_backends", self._storage_registrar(record))
             self._resolved.clear()
             self._sorted.clear()
         return record
+
+    def _bind_declarations(self) -> None:
+        """Resolve names between declarations once, here: a kind's ``shape_as`` -> this registry's layouts."""
+        for name, kind in list(self.pool_kinds.items()):
+            bound, missing = kind.resolved(self.layouts)
+            self.pool_kinds[name] = bound
+            record = self.plugins.get(self.owner.get("kind:" + name, ""))
+            for other in missing:
+                error = f"pool kind {name!r} presents a layout with layout {other!r}'s shape, which no plugin registers"
+                if record is not None and error not in record.errors:
+                    record.errors.append(error)
 
     def _record_key(self, name: str, distribution: str | None) -> str:
         """``name``, or ``name@distribution`` when another plugin already holds that name."""

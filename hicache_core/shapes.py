@@ -9,6 +9,7 @@ import torch
 from .device_pools import DeclaredDevicePool
 from .geometry import PoolGeometry, example_geometry
 from .pool_kinds import PoolKind
+from .registry import get_registry
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,7 @@ class ModelShape:
     dtype: torch.dtype = torch.bfloat16
 
     def declaration(self) -> PoolKind:
-        from .registry import get_registry
-
-        return get_registry().pool_kinds[self.kind]
+        return get_registry().pool_kinds[self.kind]  # the hicache command is a door: it resolves names
 
     def item_bytes(self) -> int:
         """Bytes of one item (all parts of one token, or one page row) in one layer."""

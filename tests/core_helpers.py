@@ -12,7 +12,7 @@ import torch
 
 import hicache_core as hc
 from hicache_core.device_pools import DeclaredDevicePool
-from hicache_core.geometry import pool_kind_of
+from hicache_core.host_pool import pool_kind_of
 from hicache_core.testing import guarded
 
 KINDS = ("mha", "mha_asym", "mla", "page_rows")
@@ -34,7 +34,7 @@ def device_pool(kind: str, page_size: int = 4, *, pages: int = 6, sharded: bool 
     if kind == "page_rows":
         return hc.PageRowsDevicePool(pages, page_size, 24, layers, DEVICE, **kw)
     # Any other registered kind, built from its declaration's example rows.
-    return DeclaredDevicePool(kind, size, page_size, layers, DEVICE, **kw)
+    return DeclaredDevicePool(hc.get_registry().pool_kinds[kind], size, page_size, layers, DEVICE, **kw)
 
 
 def draft_pool(kind: str, page_size: int = 4, pages: int = 6):

@@ -202,3 +202,65 @@ def test_contiguous_buf_infos_give_whole_page_regions(direct_only):
     host = hc.make_host_pool(dev, layout="page_first_direct", io_backend="reference", size=24, registry=direct_only)
     ptrs, lens, items = host.get_contiguous_buf_infos()
     assert ptrs == [host.kv_buffer[0].data_ptr(), host.kv_buffer[1].data_ptr()] and items == [3 * page] * 2
+
+
+# ---- a kind's shape_as is resolved in the registry that holds it ---------------------------------
+
+#: Page rows presented, for page_first, with the shape of a layout only this test's registry has.
+BLOB_ROWS = PoolKind(
+    "blob_rows",
+    (ComponentDecl("row", "blob_buffer", "blob_buffer", (24,)),),
+    item="page",
+    detect=has_layers("blob_buffer"),
+    layouts=frozenset({"page_first", "blob_shape"}),
+    shape_as=(("page_first", "blob_shape"),),
+)
+BLOB_SHAPE = hc.Layout(
+    "blob_shape", ("component", "page", "layer", "token", "head", "dim"), merge=(("page", "layer"),)
+)
+
+
+class BlobPlugin:
+    def __init__(self, layouts=(BLOB_SHAPE,)):
+        self.extra_layouts = layouts
+
+    @hookimpl
+    def hicache_register_pool_kinds(self, register):
+        register(BLOB_ROWS)
+
+    @hookimpl
+    def hicache_register_layouts(self, register):
+        for layout in self.extra_layouts:
+            register(layout)
+
+
+class BlobDevicePool:
+    def __init__(self, pages: int, page_size: int, layers: int):
+        self.page_size, self.size, self.layer_num = page_size, pages * page_size, layers
+        self.blob_buffer = [torch.zeros(pages, 24, dtype=torch.uint8) for _ in range(layers)]
+
+
+def test_shape_as_uses_the_callers_registry_not_the_process_one():
+    registry = Registry()  # the core's plugin only: nothing from the process registry
+    registry.add_plugin(BlobPlugin(), "blob")
+    assert registry.pool_kinds["blob_rows"].presented_as(registry.layouts["page_first"]) is BLOB_SHAPE
+    dev = BlobDevicePool(6, 4, 3)
+    host = hc.make_host_pool(
+        dev, layout="page_first", io_backend="reference", size=32, registry=registry, pin_memory=False
+    )  # fmt: skip
+    # blob_shape merges page and layer: 8 pages x 3 layers in one dimension, the unit token axis, the row.
+    assert tuple(host.blob_buffer.shape) == (24, 1, 24)
+    dev.blob_buffer[1][2] = torch.arange(24, dtype=torch.uint8)
+    host.backup_from_device_all_layer(dev, torch.arange(4, 8), torch.arange(8, 12), io_backend="reference")
+    assert torch.equal(host.blob_buffer.view(8, 3, 24)[1, 1], torch.arange(24, dtype=torch.uint8))
+
+
+def test_shape_as_naming_a_layout_nobody_registers_is_an_error_not_a_fallback():
+    registry = Registry()
+    registry.add_plugin(BlobPlugin(layouts=()), "blob")
+    assert any("'blob_shape'" in e and "no plugin registers" in e for e in registry.plugins["blob"].errors)
+    with pytest.raises(ValueError, match="presents layout 'page_first' with layout 'blob_shape'"):
+        hc.make_host_pool(
+            BlobDevicePool(6, 4, 3), layout="page_first", io_backend="reference", size=32, registry=registry,
+            pin_memory=False,
+        )  # fmt: skip

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from ..device_pools import DeclaredDevicePool
-from ..geometry import pool_kind_of
+from ..host_pool import pool_kind_of
 from ..implementation import BACKUP_ALL, BACKUP_LAYER, LOAD
 from ..pool_kinds import PoolKind
+from ..registry import get_registry
 
 #: Ways a pool can be built: whole model, a layer shard (context/pipeline parallelism), or with an MTP draft layer.
 VARIANTS: tuple[str, ...] = ("plain", "sharded", "draft")
@@ -107,9 +108,7 @@ def build_device_pools(
 def _declaration(pool_kind: PoolKind | str) -> PoolKind:
     if isinstance(pool_kind, PoolKind):
         return pool_kind
-    from ..registry import get_registry
-
-    return get_registry().pool_kinds[pool_kind]
+    return get_registry().pool_kinds[pool_kind]  # the kit is a door: names are resolved here
 
 
 def device_tensors(pool: Any, drafts: tuple[Any, ...], kind: PoolKind | None = None) -> dict[str, torch.Tensor]:

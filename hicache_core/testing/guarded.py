@@ -21,7 +21,8 @@ import torch
 
 from ..device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
 from ..drops import DroppedIndicesError
-from ..geometry import geometry_of, host_layout_spec
+from ..host_layout import host_layout_spec
+from ..host_pool import geometry_of
 from ..implementation import LOAD
 from ..plan import TransferPlan
 from ..reference import reference_copy
