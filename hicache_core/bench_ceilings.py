@@ -3,7 +3,7 @@
 - ``memcpy``: the copy engine moving one contiguous pinned buffer (``cudaMemcpyAsync``), the
   ceiling every fraction in the bench divides by (2 GiB), and the same at each transfer's own
   byte count (a 4.7 MB copy pays a fixed cost a 2 GiB one hides).
-- ``sm``: GPU threads copying one contiguous buffer through UVA (:mod:`hicache_core.sm_copy_kernel`),
+- ``sm``: GPU threads copying one contiguous buffer through UVA (:mod:`hicache_core.gpu.stream_copy`),
   the best of a few launch shapes: the most any SM-driven copy can reach on this machine, with no
   indices and no address arithmetic. hicache's kernels and SGLang's are SM-driven copies, so this,
   not the copy engine, bounds them; with 8 CTAs and with one CTA per SM or more.
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .bench_clock import queued_seconds
-from .uva import make_anchor
+from .gpu.uva import make_anchor
 
 #: Launch shapes of the streaming copy tried for the SM ceiling: (CTAs per SM or an absolute count, warps, words
 #: per iteration). ``"sm"`` multiplies by the SM count.
@@ -34,7 +34,7 @@ class SMCopy:
     """The streaming copy between a pinned host buffer and a device buffer of ``nbytes`` (a multiple of 128 KiB)."""
 
     def __init__(self, nbytes: int, device: torch.device | str = "cuda") -> None:
-        from .sm_copy_kernel import stream_copy
+        from .gpu.stream_copy import stream_copy
 
         if nbytes % (16384 * WORD):
             raise ValueError(f"nbytes must be a multiple of {16384 * WORD}, got {nbytes}")

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from hicache_core.triton_support import cuda_current_functions
+from hicache_core.gpu.device import cuda_current_functions
 
 from .descriptors import Batch
 

@@ -3,7 +3,7 @@
 Every kernel moves items ``hidx[i] <-> didx[i]`` of one host layer, for up to two parts
 of an item (K and V, or the MLA latent and rope halves) in the same loop iteration. Every
 address is an ``int64`` element offset from the ``anchor`` pointer (see
-:mod:`hicache_core.uva`). What differs from pool to pool is a ``tl.constexpr``: words per
+:mod:`hicache_core.gpu.uva`). What differs from pool to pool is a ``tl.constexpr``: words per
 part, the host page and token strides and the device row stride (in elements), the
 elements per word, rows per tile. So each compiled kernel is specialised for one pool
 shape, and its address arithmetic is multiplications by constants.
@@ -40,8 +40,8 @@ same helpers either way.
 import triton
 import triton.language as tl
 
-from hicache_core.triton_base import INDEX_PARAMS, VARYING_PARAMS
-from hicache_core.triton_lang import report_dropped
+from hicache_core.gpu.triton_base import INDEX_PARAMS, VARYING_PARAMS
+from hicache_core.gpu.triton_lang import report_dropped
 
 #: Runtime arguments that change from call to call (or pool to pool): never specialised on,
 #: so one compiled kernel serves every call with the same key (they are annotated as

@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 
-from hicache_core import BACKUP_ALL, BACKUP_LAYER, LOAD, TransferPlan, TransferRequest, uva
-from hicache_core.triton_base import (
+from hicache_core import BACKUP_ALL, BACKUP_LAYER, LOAD, TransferPlan, TransferRequest
+from hicache_core.gpu import uva
+from hicache_core.gpu.knobs import env_int
+from hicache_core.gpu.triton_base import (
     CALL_PARAMS,
     LaunchGroup,
     TritonImplementation,
@@ -36,7 +38,6 @@ from hicache_core.triton_base import (
     load_triton_runtime,
     max_items_for,
 )
-from hicache_core.triton_support import env_int
 
 ENV_VARIANT = "HICACHE_JIT_VARIANT"
 ENV_MAX_CTAS = "HICACHE_JIT_MAX_CTAS"
@@ -168,7 +169,7 @@ def triton_cache_entries() -> int:
     return total
 
 
-#: The kernels' parameters after :data:`~hicache_core.triton_base.CALL_PARAMS`: the layer's
+#: The kernels' parameters after :data:`~hicache_core.gpu.triton_base.CALL_PARAMS`: the layer's
 #: addresses, then the constexprs of each kernel. The argument tuples are built in this order
 #: (checked when the kernels load).
 LAYER_PARAMS = ("host_a", "dev_a", "host_b", "dev_b", "dev_rows", "host_items")
@@ -274,7 +275,7 @@ class JitOneLayer(TritonImplementation):
     Claims the one-layer operations of io backend ``"kernel"`` (priority 60, above
     hicache-kernel's 50) for every layout whose per-layer host view is rows of one item.
     Tuning, per instance (``host.implementation_for(op)``): the knobs of
-    :class:`~hicache_core.triton_base.TritonImplementation` (``max_ctas``, default 8 or
+    :class:`~hicache_core.gpu.triton_base.TritonImplementation` (``max_ctas``, default 8 or
     ``HICACHE_JIT_MAX_CTAS``; ``num_warps``; ``stages``; ``fast_launch``), ``variant`` (a
     preset of :data:`VARIANTS`, default ``HICACHE_JIT_VARIANT`` or :data:`DEFAULT_VARIANT`),
     and the knobs a preset sets: ``tile_bytes``, ``num_warps``, ``hints``, ``prefetch``,

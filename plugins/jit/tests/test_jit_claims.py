@@ -11,8 +11,8 @@ from hicache_jit import JitOneLayer
 from jit_helpers import small_pool
 
 import hicache_core as hc
-from hicache_core import triton_support
 from hicache_core.dispatch import reasons_for
+from hicache_core.gpu import device as gpu_device
 from hicache_core.registry import Registry
 
 ROW_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split")
@@ -117,7 +117,7 @@ def test_unpinned_host_memory_on_cuda_is_refused(monkeypatch):
 
 def test_missing_triton_is_a_reason(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(triton_support, "_triton_found", False)
+    monkeypatch.setattr(gpu_device, "_triton_found", False)
     request = next(r for r in requests("cpu", ops=(hc.LOAD,)) if r.layout.name == "page_first")
     reasons = JitOneLayer.not_supported_reasons(request)
     assert any("triton is not installed" in r for r in reasons), reasons

@@ -2,7 +2,7 @@
 
 One kernel moves up to two parts of a plan (K and V, the MLA latent and rope halves)
 for a range of host layers, in either direction. Every address is an ``int64`` element
-offset from the ``anchor`` pointer (see :mod:`hicache_core.uva`): the host side from
+offset from the ``anchor`` pointer (see :mod:`hicache_core.gpu.uva`): the host side from
 the layer table plus page/token/head strides, the device side from the table plus
 row/head strides. Work is cut into tiles of ``BLOCK`` words of one (layer, part); a
 persistent grid walks the tiles with a stride of the grid size, so the CTA count is a
@@ -22,9 +22,9 @@ reported through the drop word (:mod:`hicache_core.drops`).
 import triton
 import triton.language as tl
 
-from hicache_core import uva
-from hicache_core.triton_base import INDEX_PARAMS, VARYING_PARAMS
-from hicache_core.triton_lang import report_dropped, table_row
+from hicache_core.gpu import uva
+from hicache_core.gpu.triton_base import INDEX_PARAMS, VARYING_PARAMS
+from hicache_core.gpu.triton_lang import report_dropped, table_row
 
 # Triton kernels may read module globals only when they are constexpr.
 _COLUMNS = tl.constexpr(uva.TABLE_COLUMNS)

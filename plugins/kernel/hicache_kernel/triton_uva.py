@@ -7,7 +7,7 @@ import triton: the kernels live in :mod:`hicache_kernel._kernels`, imported on f
 use, so importing the plugin stays cheap and never touches CUDA.
 
 What every Triton implementation shares (claims, UVA binding, the drop word, the knobs
-and the launch path) is :class:`hicache_core.triton_base.TritonImplementation`. Per call,
+and the launch path) is :class:`hicache_core.gpu.triton_base.TritonImplementation`. Per call,
 the hot path picks an argument tuple built when the host pool was made and launches
 through the compiled kernel's launcher; it allocates no tensor and never synchronises.
 """
@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
-from hicache_core import OPERATIONS, TransferPlan, uva
-from hicache_core.triton_base import (
+from hicache_core import OPERATIONS, TransferPlan
+from hicache_core.gpu import uva
+from hicache_core.gpu.knobs import env_int
+from hicache_core.gpu.triton_base import (
     CALL_PARAMS,
     LaunchGroup,
     TritonImplementation,
@@ -30,7 +32,6 @@ from hicache_core.triton_base import (
     load_triton_runtime,
     max_items_for,
 )
-from hicache_core.triton_support import env_int
 
 ENV_MAX_CTAS = "HICACHE_KERNEL_MAX_CTAS"
 ENV_TILE_WORDS = "HICACHE_KERNEL_TILE_WORDS"
@@ -64,7 +65,7 @@ class TritonUVA(TritonImplementation):
     """One generic Triton kernel family over UVA-mapped pinned host memory; claims every layout.
 
     Tuning, per instance (``host.implementation_for(op)``): the knobs of
-    :class:`~hicache_core.triton_base.TritonImplementation` (``max_ctas``, default 8;
+    :class:`~hicache_core.gpu.triton_base.TritonImplementation` (``max_ctas``, default 8;
     ``num_warps``, default 8; ``stages``, default 0; ``fast_launch``; each also read from
     ``HICACHE_KERNEL_<KNOB>``) and ``tile_words`` (words per tile; default 32 KB worth, or
     ``HICACHE_KERNEL_TILE_WORDS``). Pieces of any byte size are moved, in the widest word

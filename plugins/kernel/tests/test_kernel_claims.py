@@ -12,8 +12,8 @@ import torch
 from hicache_kernel import TritonUVA, triton_uva
 
 import hicache_core as hc
-from hicache_core import triton_support
 from hicache_core.dispatch import reasons_for
+from hicache_core.gpu import device as gpu_device
 from hicache_core.registry import Registry, allowed_plugins
 from hicache_core.testing.guarded import record_grids
 
@@ -96,7 +96,7 @@ def test_cuda_is_claimed_under_the_interpreter_too(monkeypatch):
 
 def test_missing_triton_is_a_reason(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(triton_support, "_triton_found", False)
+    monkeypatch.setattr(gpu_device, "_triton_found", False)
     reasons = TritonUVA.not_supported_reasons(requests("cpu")[0])
     assert any("triton is not installed" in r for r in reasons), reasons
 

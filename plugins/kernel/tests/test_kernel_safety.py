@@ -164,7 +164,7 @@ def test_launch_hooks_force_tritons_own_launch(kernel_device, monkeypatch):
     """With a profiler's launch hook installed, launches go through Triton so the hook sees them."""
     from hicache_kernel import triton_uva
 
-    from hicache_core import triton_base
+    from hicache_core.gpu import triton_base
 
     triton_uva._load_kernel()
     knobs = triton_base._runtime_knobs

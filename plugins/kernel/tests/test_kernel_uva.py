@@ -1,4 +1,4 @@
-"""hicache_core.uva: word size, pieces, element strides and the per-layer offset table (pure torch)."""
+"""hicache_core.gpu.uva: word size, pieces, element strides and the per-layer offset table (pure torch)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hicache_core as hc
-from hicache_core import uva
+from hicache_core.gpu import uva
 
 
 def test_widest_word():

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import BoundPart, TransferPlan
+from ..plan import BoundPart, TransferPlan
 
 #: Word sizes a kernel may move, widest first.
 WORD_SIZES: tuple[int, ...] = (16, 8, 4, 2, 1)

@@ -35,18 +35,17 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..implementation import Implementation, TransferRequest
+from ..plan import TransferPlan
 from . import uva
-from .implementation import Implementation, TransferRequest
-from .plan import TransferPlan
-from .triton_support import (
+from .device import (
     CudaOrInterpreter,
-    SMBudget,
     bind_uva_device,
     cuda_current_functions,
-    env_int,
     interpreting,
     triton_available,
 )
+from .knobs import SMBudget, env_int
 
 #: The parameters every kernel starts with, in this order (checked when a kernel is loaded).
 CALL_PARAMS = ("anchor", "hidx", "didx", "h_stride", "d_stride", "n", "seq", "drop")
