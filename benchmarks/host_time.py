@@ -6,7 +6,7 @@ For jit.one_layer and kernel.triton_uva on MLA and llama-8b pools (page_first an
 page size 64, 8 CTAs): a call through the host pool (what a server pays) and a call to the
 implementation; beside them the floors: Triton's C launcher on an empty kernel, a torch ``add_``,
 and, where it imports, SGLang's function for the same load (``HICACHE_BENCH_ANCHOR``). Each figure
-is the median of 5 batches of 1000 calls (hicache_core.bench_clock.host_us). Run it on two trees
+is the median of 5 batches of 1000 calls (hicache_core.tools.bench.clock.host_us). Run it on two trees
 (``PYTHONPATH`` first) to compare launch paths on the same machine.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import hicache_core as hc
-from hicache_core.shapes import SHAPES
+from hicache_core.tools.shapes import SHAPES
 
 # The clock from this repository's tree, whichever hicache_core PYTHONPATH puts first (an older tree has none).
 _CLOCK = Path(__file__).parents[1] / "hicache_core" / "bench_clock.py"

@@ -32,7 +32,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 import hicache_core as hc  # noqa: E402
-from hicache_core.shapes import SHAPES  # noqa: E402
+from hicache_core.tools.shapes import SHAPES  # noqa: E402
 
 MEMORY_OPS = re.compile(r"\b(LDG\.E[A-Z0-9.]*|STG\.E[A-Z0-9.]*|LDGSTS[A-Z0-9.]*|UTMALDG[A-Z0-9.]*|UTMASTG[A-Z0-9.]*)")
 

@@ -54,10 +54,9 @@ from pathlib import Path
 import torch
 
 import hicache_core as hc
-from hicache_core.bench import Timer
-from hicache_core.bench_clock import queued_seconds
 from hicache_core.drops import DroppedIndicesError
-from hicache_core.shapes import SHAPES
+from hicache_core.tools.bench.clock import Timer, queued_seconds
+from hicache_core.tools.shapes import SHAPES
 
 HERE = Path(__file__).resolve().parent
 PAGE = 64
@@ -701,7 +700,7 @@ def main() -> int:
     results: list = []
     info = {"argv": sys.argv, "configs": [c.__dict__ | {"knobs": dict(c.knobs)} for c in CONFIGS]}
     if not env.dry:
-        from hicache_core.bench import environment
+        from hicache_core.tools.bench.records import environment
 
         info["environment"] = environment()
         print(f"{info['environment'].get('gpu')}  torch {torch.__version__}  "

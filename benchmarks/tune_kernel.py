@@ -16,10 +16,12 @@ import json
 
 import torch
 
-from hicache_core.bench import Case, Timer, _run_op, environment, measure_ceiling
 from hicache_core.implementation import BACKUP_LAYER, LOAD
 from hicache_core.registry import get_registry
-from hicache_core.shapes import SHAPES
+from hicache_core.tools.bench.machine import measure_ceiling
+from hicache_core.tools.bench.records import environment
+from hicache_core.tools.bench.sweep import Case, Timer, _run_op
+from hicache_core.tools.shapes import SHAPES
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 
 A host pool made with io backend ``"auto"`` asks :func:`choices` once per operation.
 The answer comes from a measured per-device profile (written by ``hicache calibrate``,
-see :mod:`hicache_core.calibrate`) when it holds an entry for the pool's geometry,
+see :mod:`hicache_core.tools.calibrate`) when it holds an entry for the pool's geometry,
 layout and operation, else from :func:`static_rule`. Where different buckets get
 different implementations (or settings), the pool runs an :class:`AutoChooser`, whose
 per-call choice is a comparison or two against the bucket edges and a list index.

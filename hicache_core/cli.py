@@ -13,7 +13,7 @@ import torch
 from .dispatch import UnsupportedCombinationError, resolve
 from .implementation import OPERATIONS, TransferRequest
 from .registry import Registry, get_registry
-from .shapes import shape_for_kind
+from .tools.shapes import shape_for_kind
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", help="comma-separated implementation names to include")
     p.add_argument("--device", choices=("cuda", "cpu"), help="cpu: the CPU implementations against memcpy")
     p.add_argument("--overlap", action="store_true",
-                   help="layer-wise loads under prefill GEMMs, backups under decode (hicache_core.overlap)")
+                   help="layer-wise loads under prefill GEMMs, backups under decode (hicache_core.tools.bench.overlap)")
     p.add_argument("--tokens", help="comma-separated tokens per call (default: 64,4096 quick, else 64,512,4096,32768)")
     p.add_argument("--shapes", help="comma-separated shape names (default: all; quick: deepseek-mla,llama-8b)")
     p.add_argument("--name", help="file name of the JSON and PNG (default: quick, sweep or overlap)")
@@ -81,34 +81,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "explain":
         return cmd_explain(get_registry(), args)
     if args.command == "storage":
-        from .storage.tools import run_check, run_stats
+        from .tools.storage_check import run_check, run_stats
 
         return run_check(args.url, args.json) if args.storage_command == "check" else run_stats(args.url)
     if args.command == "demo" and args.storage:
-        from .storage.demo import run_storage_demo
+        from .tools.storage_demo import run_storage_demo
 
         return run_storage_demo(args.storage, device=args.device, tokens=args.tokens or 512)
     if args.command == "bench" and args.storage:
-        from .storage.bench import run_storage_bench
+        from .tools.bench.storage import run_storage_bench
 
         return run_storage_bench(args.storage, out=args.out, tokens=[int(t) for t in args.storage_tokens.split(",")])
     if args.command == "demo":
-        from .demo import run_demo
+        from .tools.demo import run_demo
 
         return run_demo(device=args.device, tokens=args.tokens)
     if args.command == "calibrate":
-        from .calibrate import run_calibrate
+        from .tools.calibrate import run_calibrate
 
         return run_calibrate(shapes=_csv(args.shapes), tokens=tuple(int(t) for t in _csv(args.tokens)),
                              layouts=_csv(args.layouts) if args.layouts else None, page_size=args.page_size,
                              quick=args.quick, out=args.out)  # fmt: skip
     if args.device == "cpu":
-        from .bench_cpu import run_cpu_bench
+        from .tools.bench.cpu import run_cpu_bench
 
         return run_cpu_bench(out=args.out, quick=args.quick)
-    from .bench import run_bench
+    if args.overlap:
+        from .tools.bench.overlap_command import run_overlap
 
-    return run_bench(out=args.out, quick=args.quick, only=args.only, overlap=args.overlap, name=args.name,
+        return run_overlap(out=args.out, quick=args.quick, only=args.only, name=args.name)
+    from .tools.bench.sweep import run_bench
+
+    return run_bench(out=args.out, quick=args.quick, only=args.only, name=args.name,
                      tokens=tuple(int(t) for t in _csv(args.tokens)) if args.tokens else None,
                      shapes=tuple(_csv(args.shapes)) if args.shapes else None,
                      layouts=tuple(_csv(args.layouts)) if args.layouts else None,

@@ -12,7 +12,7 @@ from hicache_core import autoselect
 from hicache_core.autoselect import AutoChooser, Choice, Profile, bucket_of, choices, static_rule
 from hicache_core.implementation import TransferRequest
 from hicache_core.registry import Registry
-from hicache_core.shapes import SHAPES
+from hicache_core.tools.shapes import SHAPES
 
 
 def _request(registry, shape="llama-8b", layout="page_first_direct", op=hc.LOAD, page_size=64, device="cuda"):

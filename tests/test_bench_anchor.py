@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import hicache_core as hc
-from hicache_core.bench_anchor import FUNCTIONS, AnchorCalls, find_anchor
 from hicache_core.implementation import BACKUP_ALL, LOAD
-from hicache_core.shapes import SHAPES
+from hicache_core.tools.bench.sglang_kernels import FUNCTIONS, AnchorCalls, find_anchor
+from hicache_core.tools.shapes import SHAPES
 
 
 def _copy(src_base: int, dst_base: int, src_idx, dst_idx, item: int, src_at, dst_at) -> None:

@@ -11,7 +11,7 @@ from hicache_core.testing.guarded import triton_test_device
 @pytest.mark.parametrize("to_device", [True, False])
 @pytest.mark.parametrize("shape", [(8, 4, 2048), ("1sm", 8, 8192), ("4sm", 4, 2048)])
 def test_stream_copy_moves_every_word(to_device, shape):
-    from hicache_core.bench_ceilings import SMCopy
+    from hicache_core.tools.bench.ceilings import SMCopy
 
     device = triton_test_device()
     copy = SMCopy(16384 * 8 * 3, device=device)
@@ -26,7 +26,7 @@ def test_stream_copy_moves_every_word(to_device, shape):
 
 
 def test_sizes_that_no_launch_shape_divides_are_refused():
-    from hicache_core.bench_ceilings import SMCopy
+    from hicache_core.tools.bench.ceilings import SMCopy
 
     with pytest.raises(ValueError, match="nbytes must be a multiple of 131072, got 1000"):
         SMCopy(1000, device="cpu")

@@ -7,8 +7,9 @@ import importlib.util
 import pytest
 
 import hicache_core as hc
-from hicache_core import bench
-from hicache_core.overlap import MODELS
+from hicache_core.tools.bench import records, sweep
+from hicache_core.tools.bench.overlap import MODELS
+from hicache_core.tools.bench.overlap_command import overlap_summary
 
 
 def _row(impl, eff, model="llama-8b", n=2048, m=8192, layout="page_first_direct", **kw):
@@ -19,7 +20,7 @@ def _row(impl, eff, model="llama-8b", n=2048, m=8192, layout="page_first_direct"
 def test_overlap_summary_compares_auto_with_the_best_non_auto_row():
     rows = [_row("jit.one_layer", 0.90, max_ctas=8), _row("direct.copy_engine", 0.95),
             _row("auto", 0.94, chosen="direct.copy_engine"), _row("auto-rule", 0.99)]  # fmt: skip
-    text = bench.overlap_summary(rows)
+    text = overlap_summary(rows)
     line = text.splitlines()[-1]
     assert "direct.copy_engine: 0.95" in line.split("|")[2]  # best: never an auto row
     assert line.rstrip(" |").endswith("0.989")  # 0.94 / 0.95
@@ -45,13 +46,13 @@ class _Direct(hc.Implementation):
 
 def test_variants_set_and_restore_the_copier_knobs():
     impl = _Direct()
-    assert bench._variants(impl, 64) == ("default",)
-    names = bench._variants(impl, 4096)
+    assert sweep._variants(impl, 64) == ("default",)
+    names = sweep._variants(impl, 4096)
     assert names[0] == "default" and "streams2" in names and "batch_2d" not in names
-    with bench.variant_applied(impl, "streams2"):
+    with sweep.variant_applied(impl, "streams2"):
         assert impl.copier.streams == 2
     assert impl.copier.streams == 1
-    with bench.variant_applied(impl, "one_by_one"):
+    with sweep.variant_applied(impl, "one_by_one"):
         assert impl.copier.batch is False
     assert impl.copier.batch is True
 
@@ -62,7 +63,7 @@ def test_plots_draw_from_records(tmp_path):
               "page_size": 64, "max_ctas": 8 if impl != "direct.copy_engine" else None, "fraction_of_ceiling": 0.5}
              for impl in ("direct.copy_engine", "jit.one_layer") for layout in ("layer_first", "page_first_direct")
              for t in (64, 4096)]  # fmt: skip
-    bench._plot(tmp_path / "sweep.png", sweep)
+    records._plot(tmp_path / "sweep.png", sweep)
     overlap = [_row("direct.copy_engine", 0.9), _row("jit.one_layer", 0.8, max_ctas=8, layout="layer_first")]
-    bench._plot(tmp_path / "overlap.png", overlap)
+    records._plot(tmp_path / "overlap.png", overlap)
     assert (tmp_path / "sweep.png").stat().st_size > 10_000 and (tmp_path / "overlap.png").stat().st_size > 10_000

@@ -26,7 +26,7 @@ import torch
 import hicache_core as hc
 from hicache_core.dispatch import reasons_for
 from hicache_core.reference import reference_copy
-from hicache_core.shapes import shape_for_kind
+from hicache_core.tools.shapes import shape_for_kind
 
 SETTINGS = {
     "batch": {},

@@ -32,7 +32,7 @@ import time
 import torch
 
 import hicache_core as hc
-from hicache_core.shapes import SHAPES
+from hicache_core.tools.shapes import SHAPES
 
 ONE_LAYER = (hc.LOAD, hc.BACKUP_LAYER)
 PAGE = 64

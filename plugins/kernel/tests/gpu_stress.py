@@ -27,7 +27,7 @@ import torch
 os.environ.setdefault("HICACHE_PLUGINS", "kernel")  # this script is about hicache-kernel, not hicache-jit
 
 import hicache_core as hc  # noqa: E402
-from hicache_core.shapes import SHAPES
+from hicache_core.tools.shapes import SHAPES
 
 
 def random_bytes(tensors, gen: torch.Generator) -> None:

@@ -10,11 +10,11 @@ import time
 
 import torch
 
-from .dispatch import UnsupportedCombinationError
-from .host_pool import make_host_pool
-from .implementation import BACKUP_ALL, LOAD, TransferRequest
+from ..dispatch import UnsupportedCombinationError
+from ..host_pool import make_host_pool
+from ..implementation import BACKUP_ALL, LOAD, TransferRequest
+from ..registry import get_registry
 from .progress import progress
-from .registry import get_registry
 from .shapes import SHAPES
 
 

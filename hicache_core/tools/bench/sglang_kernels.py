@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .implementation import BACKUP_ALL, LOAD
+from ...implementation import BACKUP_ALL, LOAD
 
 #: Where SGLang's functions are looked for when nothing else is named.
 DEFAULT_MODULE = "sgl_kernel.kvcacheio"
@@ -174,7 +174,7 @@ class AnchorCalls:
         the source, zeros at the destination), read through SGLang's shapes (a layer of a layer_first
         buffer is ``buf[layer]``, of a page_first one ``buf[:, layer]``).
         """
-        from .demo import same_bytes
+        from ..demo import same_bytes
 
         gen = torch.Generator().manual_seed(12)
         parts, dev = self.parts, self.dev_layers

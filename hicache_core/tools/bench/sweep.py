@@ -10,108 +10,28 @@ plot. Timings live here, never in tests.
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import platform
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
-from .bench_clock import Timer, batch_for, host_us, queued_seconds
-from .demo import fill_random, random_pages
-from .dispatch import reasons_for
-from .host_pool import make_host_pool
-from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, Implementation, TransferRequest
-from .progress import progress
-from .registry import Registry, get_registry
-from .shapes import SHAPES, ModelShape
+from ...dispatch import reasons_for
+from ...host_pool import make_host_pool
+from ...implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, Implementation, TransferRequest
+from ...registry import Registry, get_registry
+from ..demo import fill_random, random_pages
+from ..progress import progress
+from ..shapes import SHAPES, ModelShape
+from .clock import Timer, batch_for, host_us, queued_seconds
+from .machine import measure_ceiling, measure_dispatch_overhead
+from .records import _write, environment
 
 TOKENS = (64, 512, 4096, 32768)
 PAGE_SIZES = (1, 16, 64)
 SM_BUDGETS = (2, 4, 8, 16, None)
 OPS = (LOAD, BACKUP_ALL, BACKUP_LAYER)
-
-
-def measure_ceiling(nbytes: int = 2 << 30) -> dict[str, float]:
-    """GB/s of one contiguous pinned <-> device copy of ``nbytes``, each direction."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    timer = Timer(warmup=1, min_reps=3, max_reps=5, budget_s=1.0)
-    h2d = timer(lambda: dev.copy_(host, non_blocking=True))
-    d2h = timer(lambda: host.copy_(dev, non_blocking=True))
-    return {"h2d_gbps": nbytes / h2d / 1e9, "d2h_gbps": nbytes / d2h / 1e9, "bytes": nbytes}
-
-
-def measure_dispatch_overhead(calls: int = 200_000) -> dict[str, float]:
-    """Per-call cost of the core: a call through the host pool against the implementation called directly."""
-
-    class Noop(Implementation):
-        name = "bench.noop"
-        io_backend = "noop"
-        device_types = frozenset({"cpu", "cuda"})
-
-        def load_to_device_per_layer(self, h, d, layer):
-            pass
-
-        def backup_from_device_per_layer(self, h, d, layer):
-            pass
-
-        def backup_from_device_all_layer(self, h, d):
-            pass
-
-    class Plugin:
-        from .hookspecs import hookimpl
-
-        @hookimpl
-        def hicache_register_backends(self, register):
-            register(Noop)
-
-    registry = Registry()
-    registry.add_plugin(Plugin(), "bench")
-    dev = SHAPES["deepseek-mla"].device_pool(256, page_size=64, device="cpu", layers=4)
-    host = make_host_pool(dev, layout="page_first", io_backend="noop", registry=registry)
-    impl = host.implementation_for(LOAD)
-    h, d = torch.arange(64), torch.arange(64, 128)
-    through, direct = [], []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(calls):
-            host.load_to_device_per_layer(dev, h, d, 1, "noop")
-        through.append((time.perf_counter() - t) / calls)
-        t = time.perf_counter()
-        for _ in range(calls):
-            impl.load_to_device_per_layer(h, d, 1)
-        direct.append((time.perf_counter() - t) / calls)
-    a, b = statistics.median(through), statistics.median(direct)
-    return {"through_pool_us": a * 1e6, "direct_us": b * 1e6, "overhead_us": (a - b) * 1e6, "calls": calls}
-
-
-def environment() -> dict:
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
-    env = {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "versions": {
-            d: version(d)
-            for d in ("torch", "triton", "hicache-core", "hicache-direct", "hicache-kernel", "hicache-jit")
-        },  # fmt: skip
-    }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env |= {"gpu": props.name, "sms": props.multi_processor_count, "cuda": torch.version.cuda}
-    return env
 
 
 class Case:
@@ -266,14 +186,12 @@ def gemm_interference(impl: Implementation, fn: Callable[[], None], bytes_per_ca
 
 
 def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | None = None,
-              overlap: bool = False, name: str | None = None, tokens: tuple[int, ...] | None = None,
+              name: str | None = None, tokens: tuple[int, ...] | None = None,
               shapes: tuple[str, ...] | None = None, layouts: tuple[str, ...] | None = None,
               anchor_module: str | None = None) -> int:  # fmt: skip
     """The sweep: every implementation on every pool it claims, both clocks, the ceilings, SGLang's anchor."""
-    from .bench_anchor import find_anchor
+    from .sglang_kernels import find_anchor
 
-    if overlap:
-        return run_overlap(out=out, quick=quick, only=only, name=name)
     if not torch.cuda.is_available():
         overhead = measure_dispatch_overhead()
         print(f"No GPU: measured the core dispatch overhead only: {overhead['overhead_us']:.3f} us per call")
@@ -339,7 +257,7 @@ def _implementations(registry: Registry, only: str | None) -> list[type[Implemen
 
 def _ceiling_records(plan: list, ceiling: dict) -> list[dict]:
     """The SM-copy ceiling (256 MiB) and, at each per-layer load's byte count, the copy engine's and the SM copy's."""
-    from .bench_ceilings import ceilings_at_sizes, sm_ceiling
+    from .ceilings import ceilings_at_sizes, sm_ceiling
 
     rows = sm_ceiling(256 << 20, ceiling)
     sizes = {shape.item_bytes() * t for shape, layout, p, tokens in plan if p == 64 for t in tokens if t >= 4096}
@@ -418,7 +336,7 @@ def _pool_host_time_us(case: Case, impl: Implementation, h: torch.Tensor, d: tor
 
 def _time_anchor(case: Case, anchor, token_counts, ceiling: dict, timer: Timer) -> list[dict]:
     """SGLang's transfer functions on this pool, checked byte for byte first (see hicache_core.bench_anchor)."""
-    from .bench_anchor import BLOCK_QUOTAS, AnchorCalls
+    from .sglang_kernels import BLOCK_QUOTAS, AnchorCalls
 
     if not AnchorCalls.supports(case.host) or case.page_size != 64:
         return []
@@ -509,211 +427,3 @@ def _span(values: list[float] | None) -> str:
         return "-"
     lo, hi = min(values), max(values)
     return f"{lo:.2f}" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}-{hi:.2f}"
-
-
-def _write(out: Path, name: str, meta: dict, records: list[dict], plot: bool = True) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    path.write_text(json.dumps({**meta, "records": records}, indent=1, default=str))
-    if records and plot:
-        _plot(out / f"{name}.png", records)
-    return path
-
-
-def _plot(path: Path, records: list[dict]) -> None:
-    from .plots import plot_overlap, plot_sweep
-
-    if any("efficiency" in r for r in records):
-        plot_overlap(path, records)
-    else:
-        plot_sweep(path, records)
-
-
-# ---- hicache bench --overlap ---------------------------------------------------------------------
-
-
-def _sglang_note() -> dict:
-    """Issue 12's anchor: SGLang's own transfer functions, where ``sgl_kernel`` is importable."""
-    try:
-        import sgl_kernel
-    except Exception as exc:  # noqa: BLE001 - any import failure means: no anchor in this run
-        return {"sglang": "skipped", "why": f"sgl_kernel is not importable here ({type(exc).__name__}: {exc})"}
-    found = sorted(n for n in dir(sgl_kernel) if n.startswith("transfer_kv"))
-    return {"sglang": "skipped", "functions_found": found,
-            "why": "sgl_kernel is importable, but this benchmark does not call its transfer_kv_* functions yet "
-                   "(issue 12): the row lists what this build exports"}  # fmt: skip
-
-
-def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str | None = None,
-                name: str | None = None) -> int:  # fmt: skip
-    """Layer-wise loads under prefill GEMMs, and all-layer backups under decode (hicache_core.overlap)."""
-    from . import autoselect
-    from .dispatch import resolve
-    from .overlap import (
-        CASES,
-        MODELS,
-        Streams,
-        _median_run,
-        decode_backup,
-        fill_random_fast,
-        prefill_overlap,
-        prefill_run,  # fmt: skip
-    )
-
-    if not torch.cuda.is_available():
-        print("hicache bench --overlap needs a GPU")
-        return 1
-    registry = get_registry()
-    impls = _implementations(registry, only)
-    env = environment()
-    ceiling = measure_ceiling(1 << 30)
-    print(f"ceiling: H2D {ceiling['h2d_gbps']:.1f} GB/s, D2H {ceiling['d2h_gbps']:.1f} GB/s")
-    budgets = (2, 8, 0) if quick else (2, 4, 8, 16, 0)
-    layouts = ("page_first_direct",) if quick else ("page_first_direct", "layer_first")
-    reps = 2 if quick else 3
-    records: list[dict] = []
-    meta = {"environment": env, "ceiling": ceiling, "anchor": _sglang_note(),
-            "compute_model": "per layer 2*N*params_per_layer FLOPs as [N, hidden] @ [hidden, 8192] bf16 GEMMs; "
-                             "attention left out (hicache_core.overlap)"}  # fmt: skip
-    by_model: dict[str, list] = {}
-    for case in CASES:
-        by_model.setdefault(case[0], []).append(case)
-    page = 64
-    gen = torch.Generator().manual_seed(0)
-    for model_name, cases in by_model.items():
-        model = MODELS[model_name]
-        shape = SHAPES[model.shape]
-        cached = max(c[2] for c in cases)
-        dev = shape.device_pool(cached + 2 * page, page_size=page, device="cuda")
-        for layout in layouts:
-            host = make_host_pool(dev, layout=layout, io_backend="reference", size=dev.size, operations=())
-            fill_random_fast([t for p in host.plan.parts for t in p.device_layers]
-                             + list(host.plan.host_buffers.values()))  # fmt: skip
-            decl, geometry = registry.layouts[layout], host.geometry
-            made: dict[str, Implementation] = {}
-            for cls in impls:
-                if not reasons_for(cls, TransferRequest(cls.io_backend, LOAD, geometry, decl)):
-                    made[cls.name] = cls(host.plan)
-            request = TransferRequest("auto", LOAD, geometry, decl, True)
-            try:
-                base = resolve(registry, request)
-                made["auto"] = autoselect.auto_class(registry, request, base)(host.plan)
-                # The static rule alone, beside the profile (where one exists they may differ).
-                made["auto-rule"] = autoselect.auto_class(registry, request, base, use_profile=False)(host.plan)
-            except Exception as exc:  # noqa: BLE001 - auto is one row; report and go on
-                print(f"auto: not measured for {model_name} {layout}: {exc}")
-            for _, new_tokens, m, regime in cases:
-                streams = Streams(model, new_tokens)
-                hp = random_pages(host.page_num + 1, m // page, page, gen) - page
-                dp = random_pages(dev.size // page, m // page, page, gen)
-                nbytes = m * shape.item_bytes() * host.layer_num
-                layers = host.layer_num
-                alone = _median_run(lambda s=streams, n=layers: prefill_run(s, n, None, True), reps)
-                for impl_name, impl in made.items():
-                    where = host.plan.device if impl.index_device == "device" else torch.device("cpu")
-                    h, d = hp.to(where), dp.to(where)
-                    settings = budgets if hasattr(impl, "max_ctas") else (None,)
-                    for budget in settings:
-                        if budget is not None:
-                            impl.max_ctas = budget
-                        try:
-                            result = prefill_overlap(impl, streams, h, d, layers, nbytes, ceiling["h2d_gbps"], reps,
-                                                     compute_alone=alone)  # fmt: skip
-                        except Exception as exc:  # noqa: BLE001 - one failing row must not end the run
-                            print(f"{impl_name} {layout} {model_name} {m}: failed: {type(exc).__name__}: {exc}")
-                            continue
-                        chosen = _chosen(impl, m) if impl_name.startswith("auto") else None
-                        records.append({
-                            "implementation": impl_name, "layout": layout, "model": model_name, "shape": shape.name,
-                            "new_tokens": new_tokens, "cached_tokens": m, "regime": regime, "page_size": page,
-                            "max_ctas": budget, "chosen": chosen,
-                            "path": getattr(getattr(impl, "copier", None), "path", None), **result,
-                        })  # fmt: skip
-                        r = records[-1]
-                        print(f"{model_name:12} {m:6} {layout:18} {_row_label(r):34} eff {r['efficiency']:.2f} "
-                              f"overlapped {r['overlapped_s'] * 1e3:7.1f} ms (compute {r['compute_s'] * 1e3:6.1f}, "
-                              f"transfer {r['transfer_s'] * 1e3:6.1f}) GEMM {r['gemm_slowdown']:+.0%} "
-                              f"first GEMM at {r['first_gemm_start_s'] * 1e3:.1f} ms", flush=True)  # fmt: skip
-                del streams
-                _write(Path(out), name or "overlap", {**meta, "complete": False}, records, plot=False)
-            # All-layer backups during decode (4096 tokens), on the same pool.
-            if layout == "page_first_direct" and (not quick or model_name == "llama-8b"):
-                tokens = 4096
-                hp = random_pages(host.page_num + 1, tokens // page, page, gen) - page
-                dp = random_pages(dev.size // page, tokens // page, page, gen)
-                nbytes = tokens * shape.item_bytes() * host.layer_num
-                backups = {}
-                for cls in impls:
-                    if not reasons_for(cls, TransferRequest(cls.io_backend, BACKUP_ALL, geometry, decl)):
-                        backups[cls.name] = made.get(cls.name) or cls(host.plan)
-                req = TransferRequest("auto", BACKUP_ALL, geometry, decl, True)
-                try:
-                    backups["auto"] = autoselect.auto_class(registry, req, resolve(registry, req))(host.plan)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"auto backup: not measured: {exc}")
-                for impl_name, impl in backups.items():
-                    where = host.plan.device if impl.index_device == "device" else torch.device("cpu")
-                    for budget in ((8, 0) if hasattr(impl, "max_ctas") else (None,)):
-                        if budget is not None:
-                            impl.max_ctas = budget
-                        try:
-                            result = decode_backup(impl, model, hp.to(where), dp.to(where), host.layer_num, nbytes,
-                                                   ceiling["d2h_gbps"], reps=reps)  # fmt: skip
-                        except Exception as exc:  # noqa: BLE001
-                            print(f"{impl_name} decode backup failed: {type(exc).__name__}: {exc}")
-                            continue
-                        records.append({"implementation": impl_name, "layout": layout, "model": model_name,
-                                        "shape": shape.name, "tokens": tokens, "max_ctas": budget,
-                                        "metric": "backup_during_decode", **result})  # fmt: skip
-                        r = records[-1]
-                        print(f"{model_name:12} backup-all {tokens} {impl_name:20} {budget!s:5} decode "
-                              f"{r['decode_slowdown']:+.0%}, backup {r['backup_fraction_alone']:.2f} of the ceiling "
-                              f"alone, {r['backup_fraction_beside_decode']:.2f} beside decode", flush=True)  # fmt: skip
-            del host, made
-            torch.cuda.empty_cache()
-        del dev
-        torch.cuda.empty_cache()
-    summary = overlap_summary(records)
-    print(summary)
-    path = _write(Path(out), name or "overlap", {**meta, "summary": summary, "complete": True}, records)
-    print(f"wrote {path}")
-    return 0
-
-
-def _chosen(impl: Implementation, tokens: int) -> str:
-    """What an auto implementation runs for ``tokens`` tokens, in words."""
-    picked = impl.pick(tokens) if hasattr(impl, "pick") else impl
-    ctas = getattr(picked, "max_ctas", None)
-    return picked.name + (f" {ctas or 'all'} CTAs" if ctas is not None else "")
-
-
-def _row_label(r: dict) -> str:
-    label = r["implementation"]
-    if r.get("max_ctas") is not None:
-        label += f" {r['max_ctas'] or 'all'} CTAs"
-    if r.get("chosen"):
-        label += f" ({r['chosen']})"
-    return label
-
-
-def overlap_summary(records: list[dict]) -> str:
-    """Per case: the best row, direct's best, auto's, and whether auto is within 5 % of the best."""
-    lines = ["| case | best | direct | auto | auto / best |", "|---|---|---|---|---|"]
-    cases = sorted({(r["model"], r["new_tokens"], r["cached_tokens"], r["layout"]) for r in records
-                    if "efficiency" in r})  # fmt: skip
-    for model, n, m, layout in cases:
-        rows = [r for r in records if "efficiency" in r and (r["model"], r["new_tokens"], r["cached_tokens"],
-                r["layout"]) == (model, n, m, layout)]  # fmt: skip
-        best = max((r for r in rows if not r["implementation"].startswith("auto")), key=lambda r: r["efficiency"],
-                   default=None)  # fmt: skip
-        direct = max((r for r in rows if r["implementation"].startswith("direct")), key=lambda r: r["efficiency"],
-                     default=None)  # fmt: skip
-        auto = next((r for r in rows if r["implementation"] == "auto"), None)
-
-        def cell(r):
-            return "-" if r is None else f"{_row_label(r)}: {r['efficiency']:.2f}, GEMM {r['gemm_slowdown']:+.0%}"
-
-        ratio = f"{auto['efficiency'] / best['efficiency']:.3f}" if auto and best else "-"
-        lines.append(f"| {model} {n} new / {m} cached, {layout} | {cell(best)} | {cell(direct)} | {cell(auto)} "
-                     f"| {ratio} |")  # fmt: skip
-    return "\n".join(lines)

@@ -17,9 +17,9 @@ import uuid
 import torch
 
 from ..host_pool import make_host_pool
-from ..shapes import SHAPES
-from .controller import StorageController
-from .make import make_storage
+from ..storage.controller import StorageController
+from ..storage.make import make_storage
+from .shapes import SHAPES
 
 SHAPE = "llama-8b"
 LAYERS = 4
@@ -108,7 +108,7 @@ def run_storage_demo(url: str, device: str | None = None, tokens: int = 512) -> 
     model_id = f"hicache-demo-{uuid.uuid4().hex[:8]}"
     seed = int(time.time()) % 100000
     for role in ("backup", "load"):
-        cmd = [sys.executable, "-m", "hicache_core.storage.demo", role, url, model_id, str(tokens), str(seed), device]
+        cmd = [sys.executable, "-m", __name__, role, url, model_id, str(tokens), str(seed), device]
         done = subprocess.run(cmd, timeout=300)
         if done.returncode != 0:
             print(f"hicache demo --storage: the {role} process failed (exit {done.returncode})")

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .bench_clock import queued_seconds
-from .gpu.uva import make_anchor
+from ...gpu.uva import make_anchor
+from .clock import queued_seconds
 
 #: Launch shapes of the streaming copy tried for the SM ceiling: (CTAs per SM or an absolute count, warps, words
 #: per iteration). ``"sm"`` multiplies by the SM count.
@@ -34,7 +34,7 @@ class SMCopy:
     """The streaming copy between a pinned host buffer and a device buffer of ``nbytes`` (a multiple of 128 KiB)."""
 
     def __init__(self, nbytes: int, device: torch.device | str = "cuda") -> None:
-        from .gpu.stream_copy import stream_copy
+        from ...gpu.stream_copy import stream_copy
 
         if nbytes % (16384 * WORD):
             raise ValueError(f"nbytes must be a multiple of {16384 * WORD}, got {nbytes}")

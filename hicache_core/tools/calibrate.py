@@ -24,14 +24,15 @@ import time
 
 import torch
 
-from . import autoselect
-from .autoselect import Choice, Profile
-from .bench import Timer, _storable, measure_ceiling
+from .. import autoselect
+from ..autoselect import Choice, Profile
+from ..dispatch import reasons_for
+from ..host_pool import make_host_pool
+from ..implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, Implementation, TransferRequest
+from ..registry import get_registry
+from .bench.machine import measure_ceiling
+from .bench.sweep import Timer, _storable
 from .demo import random_pages
-from .dispatch import reasons_for
-from .host_pool import make_host_pool
-from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, Implementation, TransferRequest
-from .registry import get_registry
 from .shapes import SHAPES
 
 OPS = (LOAD, BACKUP_ALL)
@@ -122,7 +123,7 @@ def run_calibrate(shapes=("llama-8b", "deepseek-mla"), tokens=(64, 512, 4096, 32
             if not _storable(shape, decl) or (layouts and layout not in layouts):
                 continue
             host = make_host_pool(dev, layout=layout, io_backend="reference", size=dev.size, operations=())
-            from .overlap import fill_random_fast
+            from .bench.overlap import fill_random_fast
 
             fill_random_fast([t for p in host.plan.parts for t in p.device_layers]
                              + list(host.plan.host_buffers.values()))  # fmt: skip

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from ..host_pool import make_host_pool
+from ...host_pool import make_host_pool
+from ...storage.keys import page_hashes
+from ...storage.make import make_storage
+from ...storage.page_format import checksum_runs
 from ..shapes import SHAPES
-from .keys import page_hashes
-from .make import make_storage
-from .page_format import checksum_runs
 
 SHAPE = "deepseek-mla"
 PAGE = 64

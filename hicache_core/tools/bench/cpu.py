@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from .dispatch import reasons_for
-from .host_pool import make_host_pool
-from .implementation import BACKUP_ALL, LOAD, TransferRequest
-from .registry import get_registry
-from .shapes import SHAPES
+from ...dispatch import reasons_for
+from ...host_pool import make_host_pool
+from ...implementation import BACKUP_ALL, LOAD, TransferRequest
+from ...registry import get_registry
+from ..shapes import SHAPES
 
 
 def _interleaved_seconds(fn: Callable[[], None], nbytes: int, *, reps: int = 15) -> tuple[float, float]:
@@ -46,7 +46,7 @@ def _interleaved_seconds(fn: Callable[[], None], nbytes: int, *, reps: int = 15)
 
 def run_cpu_bench(out: str = "benchmarks/results", quick: bool = False, layers: int = 4) -> int:
     """Measure every CPU implementation on every shape and layout; write ``cpu-bench.json``."""
-    from .bench import environment
+    from .records import environment
 
     registry = get_registry()
     tokens, page = (1024 if quick else 4096), 64

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from .backend import PageStatus
-from .keys import page_hashes
-from .make import make_storage
+from ..storage.backend import PageStatus
+from ..storage.keys import page_hashes
+from ..storage.make import make_storage
 
 
 def _small_pool(page_size: int = 4, pages: int = 16) -> Any:

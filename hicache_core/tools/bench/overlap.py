@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .implementation import BACKUP_ALL, LOAD, Implementation
+from ...implementation import BACKUP_ALL, LOAD, Implementation
 
 GEMM_WIDTH = 8192
 
