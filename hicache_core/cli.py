@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, help="tokens per transfer (default: 4096 on CUDA, 256 on CPU)")
     p.add_argument("--storage", metavar="URL", help="L3 demo across two processes through this store (file:///dir)")
 
-    p = sub.add_parser("bench", help="the benchmark sweep of ../shared/benchmarks.md (GPU)")
+    p = sub.add_parser("bench", help="the sweep: implementations on model-like pools, against the copy ceiling (GPU)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
     p.add_argument("--quick", action="store_true", help="a short sweep (smoke test)")
     p.add_argument("--only", help="comma-separated implementation names to include")

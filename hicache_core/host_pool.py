@@ -26,7 +26,7 @@ from .geometry import PoolGeometry, pages_for
 from .host_layout import HostLayoutSpec, host_layout_spec
 from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
 from .indices import IndexCache, check_bounds, check_whole_pages, reject_indices, whole_pages_mask
-from .pages import PageAccess
+from .page_access import PageAccess
 from .plan import TransferPlan
 from .pool_kinds import PoolKind
 from .registry import Registry, get_registry

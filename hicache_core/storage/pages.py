@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..pages import contiguous_runs
+from ..page_access import contiguous_runs
 
 
 @dataclass(frozen=True)

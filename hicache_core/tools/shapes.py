@@ -1,4 +1,4 @@
-"""Model-like pool shapes (../shared/benchmarks.md) for ``explain``, ``matrix``, ``demo`` and ``bench``."""
+"""Model-like pool shapes (the models the benchmarks use) for ``explain``, ``matrix``, ``demo`` and ``bench``."""
 
 from __future__ import annotations
 

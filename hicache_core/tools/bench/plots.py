@@ -1,5 +1,5 @@
 """Plots a person reads at a glance: fractions of the ceiling, the ceiling drawn, one colour per
-implementation and one line style per layout (../shared/benchmarks.md)."""
+implementation and one line style per layout."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SGLang's own transfer kernels, timed beside hicache in ``hicache bench`` (the anchor of issue 12).
+"""SGLang's own transfer kernels, timed beside hicache in ``hicache bench`` (the SGLang baseline).
 
 SGLang moves KV pages with sgl-kernel's ``transfer_kv_*`` functions (``sgl_kernel.kvcacheio``).
 Where that module imports, ``hicache bench`` calls them on the very pools and index tensors it
@@ -10,7 +10,7 @@ import, every anchor row is skipped, with the import error as the reason.
 same functions and signatures, such as a build of SGLang's ``transfer.cu`` from source
 (``benchmarks/sgl_anchor/build.py``) on a machine where sgl-kernel's wheel cannot load.
 
-What is called, from SGLang's host pools (``../shared/reference/sglang-hicache.md`` section 4):
+What is called, from SGLang's host pools (``sglang/srt/mem_cache/memory_pool_host.py``):
 
 | pool, layout | per-layer load | all-layer backup |
 |---|---|---|

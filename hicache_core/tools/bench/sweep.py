@@ -1,4 +1,4 @@
-"""``hicache bench``: the sweep of ../shared/benchmarks.md, with the ceiling measured in the same run.
+"""``hicache bench``: the sweep over model-like pools, with the ceiling measured in the same run.
 
 Every figure is bytes that crossed the link over wall time between CUDA events
 (median of repeats), and is reported as a fraction of a contiguous pinned
