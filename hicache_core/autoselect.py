@@ -41,7 +41,8 @@ from .implementation import OPERATIONS, Implementation, TransferRequest
 BUCKETS: tuple[int, ...] = (64, 512, 4096, 32768)
 #: Smallest 1-D piece (bytes) the static rule gives to the copy engine.
 DMA_MIN_PIECE = 32 << 10
-#: The implementation name the static rule prefers where the copy engine qualifies.
+#: The first-party copy-engine implementation. The rule no longer reads this name: it asks each
+#: candidate's declared ``engine`` (kept for 0.1 callers; docs/plugins.md, "Versions").
 COPY_ENGINE = "direct.copy_engine"
 ENV_PROFILE = "HICACHE_PROFILE"
 PROFILE_VERSION = 1
@@ -237,18 +238,19 @@ def copy_engine_pieces(request: TransferRequest) -> tuple[int, bool]:
 def static_rule(request: TransferRequest, candidates: list[type[Implementation]], bucket: int) -> Choice:
     """The documented rule (module docstring) among ``candidates`` (claimants, best first)."""
     names = [c.name for c in candidates]
-    if COPY_ENGINE in names:
+    dma = [c.name for c in candidates if c.engine == "copy_engine"]
+    if dma:
         piece, linear = copy_engine_pieces(request)
         if linear and piece >= DMA_MIN_PIECE:
-            return Choice(COPY_ENGINE, None, "rule",
+            return Choice(dma[0], None, "rule",
                           f"rule: pieces of {piece // 1024} KiB (>= {DMA_MIN_PIECE // 1024} KiB, 1-D) go to the copy "
                           "engine, which leaves the SMs to the model")  # fmt: skip
-        kernels = [c for c in candidates if c.name != COPY_ENGINE]
+        kernels = [c for c in candidates if c.engine != "copy_engine"]
         if kernels:
             why = (f"{piece} B pieces are under {DMA_MIN_PIECE // 1024} KiB" if linear
                    else "its pieces are 2-D (a slice of each device row)")  # fmt: skip
             return Choice(kernels[0].name, None, "rule", f"rule: {why}, so an SM kernel beats the copy engine")
-        return Choice(COPY_ENGINE, None, "rule", "rule: the copy engine is the only implementation that claims it")
+        return Choice(dma[0], None, "rule", "rule: the copy engine is the only implementation that claims it")
     return Choice(names[0], None, "rule", "rule: the copy engine does not claim it; the best-priority claimant")
 
 

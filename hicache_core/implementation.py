@@ -8,9 +8,11 @@ dispatcher picks the highest-priority implementation with no reasons.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -26,6 +28,8 @@ BACKUP_ALL = "backup_from_device_all_layer"
 BACKUP_LAYER = "backup_from_device_per_layer"
 OPERATIONS: tuple[str, ...] = (LOAD, BACKUP_ALL, BACKUP_LAYER)
 INDEX_DEVICES = ("cpu", "device")
+#: What can move an implementation's bytes (:attr:`Implementation.engine`).
+ENGINES = ("copy_engine", "sm", "cpu")
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,9 @@ class Implementation:
     needs_pinned_host: ClassVar[bool] = False
     #: Whether ``io_backend="auto"`` may pick it.
     auto_selectable: ClassVar[bool] = True
+    #: What moves the bytes (:data:`ENGINES`): ``"copy_engine"`` (DMA), ``"sm"`` (GPU threads) or ``"cpu"``.
+    #: Selection policy (``auto``'s rule) and the bench read this, never an implementation's name.
+    engine: ClassVar[str] = "sm"
     description: ClassVar[str] = ""
 
     @classmethod
@@ -188,7 +195,24 @@ class Implementation:
         for op in cls.operations:
             if getattr(cls, op, None) is getattr(Implementation, op, None):
                 problems.append(f"claims {op} but does not implement it")
+        if cls.engine not in ENGINES:
+            problems.append(f"'engine' must be one of {ENGINES}, got {cls.engine!r}")
         return problems
+
+    def tuning_variants(self) -> dict[str, dict[str, Any]]:
+        """Settings a benchmark may time beside the defaults, by variant name (``{}``: none).
+
+        Each value is a mapping for :meth:`tuned`. The bench asks for these instead of knowing
+        an implementation's attributes.
+        """
+        return {}
+
+    @contextlib.contextmanager
+    def tuned(self, settings: Mapping[str, Any]) -> Iterator[None]:
+        """Run the ``with`` block under ``settings`` (one value of :meth:`tuning_variants`), then restore."""
+        if settings:
+            raise ValueError(f"{self.name} declares no tuning variants; got settings {sorted(settings)}")
+        yield
 
     def __init__(self, plan: TransferPlan) -> None:
         self.plan = plan

@@ -55,6 +55,7 @@ class ReferenceImplementation(Implementation):
     io_backend = "reference"
     priority = -1000
     auto_selectable = False
+    engine = "cpu"  # torch indexing ops; on CUDA pools its copies run as torch's kernels, but nobody tunes it
     operations = frozenset(OPERATIONS)
     device_types = frozenset({"cpu", "cuda"})
     index_dtypes = frozenset({torch.int32, torch.int64})

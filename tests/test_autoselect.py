@@ -54,6 +54,22 @@ def test_static_rule_without_the_copy_engine_takes_the_best_priority():
     assert static_rule(None, [K], 4096).implementation == "k.one"
 
 
+def test_static_rule_reads_the_declared_engine_not_a_name(registry):
+    """A third-party copy-engine implementation wins where the copy engine qualifies, as direct's does."""
+
+    class Dma(hc.Implementation):
+        name, io_backend, priority, engine = "thirdparty.dma", "dma", 1, "copy_engine"
+
+    class Kernel(hc.Implementation):
+        name, io_backend, priority = "thirdparty.kernel", "sm", 5
+
+    big = _request(registry, "llama-8b", "page_first_direct", page_size=64)  # 128 KiB pieces
+    assert static_rule(big, [Kernel, Dma], 4096).implementation == "thirdparty.dma"
+    small = _request(registry, "llama-8b", "page_first_direct", page_size=1)  # 2 KiB pieces
+    assert static_rule(small, [Kernel, Dma], 4096).implementation == "thirdparty.kernel"
+    assert hc.Implementation.engine == "sm" and registry.implementations["direct.copy_engine"].engine == "copy_engine"
+
+
 def test_cpu_pools_keep_the_priority_order(registry):
     assert choices(registry, _request(registry, device="cpu")) == {}
 

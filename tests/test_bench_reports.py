@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import types
 
 import pytest
+import torch
 
 import hicache_core as hc
 from hicache_core.tools.bench import records, sweep
@@ -33,28 +35,44 @@ def test_compute_models_split_the_regimes_as_issue_11_does():
     assert MODELS["deepseek-v3"].launches(2048) == 10
 
 
-class _Copier:
-    streams, max_batch, prefer_overlap, batch, batch_2d = 1, 0, True, True, False
+class _Plain(hc.Implementation):
+    name = "fake.plain"
 
 
-class _Direct(hc.Implementation):
-    name = "fake.direct"
+def test_an_implementation_without_variants_is_timed_at_its_defaults():
+    impl = _Plain.__new__(_Plain)
+    assert sweep._variants(impl, 4096) == {"default": {}}
+    with impl.tuned({}):
+        pass
+    with pytest.raises(ValueError, match="fake.plain declares no tuning variants"):
+        with impl.tuned({"streams": 2}):
+            pass
 
-    def __init__(self):
-        self.copier = _Copier()
 
-
-def test_variants_set_and_restore_the_copier_knobs():
-    impl = _Direct()
-    assert sweep._variants(impl, 64) == ("default",)
-    names = sweep._variants(impl, 4096)
-    assert names[0] == "default" and "streams2" in names and "batch_2d" not in names
-    with sweep.variant_applied(impl, "streams2"):
+def test_variants_are_the_copy_engines_declaration_and_restore_its_knobs():
+    pytest.importorskip("hicache_direct")
+    dev = hc.MHADevicePool(64, 4, torch.bfloat16, 2, 8, 2, "cpu")
+    impl = hc.make_host_pool(dev, layout="page_first_direct", io_backend="direct", pin_memory=False).implementation_for(
+        hc.LOAD
+    )
+    assert impl.engine == "copy_engine"
+    assert sweep._variants(impl, 4096) == {"default": {}}  # CPU pools: the host copier has no knobs
+    # The CUDA copier's knobs, as data (the copier itself needs a GPU):
+    impl.copier = types.SimpleNamespace(path="batched", streams=1, max_batch=32, prefer_overlap=True, batch=True,
+                                        batch_2d=False)  # fmt: skip
+    assert sweep._variants(impl, 64) == {"default": {}}
+    variants = sweep._variants(impl, 4096)
+    assert list(variants)[0] == "default" and variants["streams2"] == {"streams": 2} and "batch_2d" not in variants
+    streams, batch = impl.copier.streams, impl.copier.batch
+    with impl.tuned(variants["streams2"]):
         assert impl.copier.streams == 2
-    assert impl.copier.streams == 1
-    with sweep.variant_applied(impl, "one_by_one"):
+    assert impl.copier.streams == streams
+    with impl.tuned(variants["one_by_one"]):
         assert impl.copier.batch is False
-    assert impl.copier.batch is True
+    assert impl.copier.batch is batch
+    with pytest.raises(ValueError, match="unknown tuning settings"):
+        with impl.tuned({"warp_speed": 9}):
+            pass
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")

@@ -10,7 +10,6 @@ plot. Timings live here, never in tests.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -73,54 +72,14 @@ class Case:
         return tokens * per_token * (self.host.layer_num if op == BACKUP_ALL else 1)
 
 
-#: Settings of the copy engine's submission measured beside its default (knobs of hicache_direct's CudaCopier).
-DIRECT_VARIANTS: dict[str, dict] = {
-    "default": {},
-    "streams2": {"streams": 2},
-    "max_batch8": {"max_batch": 8},
-    "max_batch16": {"max_batch": 16},
-    "max_batch64": {"max_batch": 64},
-    "unbounded_batch": {"max_batch": 0},
-    "no_overlap_hint": {"prefer_overlap": False},
-    "one_by_one": {"batch": False},
-    "batch_2d": {"batch_2d": True},
-}
-
-
 def _storable(shape: ModelShape, layout) -> bool:
     """Whether ``layout`` can store pools of ``shape`` (a layout's kinds, a split it needs)."""
     return TransferRequest("reference", LOAD, shape.geometry(page_size=64), layout).storable
 
 
-def _variants(impl: Implementation, tokens: int) -> tuple[str, ...]:
-    copier = getattr(impl, "copier", None)
-    if copier is None or not hasattr(copier, "streams") or tokens < 4096:
-        return ("default",)
-    names = [v for v in DIRECT_VARIANTS if v != "batch_2d"]
-    # 2-D copies as one cudaMemcpy3DBatchAsync: only where there are 2-D copies, and only when asked
-    # (scripts/gpu/direct-check.sh asks once its byte-exact check of that path has passed).
-    if getattr(getattr(impl, "builder", None), "sliced", ()) and os.environ.get("HICACHE_BENCH_BATCH_2D") == "1":
-        names.append("batch_2d")
-    return tuple(names)
-
-
-class variant_applied:
-    """Set a copier's knobs for the ``with`` block, then restore them."""
-
-    def __init__(self, impl: Implementation, variant: str) -> None:
-        self.copier = getattr(impl, "copier", None)
-        self.changes = DIRECT_VARIANTS.get(variant, {})
-        self.saved: dict = {}
-
-    def __enter__(self):
-        for key, value in self.changes.items():
-            self.saved[key] = getattr(self.copier, key)
-            setattr(self.copier, key, value)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for key, value in self.saved.items():
-            setattr(self.copier, key, value)
+def _variants(impl: Implementation, tokens: int) -> dict[str, dict]:
+    """The settings timed for ``impl`` at ``tokens`` tokens: the defaults, plus its declared variants at 4096+."""
+    return {"default": {}} | (impl.tuning_variants() if tokens >= 4096 else {})
 
 
 def _run_op(impl: Implementation, op: str, h: torch.Tensor, d: torch.Tensor, layer: int = 0) -> Callable[[], None]:
@@ -288,8 +247,8 @@ def _time_implementation(case: Case, name: str, impl: Implementation, token_coun
                     impl.max_ctas = budget if budget is not None else 0
                 nbytes = case.bytes_moved(tokens, op)
                 link = ceiling["h2d_gbps"] if op == LOAD else ceiling["d2h_gbps"]
-                for variant in _variants(impl, tokens):
-                    with variant_applied(impl, variant):
+                for variant, settings in _variants(impl, tokens).items():
+                    with impl.tuned(settings):
                         if tokens >= 4096 and op != BACKUP_ALL:  # one all-layer call outlasts its submission
                             seconds, queued = time_both(partial(_run_op, impl, op, h, d), layers, timer)
                         else:

@@ -12,12 +12,19 @@ the SMs stay with the model.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
 import torch
 
 from hicache_core import OPERATIONS, Implementation, TransferPlan, TransferRequest
 
 from .descriptors import DescriptorBuilder, PartAddresses
 from .memcpy import copier_for
+
+_COPIER_KNOBS = ("streams", "max_batch", "prefer_overlap", "batch", "batch_2d")
 
 
 class DirectCopy(Implementation):
@@ -39,7 +46,43 @@ class DirectCopy(Implementation):
     device_types = frozenset({"cpu", "cuda"})
     index_dtypes = frozenset({torch.int32, torch.int64})
     index_device = "cpu"
+    engine = "copy_engine"
     description = "copy engine: one cudaMemcpyBatchAsync of merged contiguous runs per operation"
+
+    #: Submission settings a benchmark times beside the defaults (knobs of :class:`~hicache_direct.memcpy.CudaCopier`).
+    VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "streams2": {"streams": 2},
+        "max_batch8": {"max_batch": 8},
+        "max_batch16": {"max_batch": 16},
+        "max_batch64": {"max_batch": 64},
+        "unbounded_batch": {"max_batch": 0},
+        "no_overlap_hint": {"prefer_overlap": False},
+        "one_by_one": {"batch": False},
+    }
+
+    def tuning_variants(self) -> dict[str, dict[str, Any]]:
+        if not all(hasattr(self.copier, knob) for knob in _COPIER_KNOBS):
+            return {}  # the host copier (CPU pools) has no submission knobs
+        variants = dict(self.VARIANTS)
+        # 2-D copies as one cudaMemcpy3DBatchAsync: only where there are 2-D copies, and only when the
+        # bench is asked to (scripts/gpu/direct-check.sh asks once its byte-exact check of that path passed).
+        if self.builder.sliced and os.environ.get("HICACHE_BENCH_BATCH_2D") == "1":
+            variants["batch_2d"] = {"batch_2d": True}
+        return variants
+
+    @contextlib.contextmanager
+    def tuned(self, settings: Mapping[str, Any]) -> Iterator[None]:
+        unknown = sorted(k for k in settings if k not in _COPIER_KNOBS or not hasattr(self.copier, k))
+        if unknown:
+            raise ValueError(f"{self.name}: unknown tuning settings {unknown}; knobs: {', '.join(_COPIER_KNOBS)}")
+        saved = {key: getattr(self.copier, key) for key in settings}
+        try:
+            for key, value in settings.items():
+                setattr(self.copier, key, value)
+            yield
+        finally:
+            for key, value in saved.items():
+                setattr(self.copier, key, value)
 
     @classmethod
     def not_supported_reasons(cls, request: TransferRequest) -> list[str]:

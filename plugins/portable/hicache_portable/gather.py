@@ -21,6 +21,7 @@ class TorchGather(Implementation):
     priority = 1  # below every implementation that claims the same request
     operations = frozenset(OPERATIONS)
     device_types = frozenset({"cpu"})
+    engine = "cpu"
     index_dtypes = frozenset({torch.int32, torch.int64})
     index_device = "cpu"
     description = "vectorised torch copies over strided views (CPU; any pool kind and layout)"
