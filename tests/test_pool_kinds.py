@@ -264,3 +264,32 @@ def test_shape_as_naming_a_layout_nobody_registers_is_an_error_not_a_fallback():
             BlobDevicePool(6, 4, 3), layout="page_first", io_backend="reference", size=32, registry=registry,
             pin_memory=False,
         )  # fmt: skip
+
+
+def test_storage_keys_follow_the_kinds_rank_replicated_declaration():
+    """A plugin kind that declares rank_replicated shares one copy of each page across TP ranks, as MLA does."""
+    from dataclasses import replace
+
+    from hicache_core.storage.keys import namespace_for
+
+    replicated = replace(BLOB_ROWS, name="blob_replicated", rank_replicated=True, detect=None)
+
+    class Both:
+        @hookimpl
+        def hicache_register_pool_kinds(self, register):
+            register(BLOB_ROWS)
+            register(replicated)
+
+        @hookimpl
+        def hicache_register_layouts(self, register):
+            register(BLOB_SHAPE)
+
+    registry = Registry()
+    registry.add_plugin(Both(), "both")
+    for kind, shared in (("blob_rows", False), ("blob_replicated", True)):
+        dev = BlobDevicePool(6, 4, 3)
+        dev.pool_kind = kind
+        host = hc.make_host_pool(dev, layout="page_first", io_backend="reference", size=32, registry=registry,
+                                 pin_memory=False)  # fmt: skip
+        ranks = [namespace_for(host, "m", tp_rank=r, tp_size=2) for r in (0, 1)]
+        assert (ranks[0] == ranks[1]) is shared, kind

@@ -147,13 +147,14 @@ def namespace_for(
 ) -> Namespace:
     """The namespace of ``host_pool``'s pages for ``model_id`` on this rank.
 
-    ``replicated`` defaults to true for MLA pools (every TP rank holds the whole latent cache).
+    ``replicated`` defaults to the pool kind's ``rank_replicated`` declaration (true for MLA: every
+    TP rank holds the whole latent cache).
     """
     if not isinstance(model_id, str) or not model_id:
         raise ValueError("model_id must be a non-empty string (pages of different models must never mix)")
     geometry = host_pool.geometry
     if replicated is None:
-        replicated = geometry.kind == "mla"
+        replicated = geometry.decl is not None and geometry.decl.rank_replicated
     share = rank_share(
         tp_rank=tp_rank,
         tp_size=tp_size,

@@ -88,9 +88,10 @@ def build_kv_host_pool(
                 f"override_kv_cache_dim={override_kv_cache_dim} differs from the device rows' width "
                 f"{info.kv_cache_dim} ({label}); hicache stores rows exactly as the device holds them"
             )
-        if info.packed_fp8 and layout == "page_first_kv_split":
+        decl = hc.get_registry().layouts.get(layout)
+        if info.packed_fp8 and decl is not None and decl.split:
             raise NotServedError(
-                f"layout 'page_first_kv_split' splits a row at kv_lora_rank, but this pool packs FP8 DSA rows "
+                f"layout {layout!r} splits a row at kv_lora_rank, but this pool packs FP8 DSA rows "
                 f"of {info.kv_cache_dim} bytes ({label}); use layer_first, page_first or page_first_direct"
             )
         owned = range(info.layer_indices[0], info.layer_indices[-1] + 1) if info.layer_indices else range(0)
