@@ -13,6 +13,7 @@ import os
 import threading
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -24,7 +25,7 @@ from .builtin import CorePlugin
 from .implementation import Implementation
 from .layouts import Layout, layout_problems
 from .pool_kinds import PoolKind, pool_kind_problems
-from .storage.registration import storage_backend_problems
+from .storage.backend import StorageBackend
 
 ENV_PLUGINS = "HICACHE_PLUGINS"
 ENTRY_POINT_GROUP = "hicache"
@@ -79,7 +80,7 @@ class Registry:
         self.layouts: dict[str, Layout] = {}
         self.implementations: dict[str, type[Implementation]] = {}
         self.storage_backends: dict[str, type] = {}  # URL scheme -> StorageBackend subclass
-        self.owner: dict[str, str] = {}  # implementation or layout name -> plugin name
+        self.owner: dict[tuple[str, str], str] = {}  # (what, name) -> plugin name; what as in plugin_of
         self.plugins: dict[str, PluginRecord] = {}
         self.allow: set[str] | None = None
         self._resolved: dict[Any, Any] = {}
@@ -178,7 +179,7 @@ class Registry:
         for name, kind in list(self.pool_kinds.items()):
             bound, missing = kind.resolved(self.layouts)
             self.pool_kinds[name] = bound
-            record = self.plugins.get(self.owner.get("kind:" + name, ""))
+            record = self.plugins.get(self.owner.get(("pool kind", name), ""))
             for other in missing:
                 error = f"pool kind {name!r} presents a layout with layout {other!r}'s shape, which no plugin registers"
                 if record is not None and error not in record.errors:
@@ -202,82 +203,102 @@ class Registry:
                 record.status = "failed"
                 record.errors.append(f"{hook_name} raised {_error_text(exc)}")
 
-    def _pool_kind_registrar(self, record: PluginRecord):
-        def register(kind: PoolKind) -> None:
-            if not isinstance(kind, PoolKind):
-                record.errors.append(f"registered {kind!r}, which is not a hicache_core.PoolKind")
+    def _registrar(
+        self,
+        record: PluginRecord,
+        what: str,
+        table: dict[str, Any],
+        listed: list[str],
+        *,
+        accepts: Callable[[Any], bool],
+        not_accepted: str,
+        problems_of: Callable[[Any], list[str]],
+        key_of: Callable[[Any], str],
+        label_of: Callable[[Any], str],
+        taken: Callable[[str], str],
+        before_store: Callable[[Any], None] | None = None,
+    ) -> Callable[[Any], None]:
+        """The one ``register`` callback: check the type, collect problems, refuse a taken name, store, own."""
+
+        def register(obj: Any) -> None:
+            if not accepts(obj):
+                if not_accepted:
+                    record.errors.append(f"registered {obj!r}, which is not {not_accepted}")
+                else:
+                    record.errors.append(f"{what} {label_of(obj)} refused: " + "; ".join(problems_of(obj)))
                 return
-            problems = pool_kind_problems(kind)
-            if kind.name in self.pool_kinds:
-                problems.append(f"pool kind {kind.name!r} is already registered by {self.owner['kind:' + kind.name]}")
+            key = key_of(obj)
+            problems = problems_of(obj)
+            if key in table:
+                problems.append(f"{taken(key)} is already registered by {self.owner[what, key]}")
             if problems:
-                record.errors.append(f"pool kind {kind.name!r} refused: " + "; ".join(problems))
+                record.errors.append(f"{what} {label_of(obj)} refused: " + "; ".join(problems))
                 return
-            self.pool_kinds[kind.name] = kind
-            self.owner["kind:" + kind.name] = record.name
-            record.pool_kinds.append(kind.name)
+            if before_store is not None:
+                before_store(obj)
+            table[key] = obj
+            self.owner[what, key] = record.name
+            listed.append(key)
 
         return register
 
+    def _pool_kind_registrar(self, record: PluginRecord):
+        return self._registrar(
+            record, "pool kind", self.pool_kinds, record.pool_kinds,
+            accepts=lambda kind: isinstance(kind, PoolKind), not_accepted="a hicache_core.PoolKind",
+            problems_of=pool_kind_problems, key_of=lambda kind: kind.name, label_of=lambda kind: repr(kind.name),
+            taken=lambda name: f"pool kind {name!r}",
+        )  # fmt: skip
+
     def _layout_registrar(self, record: PluginRecord):
-        def register(layout: Layout) -> None:
-            if not isinstance(layout, Layout):
-                record.errors.append(f"registered {layout!r}, which is not a hicache_core.Layout")
-                return
+        def problems_of(layout: Layout) -> list[str]:
             problems = layout_problems(layout)
-            if layout.name in self.layouts:
-                problems.append(f"layout {layout.name!r} is already registered by {self.owner[layout.name]}")
             unknown = sorted(set(layout.pool_kinds or ()) - set(self.pool_kinds))
             if unknown:
                 problems.append(f"unknown pool kinds {unknown}; registered: {sorted(self.pool_kinds)}")
-            if problems:
-                record.errors.append(f"layout {layout.name!r} refused: " + "; ".join(problems))
-                return
+            return problems
+
+        def warn_twins(layout: Layout) -> None:
             twins = [name for name, other in self.layouts.items() if other.same_arrangement(layout)]
             if twins:
+                other = self.plugin_of(twins[0], "layout")
                 warnings.warn(
                     f"hicache: layout {layout.name!r} (plugin {record.name}) arranges bytes exactly as layout "
-                    f"{twins[0]!r} (plugin {self.owner[twins[0]]}) does; both are registered, under two names",
-                    stacklevel=2,
+                    f"{twins[0]!r} (plugin {other}) does; both are registered, under two names",
+                    stacklevel=3,
                 )
-            self.layouts[layout.name] = layout
-            self.owner[layout.name] = record.name
-            record.layouts.append(layout.name)
 
-        return register
+        return self._registrar(
+            record, "layout", self.layouts, record.layouts,
+            accepts=lambda layout: isinstance(layout, Layout), not_accepted="a hicache_core.Layout",
+            problems_of=problems_of, key_of=lambda layout: layout.name, label_of=lambda layout: repr(layout.name),
+            taken=lambda name: f"layout {name!r}", before_store=warn_twins,
+        )  # fmt: skip
 
     def _backend_registrar(self, record: PluginRecord):
-        def register(impl: type[Implementation]) -> None:
-            if not (isinstance(impl, type) and issubclass(impl, Implementation)):
-                record.errors.append(f"registered {impl!r}, which is not a subclass of hicache_core.Implementation")
-                return
-            problems = impl.declaration_problems()
-            if impl.name in self.implementations:
-                problems.append(f"implementation name {impl.name!r} is already registered by {self.owner[impl.name]}")
-            if problems:
-                record.errors.append(f"implementation {impl.__qualname__} refused: " + "; ".join(problems))
-                return
-            self.implementations[impl.name] = impl
-            self.owner[impl.name] = record.name
-            record.implementations.append(impl.name)
-
-        return register
+        return self._registrar(
+            record, "implementation", self.implementations, record.implementations,
+            accepts=lambda impl: isinstance(impl, type) and issubclass(impl, Implementation),
+            not_accepted="a subclass of hicache_core.Implementation",
+            problems_of=lambda impl: impl.declaration_problems(), key_of=lambda impl: impl.name,
+            label_of=lambda impl: impl.__qualname__, taken=lambda name: f"implementation name {name!r}",
+        )  # fmt: skip
 
     def _storage_registrar(self, record: PluginRecord):
-        def register(backend: type) -> None:
-            problems = storage_backend_problems(backend, self.storage_backends, self.owner)
-            if problems:
-                record.errors.append(f"storage backend {getattr(backend, '__qualname__', backend)!r} refused: "
-                                     + "; ".join(problems))  # fmt: skip
-                return
-            self.storage_backends[backend.scheme] = backend
-            self.owner[f"storage:{backend.scheme}"] = record.name
-            record.storage_backends.append(backend.scheme)
+        def accepts(backend: Any) -> bool:
+            return isinstance(backend, type) and issubclass(backend, StorageBackend)
 
-        return register
+        return self._registrar(
+            record, "storage backend", self.storage_backends, record.storage_backends,
+            accepts=accepts, not_accepted="",
+            problems_of=lambda b: b.declaration_problems() if accepts(b) else
+            [f"{b!r} is not a subclass of hicache_core.storage.StorageBackend"],
+            key_of=lambda backend: backend.scheme, label_of=lambda b: repr(getattr(b, "__qualname__", b)),
+            taken=lambda scheme: f"scheme {scheme!r}",
+        )  # fmt: skip
 
     def plugin_of_storage(self, scheme: str) -> str:
-        return self.owner.get(f"storage:{scheme}", "?")
+        return self.owner.get(("storage backend", scheme), "?")
 
     # ---- queries the dispatcher and the CLI use -------------------------------------------------
 
@@ -302,8 +323,10 @@ class Registry:
     def failed_plugins(self) -> list[PluginRecord]:
         return [r for r in self.plugins.values() if r.errors]
 
-    def plugin_of(self, name: str) -> str:
-        return self.owner.get(name, "?")
+    def plugin_of(self, name: str, what: str = "implementation") -> str:
+        """The plugin that registered ``what`` (``"implementation"``, ``"layout"``, ``"pool kind"``,
+        ``"storage backend"``) named ``name``, or ``"?"``."""
+        return self.owner.get((what, name), "?")
 
 
 def _entry_points():

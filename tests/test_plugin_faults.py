@@ -327,6 +327,22 @@ class MalformedLayouts:
         register(hc.Layout("fine_layout", ("page", "component", "layer", "token", "head", "dim")))
 
 
+class LayoutNamedReference:
+    @hookimpl
+    def hicache_register_layouts(self, register):
+        register(hc.Layout("reference", ("page", "layer", "component", "token", "head", "dim")))
+
+
+def test_owners_are_kept_per_kind_of_declaration():
+    """A layout named like an implementation does not take over that implementation's owner."""
+    registry = Registry()
+    registry.add_plugin(LayoutNamedReference(), "namesake")
+    assert registry.plugin_of("reference") == "hicache_core"
+    assert registry.plugin_of("reference", "layout") == "namesake"
+    assert registry.plugin_of("memory", "storage backend") == registry.plugin_of_storage("memory") == "hicache_core"
+    assert registry.plugin_of("mla", "pool kind") == "hicache_core"
+
+
 def test_malformed_layouts_are_refused_and_builtins_are_kept(entry_points):
     registry = entry_points(FakeEntryPoint("layouts", MalformedLayouts()))
     record = registry.plugins["layouts"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -125,6 +126,10 @@ _READ_COUNTER = {
 }
 
 
+#: A URL scheme (RFC 3986): a letter, then letters, digits, ``+``, ``-`` or ``.``, lower case here.
+_SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*$")
+
+
 class StorageBackend:
     """Base class of every L3 storage backend (SGLang's ``HiCacheStorage`` contract).
 
@@ -153,6 +158,21 @@ class StorageBackend:
     io_chunk_bytes: ClassVar[int] = 8 << 20
     #: Options this backend accepts (URL query or keyword), with a one-line meaning each.
     options_help: ClassVar[Mapping[str, str]] = {}
+
+    @classmethod
+    def declaration_problems(cls) -> list[str]:
+        """What is malformed in the class declaration (checked when a plugin registers it)."""
+        problems = []
+        if not isinstance(cls.scheme, str) or not _SCHEME.match(cls.scheme):
+            problems.append(f"scheme must be a URL scheme such as 'file' or 'redis', got {cls.scheme!r}")
+        if not isinstance(cls.capabilities, Capabilities):
+            problems.append("capabilities must be a hicache_core.storage.Capabilities")
+        else:
+            reader = "get_objects_into" if cls.capabilities.zero_copy else "get_objects"
+            for name in ("exists_objects", "put_objects", reader):
+                if getattr(cls, name) is getattr(StorageBackend, name):
+                    problems.append(f"does not implement {name}")
+        return problems
 
     def __init__(self, url: StorageURL, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.options_help))
