@@ -45,7 +45,7 @@ from .device import (
     interpreting,
     triton_available,
 )
-from .knobs import SMBudget, env_int
+from .knobs import Knob, SMBudget, checked, env_int, read_knobs
 
 #: The parameters every kernel starts with, in this order (checked when a kernel is loaded).
 CALL_PARAMS = ("anchor", "hidx", "didx", "h_stride", "d_stride", "n", "seq", "drop")
@@ -267,9 +267,8 @@ class TritonImplementation(SMBudget, Implementation):
         """Set the shared knobs from the environment (through the setters, so values are checked alike)."""
         prefix = self.env_prefix
         self.max_ctas = env_int(f"{prefix}_MAX_CTAS", self.default_max_ctas, minimum=0)
-        self.num_warps = env_int(f"{prefix}_NUM_WARPS", self._num_warps, minimum=1)
-        self.stages = env_int(f"{prefix}_STAGES", self._stages, minimum=0)
-        self.fast_launch = env_int(f"{prefix}_FAST_LAUNCH", 2, minimum=0)
+        self.fast_launch = 2
+        read_knobs(self, prefix)
 
     def _finish_init(self) -> None:
         """Configure once every knob is set (subclasses call this at the end of ``__init__``)."""
@@ -285,40 +284,26 @@ class TritonImplementation(SMBudget, Implementation):
             group.fast.clear()
             group.scratch.clear()
 
-    @property
-    def num_warps(self) -> int:
-        """Warps per CTA: a power of two from 1 to 32 (1024 threads, CUDA's limit per block)."""
-        return self._num_warps
+    num_warps = Knob(
+        checked(lambda v: _is_int(v) and 1 <= v <= MAX_NUM_WARPS and not v & (v - 1),
+                f"a power of two in [1, {MAX_NUM_WARPS}]"),
+        env="NUM_WARPS", minimum=1,
+        doc="Warps per CTA: a power of two from 1 to 32 (1024 threads, CUDA's limit per block).",
+    )  # fmt: skip
+    stages = Knob(
+        checked(lambda v: _is_int(v) and (v == 0 or 2 <= v <= 16), "0 or an int in [2, 16]"),
+        env="STAGES",
+        doc="0: a plain persistent loop; ``s >= 2``: Triton pipelines the host accesses over ``s`` stages.",
+    )
+    fast_launch = Knob(
+        checked(lambda v: v in FAST_LAUNCH_MODES and _is_int(v), f"one of {FAST_LAUNCH_MODES}"),
+        env="FAST_LAUNCH", changed="_launch_path_changed",
+        doc="How calls after the first launch: 0 Triton's ``kernel[grid]``, 1 the compiled launcher, 2 its C function.",
+    )  # fmt: skip
 
-    @num_warps.setter
-    def num_warps(self, value: int) -> None:
-        if not _is_int(value) or not 1 <= value <= MAX_NUM_WARPS or value & (value - 1):
-            raise ValueError(f"num_warps must be a power of two in [1, {MAX_NUM_WARPS}], got {value!r}")
-        self._num_warps = value
-        self._reconfigure()
-
-    @property
-    def stages(self) -> int:
-        """0: a plain persistent loop; ``s >= 2``: Triton pipelines the host accesses over ``s`` stages."""
-        return self._stages
-
-    @stages.setter
-    def stages(self, value: int) -> None:
-        if not _is_int(value) or value < 0 or value == 1 or value > 16:
-            raise ValueError(f"stages must be 0 or an int in [2, 16], got {value!r}")
-        self._stages = value
-        self._reconfigure()
-
-    @property
-    def fast_launch(self) -> int:
-        """How calls after the first launch: 0 Triton's ``kernel[grid]``, 1 the compiled launcher, 2 its C function."""
-        return self._fast_launch
-
-    @fast_launch.setter
-    def fast_launch(self, value: int) -> None:
-        if value not in FAST_LAUNCH_MODES or not _is_int(value):
-            raise ValueError(f"fast_launch must be one of {FAST_LAUNCH_MODES}, got {value!r}")
-        self._fast_launch = value if self._cuda else 0
+    def _launch_path_changed(self) -> None:
+        if not self._cuda:
+            self._fast_launch = 0  # the interpreter has no compiled launcher
         for group in self._groups:
             group.fast.clear()
 

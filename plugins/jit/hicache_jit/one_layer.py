@@ -28,7 +28,7 @@ import torch
 
 from hicache_core import BACKUP_ALL, BACKUP_LAYER, LOAD, TransferPlan, TransferRequest
 from hicache_core.gpu import uva
-from hicache_core.gpu.knobs import env_int
+from hicache_core.gpu.knobs import Knob, checked
 from hicache_core.gpu.triton_base import (
     CALL_PARAMS,
     LaunchGroup,
@@ -329,14 +329,7 @@ class JitOneLayer(TritonImplementation):
             self._groups.append(_Group(chosen, words=words, strides=strides, layer_args=layer_args))
 
         self.variant = os.environ.get(ENV_VARIANT) or DEFAULT_VARIANT
-        # Environment overrides of the preset, checked through the setters like values set later.
-        self.tile_bytes = env_int(ENV_TILE_BYTES, self._tile_bytes, minimum=1)
-        raw_hints = os.environ.get(ENV_HINTS)
-        if raw_hints:
-            self.hints = HINTS[raw_hints] if raw_hints in HINTS else int(raw_hints)
-        raw_prefetch = os.environ.get(ENV_PREFETCH)
-        if raw_prefetch:
-            self.prefetch = PREFETCH[raw_prefetch] if raw_prefetch in PREFETCH else int(raw_prefetch)
+        # Environment overrides of the preset (every knob's variable), checked like values set later.
         self._read_knobs()
         self._finish_init()
 
@@ -361,41 +354,21 @@ class JitOneLayer(TritonImplementation):
         self._stages = preset.stages
         self._reconfigure()
 
-    @property
-    def tile_bytes(self) -> int:
-        """Bytes one CTA moves per loop iteration (rounded to whole items, a power of two of them)."""
-        return self._tile_bytes
-
-    @tile_bytes.setter
-    def tile_bytes(self, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"tile_bytes must be an int >= 1, got {value!r}")
-        self._tile_bytes = value
-        self._reconfigure()
-
-    @property
-    def hints(self) -> int:
-        """Host-side cache hints: 0 none, 1 ``.cg`` loads / ``.cs`` stores, 2 ``evict_first``."""
-        return self._hints
-
-    @hints.setter
-    def hints(self, value: int) -> None:
-        if value not in HINTS.values() or isinstance(value, bool):
-            raise ValueError(f"hints must be one of {HINTS}, got {value!r}")
-        self._hints = value
-        self._reconfigure()
-
-    @property
-    def prefetch(self) -> int:
-        """Row kernel: 0 none, 1 the next tile's indices, 2 its indices and data (two tiles in flight)."""
-        return self._prefetch
-
-    @prefetch.setter
-    def prefetch(self, value: int) -> None:
-        if value not in PREFETCH.values() or isinstance(value, bool):
-            raise ValueError(f"prefetch must be one of {PREFETCH}, got {value!r}")
-        self._prefetch = value
-        self._reconfigure()
+    tile_bytes = Knob(
+        checked(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
+        env="TILE_BYTES", minimum=1,
+        doc="Bytes one CTA moves per loop iteration (rounded to whole items, a power of two of them).",
+    )  # fmt: skip
+    hints = Knob(
+        checked(lambda v: v in HINTS.values() and not isinstance(v, bool), f"one of {HINTS}"),
+        env="HINTS", parse=lambda _, text: HINTS[text] if text in HINTS else int(text),
+        doc="Host-side cache hints: 0 none, 1 ``.cg`` loads / ``.cs`` stores, 2 ``evict_first``.",
+    )  # fmt: skip
+    prefetch = Knob(
+        checked(lambda v: v in PREFETCH.values() and not isinstance(v, bool), f"one of {PREFETCH}"),
+        env="PREFETCH", parse=lambda _, text: PREFETCH[text] if text in PREFETCH else int(text),
+        doc="Row kernel: 0 none, 1 the next tile's indices, 2 its indices and data (two tiles in flight).",
+    )  # fmt: skip
 
     def launch_config(self) -> list[dict[str, Any]]:
         """Per launch group: the kernel, tile and constexprs a call uses now (for benchmarks and reports)."""

@@ -22,7 +22,7 @@ import torch
 
 from hicache_core import OPERATIONS, TransferPlan
 from hicache_core.gpu import uva
-from hicache_core.gpu.knobs import env_int
+from hicache_core.gpu.knobs import Knob, checked
 from hicache_core.gpu.triton_base import (
     CALL_PARAMS,
     LaunchGroup,
@@ -115,24 +115,18 @@ class TritonUVA(TritonImplementation):
                     constexprs=constexprs,
                 )
             )
-        self._tile_words = min(MAX_TILE_WORDS, max(1, TILE_BYTES // self.word_bytes))
+        self.tile_words = min(MAX_TILE_WORDS, max(1, TILE_BYTES // self.word_bytes))
         self._read_knobs()
-        self.tile_words = env_int(ENV_TILE_WORDS, self._tile_words, minimum=1)
         self._finish_init()
 
     # ---- tuning ------------------------------------------------------------------------------
 
-    @property
-    def tile_words(self) -> int:
-        """Words one CTA moves per loop iteration (a power of two; rounded up when set)."""
-        return self._tile_words
-
-    @tile_words.setter
-    def tile_words(self, value: int) -> None:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"tile_words must be an int >= 1, got {value!r}")
-        self._tile_words = 1 << (value - 1).bit_length()
-        self._reconfigure()
+    tile_words = Knob(
+        checked(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1",
+                keep=lambda v: 1 << (v - 1).bit_length()),
+        env="TILE_WORDS", minimum=1,
+        doc="Words one CTA moves per loop iteration (a power of two; rounded up when set).",
+    )  # fmt: skip
 
     def _configure(self) -> None:
         """Rebuild the argument tuples of every (direction, layer) after a tuning change."""
