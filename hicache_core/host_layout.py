@@ -121,7 +121,7 @@ def host_layout_spec(geometry: PoolGeometry, layout: Layout, num_pages: int) -> 
     kind = geometry.decl
     if kind is None:
         raise ValueError("the geometry has no pool kind declaration")
-    if layout.pool_kinds is not None and kind.name not in layout.pool_kinds:
+    if not layout.allows(kind.name):
         raise ValueError(f"layout {layout.name!r} cannot store pool kind {kind.name!r}")
     if kind.layouts is not None and layout.name not in kind.layouts:
         raise ValueError(f"pool kind {kind.name!r} allows only the layouts {', '.join(sorted(kind.layouts))}")

@@ -80,7 +80,8 @@ def geometry_description(host_pool: Any) -> dict[str, Any]:
         "layout": layout.name,
         "layout_axes": list(layout.axes),
         # whatever else the declaration says about placement (split parts, merged axes, components)
-        "layout_decl": [repr(getattr(layout, f, None)) for f in _LAYOUT_FIELDS],
+        # split_at left the declaration in 0.2.0; it stays None here so that stored pages keep their keys.
+        "layout_decl": [repr(None if f == "split_at" else getattr(layout, f, None)) for f in _LAYOUT_FIELDS],
         "dtype": str(geometry.dtype).replace("torch.", ""),
         "item_bytes": list(geometry.item_bytes),
         "page_size": geometry.page_size,

@@ -62,7 +62,7 @@ def storage_cases(registry: Registry, variants=("plain", "sharded", "draft"), pa
 
     def fits(kind: str, name: str, layout: Any) -> bool:
         allowed = getattr(kinds[kind], "layouts", None)  # a pool kind may name the only layouts it takes
-        return (layout.pool_kinds is None or kind in layout.pool_kinds) and (allowed is None or name in allowed)
+        return layout.allows(kind) and (allowed is None or name in allowed)
 
     return [
         StorageCase(kind, name, variant, p)
