@@ -14,6 +14,7 @@ from .dispatch import UnsupportedCombinationError, resolve
 from .implementation import OPERATIONS, TransferRequest
 from .registry import Registry, get_registry
 from .tools.shapes import shape_for_kind
+from .versions import core_version
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,9 +163,13 @@ def cmd_plugins(registry: Registry, as_json: bool) -> int:
     if as_json:
         print(json.dumps(records, indent=2))
         return 0
+    print(f"hicache-core {core_version()} (plugin API {'.'.join(core_version().split('.')[:2])})")
     for data in records:
         version = f" {data['version']}" if data["version"] else ""
         print(f"{data['name']} ({data['distribution'] or 'no distribution'}{version}): {data['status']}")
+        if data["requires"] is not None:
+            verdict = "compatible" if data["compatible"] else "INCOMPATIBLE"
+            print(f"    requires hicache-core {data['requires'] or '(any version)'}: {verdict}")
         for kind in data["pool_kinds"]:
             print(f"    pool kind {kind}")
         for layout in data["layouts"]:

@@ -95,7 +95,8 @@ def make_host_pool(
         raise ValueError(
             f"the host pool ({size} tokens) would be smaller than its device pool ({device_size} tokens). The host "
             "tier backs the device tier up (SGLang refuses this too); pass size >= the device pool's size, or a "
-            "host_to_device_ratio >= 1. (size counts tokens, not bytes or GB.)"
+            "host_to_device_ratio >= 1. (size counts tokens, not bytes or GB.) Changed in hicache-core 0.2.0: "
+            "0.1 accepted a host pool smaller than its device pool."
         )
     pinned = bool(pin_memory) and geometry.device_type == "cuda" and torch.cuda.is_available()
     required = list(operations) if operations is not None else default_operations(geometry)

@@ -22,10 +22,12 @@ import pluggy
 
 from . import hookspecs
 from .builtin import CorePlugin
-from .implementation import Implementation
+from .geometry import example_geometry
+from .implementation import OPERATIONS, Implementation, TransferRequest
 from .layouts import Layout, layout_problems
 from .pool_kinds import PoolKind, pool_kind_problems
 from .storage.backend import StorageBackend
+from .versions import compatibility_problem, core_requirement, core_version
 
 ENV_PLUGINS = "HICACHE_PLUGINS"
 ENTRY_POINT_GROUP = "hicache"
@@ -46,6 +48,10 @@ class PluginRecord:
     hooks: list[str] = field(default_factory=list)
     pool_kinds: list[str] = field(default_factory=list)
     storage_backends: list[str] = field(default_factory=list)
+    #: The range of hicache-core its distribution requires (``None``: not declared; ``""``: any).
+    requires: str | None = None
+    #: Refused at load (a hook or a declaration raised): nothing it registered is used.
+    refused: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -59,6 +65,8 @@ class PluginRecord:
             "layouts": list(self.layouts),
             "implementations": list(self.implementations),
             "storage_backends": list(self.storage_backends),
+            "requires": self.requires,
+            "compatible": compatibility_problem(self.requires, core_version()) is None,
         }
 
 
@@ -85,6 +93,8 @@ class Registry:
         self.allow: set[str] | None = None
         self._resolved: dict[Any, Any] = {}
         self._sorted: dict[str, list[type[Implementation]]] = {}
+        self._probe_key: tuple | None = None
+        self._probe_list: list[TransferRequest] = []
         self.add_plugin(CorePlugin(), CORE_PLUGIN, distribution="hicache-core", version=_version("hicache-core"))
 
     @classmethod
@@ -100,6 +110,7 @@ class Registry:
         for ep in sorted(_entry_points(), key=lambda e: e.name):
             dist = getattr(getattr(ep, "dist", None), "name", None)
             version = getattr(getattr(ep, "dist", None), "version", None)
+            requires = core_requirement(getattr(getattr(ep, "dist", None), "requires", None))
             seen.update((ep.name, dist))
             if allow is not None and ep.name not in allow and dist not in allow:
                 self.plugins[ep.name] = PluginRecord(ep.name, dist, version, status="filtered")
@@ -108,9 +119,13 @@ class Registry:
                 plugin = ep.load()
             except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's, and is reported
                 key = self._record_key(ep.name, dist)
-                self.plugins[key] = PluginRecord(key, dist, version, "failed", [_error_text(exc)])
+                self.plugins[key] = PluginRecord(key, dist, version, "failed", [_error_text(exc)], requires=requires)
                 continue
             record = self.add_plugin(plugin, ep.name, distribution=dist, version=version, run_hooks=False)
+            record.requires = requires
+            problem = compatibility_problem(requires, core_version())
+            if problem is not None:
+                record.errors.append(problem)
             if record.status != "failed":
                 loaded.append((plugin, record))
         # Phases, as the hook specs promise: every plugin's pool kinds, then layouts, then backends.
@@ -123,6 +138,8 @@ class Registry:
             self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
         for plugin, record in loaded:
             self._call(plugin, record, "hicache_register_storage_backends", self._storage_registrar(record))
+        for _plugin, record in loaded:
+            self._probe_declarations(record)
         self._resolved.clear()
         self._sorted.clear()
         for name in sorted((allow or set()) - seen):  # a typo in HICACHE_PLUGINS must not pass silently
@@ -170,6 +187,7 @@ class Registry:
             self._bind_declarations()
             self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
             self._call(plugin, record, "hicache_register_storage_backends", self._storage_registrar(record))
+            self._probe_declarations(record)
             self._resolved.clear()
             self._sorted.clear()
         return record
@@ -195,13 +213,63 @@ class Registry:
 
     def _call(self, plugin, record, hook_name, register) -> None:
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-            if impl.plugin is not plugin:
+            if impl.plugin is not plugin or record.refused:
                 continue
             try:
                 impl.function(register=register)
             except Exception as exc:  # noqa: BLE001 - reported against the plugin, others go on
-                record.status = "failed"
-                record.errors.append(f"{hook_name} raised {_error_text(exc)}")
+                self._refuse(record, f"{hook_name} raised {_error_text(exc)}")
+
+    def _refuse(self, record: PluginRecord, why: str) -> None:
+        """Refuse a plugin at load: its error is listed, and nothing it registered stays (no fault inside dispatch)."""
+        withdrawn = []
+        for what, table, names in (
+            ("pool kind", self.pool_kinds, record.pool_kinds),
+            ("layout", self.layouts, record.layouts),
+            ("implementation", self.implementations, record.implementations),
+            ("storage backend", self.storage_backends, record.storage_backends),
+        ):
+            for name in names:
+                table.pop(name, None)
+                self.owner.pop((what, name), None)
+                withdrawn.append(f"{what} {name}")
+            names.clear()
+        record.status, record.refused = "failed", True
+        record.errors.append(why + (f"; refused at load, withdrawn: {', '.join(withdrawn)}" if withdrawn else ""))
+        self._sorted.clear()
+
+    def _probe_declarations(self, record: PluginRecord) -> None:
+        """Ask each of the plugin's implementations about every kind, layout, operation and device, once, now.
+
+        An implementation whose ``not_supported_reasons`` raises would otherwise surface inside dispatch,
+        on a server's call path; here it refuses its plugin at load instead, with the request that broke it.
+        """
+        for name in list(record.implementations):
+            impl = self.implementations[name]
+            for request in self._probes():
+                try:
+                    impl.not_supported_reasons(request.with_(io_backend=impl.io_backend))
+                except Exception as exc:  # noqa: BLE001 - the plugin's bug, reported against it
+                    where = f"{request.pool_kind}, {request.layout.name}, {request.operation}, {request.device_type}"
+                    self._refuse(record, f"implementation {name}: not_supported_reasons raised {_error_text(exc)} "
+                                         f"for ({where})")  # fmt: skip
+                    return
+
+    def _probes(self) -> list[TransferRequest]:
+        key = (tuple(self.pool_kinds.values()), tuple(self.layouts.values()))
+        if self._probe_key != key:
+            requests = []
+            for kind in self.pool_kinds.values():
+                for device in ("cpu", "cuda"):
+                    try:
+                        geometry = example_geometry(kind, page_size=4, layer_num=2, device_type=device)
+                    except Exception:  # noqa: BLE001 - a kind without examples is probed by its users' pools
+                        continue
+                    for layout in self.layouts.values():
+                        for op in OPERATIONS:
+                            requests.append(TransferRequest("probe", op, geometry, layout))
+            self._probe_key, self._probe_list = key, requests
+        return self._probe_list
 
     def _registrar(
         self,

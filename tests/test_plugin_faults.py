@@ -229,11 +229,12 @@ def test_a_plugin_whose_hook_raises_is_marked_failed_and_named(entry_points):
         FakeEntryPoint("good", good_plugin()),
     )
     raiser = registry.plugins["raiser"]
-    assert raiser.status == "failed"
+    assert raiser.status == "failed" and raiser.refused
     assert len(raiser.errors) == 1
     assert raiser.errors[0].startswith("hicache_register_backends raised RuntimeError: boom while registering (at ")
-    # its layout hook ran first and stands
-    assert raiser.layouts == ["fault_layout"]
+    # refused at load: the layout its earlier hook registered is withdrawn, and the error says so
+    assert raiser.errors[0].endswith("; refused at load, withdrawn: layout fault_layout")
+    assert raiser.layouts == [] and "fault_layout" not in registry.layouts
     badlayout = registry.plugins["badlayout"]
     assert badlayout.status == "failed"
     assert badlayout.errors[0].startswith("hicache_register_layouts raised ValueError: invalid layout 'bad layout'")
@@ -492,20 +493,26 @@ class ShakyReasons(hc.Implementation):
     backup_from_device_per_layer = backup_from_device_all_layer = load_to_device_per_layer
 
 
-def test_an_implementation_raising_while_deciding_is_a_named_refusal(entry_points):
+def test_an_implementation_raising_while_deciding_is_refused_at_load(entry_points):
     fallback = copying("shaky.fallback", "shaky", priority=10)
-    registry = entry_points(FakeEntryPoint("shaky", Registers(ShakyReasons, fallback)))
-    with pytest.warns(UserWarning, match=r"shaky.buggy \(plugin shaky\) raised in not_supported_reasons"):
-        host = hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="shaky", registry=registry)
-    assert set(host.implementations.values()) == {"shaky.fallback"}
-    alone = entry_points(FakeEntryPoint("shaky", Registers(ShakyReasons)))
-    with pytest.warns(UserWarning), pytest.raises(hc.UnsupportedCombinationError) as err:
-        hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="shaky", registry=alone)
-    message = str(err.value)
-    assert "    shaky.buggy (plugin shaky, priority 20):" in message
-    assert "        - not_supported_reasons raised ValueError: the mha pool has no attribute 'no_such_attribute'" in (
-        message
+    other = copying("steady.copy", "steady")
+    registry = entry_points(FakeEntryPoint("shaky", Registers(ShakyReasons, fallback)),
+                            FakeEntryPoint("steady", Registers(other)))  # fmt: skip
+    record = registry.plugins["shaky"]
+    assert record.status == "failed" and record.refused
+    assert record.errors[0].startswith(
+        "implementation shaky.buggy: not_supported_reasons raised ValueError: the mha pool has no attribute "
+        "'no_such_attribute'"
     )
+    assert "refused at load, withdrawn: implementation shaky.buggy, implementation shaky.fallback" in record.errors[0]
+    assert "shaky.buggy" not in registry.implementations and "shaky.fallback" not in registry.implementations
+    works(registry, "steady")  # the other plugins are untouched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing surfaces inside dispatch: the refusal happened at load
+        with pytest.raises(hc.UnsupportedCombinationError) as err:
+            hc.make_host_pool(device_pool("mha"), layout="layer_first", io_backend="shaky", registry=registry)
+    message = str(err.value)
+    assert "): implementation shaky.buggy: not_supported_reasons raised ValueError" in message
 
 
 class FailsToConstruct(hc.Implementation):

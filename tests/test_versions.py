@@ -1,0 +1,85 @@
+"""The plugin API's version: ranges plugins require, checked at load and shown by ``hicache plugins``."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hicache_core as hc
+import hicache_core.registry as registry_module
+from hicache_core import hookimpl, versions
+from hicache_core.cli import main
+from hicache_core.registry import Registry
+
+
+@pytest.mark.parametrize("spec, version, expect", [
+    (">=0.2,<0.3", "0.2.0", True), (">=0.2,<0.3", "0.3.0", False), (">=0.1", "0.2.0", True),
+    (">=0.1,<0.2", "0.2.0", False), ("~=0.2", "0.2.7", True), ("~=0.2", "1.0", False), ("==0.2.*", "0.2.1", True),
+    ("!=0.2.0", "0.2.0", False), ("", "0.2.0", True), (">=0.2a1", "0.2.0", None), ("===0.2", "0.2.0", None),
+])  # fmt: skip
+def test_the_ranges_plugins_pin_are_read_and_never_guessed(spec, version, expect):
+    assert versions.admits(spec, version) is expect
+
+
+def test_the_requirement_on_the_core_is_read_from_the_distribution():
+    assert versions.core_requirement(["torch>=2.1", "hicache-core<0.3,>=0.2"]) == "<0.3,>=0.2"
+    assert versions.core_requirement(["hicache_core (>=0.1)"]) == ">=0.1"
+    assert versions.core_requirement(["hicache-core"]) == ""
+    assert versions.core_requirement(["pytest>=7; extra == 'test'"]) is None
+    assert versions.core_version() == "0.2.0" == versions.CORE_VERSION
+
+
+class Layouts:
+    def __init__(self, name):
+        self.name = name
+
+    @hookimpl
+    def hicache_register_layouts(self, register):
+        axes = ("page", "layer", "component", "token", "head", "dim")
+        register(hc.Layout(f"{self.name}_layout", axes if self.name == "old" else axes[1::-1] + axes[2:]))
+
+
+def _entry_point(name, requires):
+    dist = SimpleNamespace(name=f"hicache-{name}", version="0.1.0", requires=requires)
+    return SimpleNamespace(name=name, dist=dist, load=lambda: Layouts(name))
+
+
+def test_hicache_plugins_shows_each_range_and_what_is_incompatible(monkeypatch, capsys):
+    hc.get_registry()
+    monkeypatch.setattr(registry_module, "_entry_points", lambda: [
+        _entry_point("old", ["hicache-core>=0.1,<0.2"]), _entry_point("fits", ["hicache-core>=0.2,<0.3"])])  # fmt: skip
+    registry = Registry.from_entry_points()
+    old, fits = registry.plugins["old"], registry.plugins["fits"]
+    assert old.requires == ">=0.1,<0.2" and fits.requires == ">=0.2,<0.3" and not fits.errors
+    assert old.errors == [
+        'requires hicache-core >=0.1,<0.2, but 0.2.0 is running: it was written for another plugin API '
+        '(docs/plugins.md, "Versions"); install a release of the plugin made for this one'
+    ]
+    monkeypatch.setattr("hicache_core.cli.get_registry", lambda: registry)
+    assert main(["plugins"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("hicache-core 0.2.0 (plugin API 0.2)\n")
+    assert "old (hicache-old 0.1.0): loaded\n    requires hicache-core >=0.1,<0.2: INCOMPATIBLE\n" in text
+    assert "fits (hicache-fits 0.1.0): loaded\n    requires hicache-core >=0.2,<0.3: compatible\n" in text
+    assert main(["plugins", "--json"]) == 0
+    records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert (records["old"]["requires"], records["old"]["compatible"]) == (">=0.1,<0.2", False)
+    assert records["fits"]["compatible"] is True and records["hicache_core"]["requires"] is None
+
+
+def test_first_party_plugins_pin_a_range_that_admits_this_core():
+    registry = hc.get_registry()
+    for name in ("direct", "kernel", "jit", "portable", "storage-file"):
+        record = next((r for r in registry.plugins.values() if r.distribution == f"hicache-{name}"), None)
+        if record is None:
+            continue  # not installed here
+        assert record.requires == "<0.3,>=0.2" and not record.errors, record
+
+
+def test_the_size_rule_says_what_changed_and_since_when():
+    dev = hc.MHADevicePool(24, 4, torch.bfloat16, 2, 8, 2, "cpu")
+    with pytest.raises(ValueError, match=r"Changed in hicache-core 0\.2\.0: 0\.1 accepted a host pool smaller"):
+        hc.make_host_pool(dev, layout="layer_first", io_backend="reference", size=8)
