@@ -482,3 +482,63 @@ def _load_kit_plugin():
     namespace: dict = {"__name__": "kitimpls_inline"}
     exec(compile(IMPLS, "kitimpls_inline", "exec"), namespace)
     return namespace["KitPlugin"]()
+
+
+# ---- fail-closed: a layout without an oracle, a case that loses the CUDA context -----------------
+
+
+def test_a_layout_without_an_oracle_fails_the_declaration_check_saying_how_to_declare_one(kit, pytester):
+    pytester.makepyfile(noracle=textwrap.dedent('''
+        import hicache_core as hc
+        from hicache_core import hookimpl
+        from kitimpls import KitPlugin
+
+        class WithUnchecked(KitPlugin):
+            @hookimpl
+            def hicache_register_layouts(self, register):
+                super().hicache_register_layouts(register)
+                register(hc.Layout("unchecked", ("page", "layer", "component", "token", "head", "dim"),
+                                   pool_kinds=frozenset({"mha"})))
+    '''))
+    pytester.makepyfile(test_kit=textwrap.dedent('''
+        from hicache_core.testing import ConformanceTests
+        from noracle import WithUnchecked
+
+        class TestKit(ConformanceTests):
+            implementation = "kit.good"
+            plugins = {"kitplugin": WithUnchecked()}
+            only_pool_kinds = ("mha",)
+            page_sizes = (64,)
+            index_dtypes = ("int64",)
+    '''))
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rs", "-k", "test_declaration or (oracle and unchecked)")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) >= 2 and "skipped" not in outcomes, result.stdout.str()
+    result.stdout.fnmatch_lines([
+        "*TestKit.test_declaration*",
+        "E       AssertionError: layout 'unchecked' (plugin kitplugin) declares no oracle*Since hicache-core 0.2.0 "
+        "this fails instead of skipping. Declare one: Layout(..., oracle=fn)*"])  # fmt: skip
+
+
+def test_a_case_that_loses_the_cuda_context_fails_and_ends_the_run_naming_it(kit, monkeypatch):
+    """Injected: on a CPU machine no case can really lose a CUDA context; the GPU gate runs the real path."""
+    from hicache_core.testing import conformance
+
+    checks = []
+
+    def lost_on_the_second_case():
+        checks.append(1)
+        return "CUDA error: an illegal memory access was encountered (injected)" if len(checks) == 2 else None
+
+    monkeypatch.setattr(conformance, "context_lost", lost_on_the_second_case)
+    monkeypatch.setattr(conformance, "_cuda_lost", [])
+    result = kit("kit.good", "-k", "test_round_trip")
+    outcomes = result.parseoutcomes()
+    # The check runs after each case: the second case errors (at its teardown), and no third case runs.
+    assert outcomes.get("errors") == 1 and outcomes.get("passed") == 2 and "failed" not in outcomes, result.stdout.str()
+    assert result.ret != 0
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of TestKit.test_round_trip[[]*",
+        "*this case left the CUDA context broken: CUDA error: an illegal memory access was encountered (injected)",
+        "*Interrupted: hicache conformance kit: the CUDA context was lost in test_kit.py::TestKit::test_round_trip[[]*"
+        "the run stops here*"])  # fmt: skip

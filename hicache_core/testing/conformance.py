@@ -51,6 +51,17 @@ _registries: dict[type, Registry] = {}
 _cuda_lost: list[str] = []
 
 
+def context_lost() -> str | None:
+    """Why the CUDA context is unusable now (a sticky error shows at the next synchronize), or ``None``."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 @dataclass
 class _Side:
     """One half of a comparison: a device pool, its drafts, and the host pool moving its bytes."""
@@ -195,17 +206,22 @@ class ConformanceTests:
 
     @pytest.fixture(autouse=True)
     def _hicache_cuda_guard(self, request):
-        """Pin a broken CUDA context on the case that broke it; later CUDA cases skip, naming that case."""
+        """Pin a broken CUDA context on the case that broke it: that case fails, and the run ends there.
+
+        A sticky CUDA error leaves the context unusable, so every later CUDA case would fail for
+        that reason and not its own; the session stops after this case with a report naming it.
+        """
         if _cuda_lost and self.device_under_test().type == "cuda":
-            pytest.skip(f"the CUDA context was lost in an earlier case ({_cuda_lost[0]}); every later CUDA case "
-                        "would fail for that reason, not its own")  # fmt: skip
+            pytest.fail(f"the CUDA context was lost in an earlier case ({_cuda_lost[0]})", pytrace=False)
         yield
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            try:
-                torch.cuda.synchronize()
-            except RuntimeError as exc:  # a sticky error: the context is unusable from here on
-                _cuda_lost.append(f"{request.node.name}: {exc}")
-                pytest.fail(f"this case left the CUDA context broken: {exc}", pytrace=False)
+        lost = context_lost()
+        if lost is not None:
+            _cuda_lost.append(f"{request.node.nodeid}: {lost}")
+            request.session.shouldstop = (
+                f"hicache conformance kit: the CUDA context was lost in {request.node.nodeid} ({lost}); the run stops "
+                "here, since every later CUDA case would fail for that reason"
+            )
+            pytest.fail(f"this case left the CUDA context broken: {lost}", pytrace=False)
 
     @pytest.fixture
     def hicache_registry(self) -> Registry:
@@ -224,6 +240,8 @@ class ConformanceTests:
         errors = record.errors if record is not None else ["no plugin record"]
         assert not errors, f"{impl.name}: its plugin {registry.plugin_of(impl.name)} reported errors: {errors}"
         assert impl in registry.candidates(impl.io_backend), f"{impl.name} is not a candidate for {impl.io_backend!r}"
+        missing = [name for name in _claimed_layouts(type(self)) if registry.layouts[name].oracle is None]
+        assert not missing, "; ".join(_no_oracle(registry, name) for name in missing)
 
     def test_round_trip(self, hicache_case: Case) -> None:
         """Byte-exact against the reference: pages in random order, every host layer, every byte compared."""
@@ -426,10 +444,7 @@ class ConformanceTests:
         registry = self.registry_under_test()
         oracle = registry.layouts[case.layout].oracle
         if oracle is None:
-            pytest.skip(
-                f"layout {case.layout!r} declares no oracle (Layout(oracle=...)), so the kit cannot check its "
-                "declaration independently of the reference"
-            )
+            pytest.fail(_no_oracle(registry, case.layout), pytrace=False)
         impl_side, _ = self._pair(case)
         h, d = self._round_trip_indices(case, impl_side)
         self._transfer(case, impl_side, h, d)
@@ -748,6 +763,12 @@ def _axes(cls: type[ConformanceTests]):
     return impl, registry, kinds, layouts, ops
 
 
+def _claimed_layouts(cls: type[ConformanceTests]) -> list[str]:
+    """The layouts the kit runs the implementation on (any pool kind it claims)."""
+    _, _, _, layouts, _ = _axes(cls)
+    return sorted({name for names in layouts.values() for name in names})
+
+
 def _collection_refusal(cls: type[ConformanceTests], impl, registry: Registry, case: Case) -> str | None:
     device = cls.device_under_test()
     kind = registry.pool_kinds[case.pool_kind]
@@ -797,6 +818,16 @@ def _per_layout(
                     for extra in extras_for(registry.pool_kinds[kind], op, p):
                         case = Case(kind, layout, op, variant, p, _one_dtype(cls), extra)
                         yield case, _collection_refusal(cls, impl, registry, case)
+
+
+def _no_oracle(registry: Registry, layout: str) -> str:
+    return (
+        f"layout {layout!r} (plugin {registry.plugin_of(layout, 'layout')}) declares no oracle, so the kit cannot "
+        "check where it puts each byte independently of the reference (which reads the same declaration). Since "
+        "hicache-core 0.2.0 this fails instead of skipping. Declare one: Layout(..., oracle=fn), where "
+        "fn(host_pool, part, layer, item) returns the host bytes of that item of that part and layer, written from "
+        "the server's shapes, not from the layout's axes (hicache_core.layout_oracles does it for SGLang's layouts)"
+    )
 
 
 def _bad_inputs(kind, op: str, page_size: int) -> list[str]:
