@@ -14,13 +14,21 @@ from collections.abc import Mapping
 import torch
 
 from .pool_kinds import PoolKind
+from .validation import positive_int, strict_int
+
+
+def _check_dtype(dtype: object) -> None:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__} {dtype!r}")
 
 
 class _LayeredPool:
     pool_kind: str
 
     def _layers(self, layer_num: int, start_layer: int, end_layer: int | None) -> range:
-        end_layer = layer_num if end_layer is None else end_layer
+        layer_num = positive_int(layer_num, "layer_num")
+        start_layer = strict_int(start_layer, "start_layer")
+        end_layer = layer_num if end_layer is None else strict_int(end_layer, "end_layer")
         if not 0 <= start_layer < end_layer <= layer_num:
             raise ValueError(f"owned layers [{start_layer}, {end_layer}) must lie inside [0, {layer_num})")
         self.layer_num, self.start_layer, self.end_layer = layer_num, start_layer, end_layer
@@ -51,6 +59,10 @@ class MHADevicePool(_LayeredPool):
         start_layer: int = 0,
         end_layer: int | None = None,
     ) -> None:
+        size, page_size = positive_int(size, "size (device token slots)"), positive_int(page_size, "page_size")
+        head_num, head_dim = positive_int(head_num, "head_num"), positive_int(head_dim, "head_dim")
+        v_head_dim = None if v_head_dim is None else positive_int(v_head_dim, "v_head_dim")
+        _check_dtype(dtype)
         self.size, self.page_size, self.dtype, self.device = size, page_size, dtype, torch.device(device)
         self.head_num, self.head_dim = head_num, head_dim
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
@@ -79,6 +91,10 @@ class MLADevicePool(_LayeredPool):
         start_layer: int = 0,
         end_layer: int | None = None,
     ) -> None:
+        size, page_size = positive_int(size, "size (device token slots)"), positive_int(page_size, "page_size")
+        kv_lora_rank = positive_int(kv_lora_rank, "kv_lora_rank")
+        qk_rope_head_dim = positive_int(qk_rope_head_dim, "qk_rope_head_dim")
+        _check_dtype(dtype)
         self.size, self.page_size, self.dtype, self.device = size, page_size, dtype, torch.device(device)
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
@@ -106,6 +122,8 @@ class PageRowsDevicePool(_LayeredPool):
         start_layer: int = 0,
         end_layer: int | None = None,
     ) -> None:
+        num_pages, page_size = positive_int(num_pages, "num_pages"), positive_int(page_size, "page_size")
+        row_bytes = positive_int(row_bytes, "row_bytes")
         self.num_pages, self.page_size, self.row_bytes = num_pages, page_size, row_bytes
         self.size = num_pages * page_size
         self.dtype, self.device = torch.uint8, torch.device(device)
@@ -140,6 +158,8 @@ class DeclaredDevicePool(_LayeredPool):
         if not isinstance(kind, PoolKind):
             # Names are resolved at the door (a registry's pool_kinds), not here.
             raise TypeError(f"kind must be a PoolKind (e.g. registry.pool_kinds[{kind!r}]), got {kind!r}")
+        size, page_size = positive_int(size, "size (device token slots)"), positive_int(page_size, "page_size")
+        _check_dtype(dtype)
         self.pool_kind = kind.name
         self.page_size, self.device = page_size, torch.device(device)
         layers = self._layers(layer_num, start_layer, end_layer)

@@ -259,3 +259,36 @@ def test_reference_rejects_out_of_range_before_moving_anything(direct_only):
     with pytest.raises(IndexError, match=r"host indices out of range \[0, 24\): min -1"):
         host.backup_from_device_all_layer(dev, torch.tensor([-1, 0, 1, 2]), D[:4], "reference")
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(device_tensors(dev) + host_tensors(host))))
+
+
+# ---- device pools validate their arguments as host pools do -------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"page_size": 0}, ValueError, r"^page_size must be >= 1, got 0$"),
+    ({"page_size": -4}, ValueError, r"^page_size must be >= 1, got -4$"),
+    ({"page_size": 2.5}, TypeError, r"^page_size must be an int, got float 2\.5$"),
+    ({"size": -5}, ValueError, r"^size \(device token slots\) must be >= 1, got -5$"),
+    ({"size": True}, TypeError, r"^size \(device token slots\) must be an int, got bool True$"),
+    ({"head_num": 0}, ValueError, r"^head_num must be >= 1, got 0$"),
+    ({"v_head_dim": "8"}, TypeError, r"^v_head_dim must be an int, got str '8'$"),
+    ({"layer_num": 0}, ValueError, r"^layer_num must be >= 1, got 0$"),
+    ({"start_layer": 1.0}, TypeError, r"^start_layer must be an int, got float 1\.0$"),
+    ({"dtype": "bfloat16"}, TypeError, r"^dtype must be a torch\.dtype, got str 'bfloat16'$"),
+])  # fmt: skip
+def test_device_pools_refuse_bad_arguments_before_allocating(kwargs, error, message):
+    args = {"size": 64, "page_size": 16, "dtype": torch.bfloat16, "head_num": 2, "head_dim": 8, "layer_num": 2,
+            "device": "cpu", **kwargs}  # fmt: skip
+    with pytest.raises(error, match=message):
+        hc.MHADevicePool(**args)
+
+
+def test_mla_and_page_row_pools_refuse_bad_arguments_too():
+    with pytest.raises(ValueError, match=r"^kv_lora_rank must be >= 1, got 0$"):
+        hc.MLADevicePool(64, 16, torch.bfloat16, 0, 64, 2, "cpu")
+    with pytest.raises(TypeError, match=r"^page_size must be an int, got float 2\.5$"):
+        hc.MLADevicePool(64, 2.5, torch.bfloat16, 512, 64, 2, "cpu")
+    with pytest.raises(ValueError, match=r"^num_pages must be >= 1, got -1$"):
+        hc.PageRowsDevicePool(-1, 16, 24, 2, "cpu")
+    with pytest.raises(ValueError, match=r"^row_bytes must be >= 1, got 0$"):
+        hc.PageRowsDevicePool(4, 16, 0, 2, "cpu")

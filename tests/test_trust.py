@@ -207,7 +207,13 @@ def test_a_fractional_page_size_is_a_clear_type_error(direct_only):
 
 @pytest.mark.parametrize("io_backend", ["direct", "kernel", "reference"])
 def test_zero_heads_is_refused_the_same_way_for_every_io_backend(io_backend, registry):
-    dev = hc.MHADevicePool(24, 4, torch.bfloat16, 0, 8, 3, DEVICE)
+    with pytest.raises(ValueError, match=r"^head_num must be >= 1, got 0$"):  # hicache's own pools refuse it at once
+        hc.MHADevicePool(24, 4, torch.bfloat16, 0, 8, 3, DEVICE)
+    # A server's pool reaches the host pool as it is: rows of zero heads.
+    dev = hc.MHADevicePool(24, 4, torch.bfloat16, 1, 8, 3, DEVICE)
+    dev.head_num = 0
+    dev.k_buffer = [torch.zeros(28, 0, 8, dtype=torch.bfloat16, device=DEVICE) for _ in range(3)]
+    dev.v_buffer = [torch.zeros(28, 0, 8, dtype=torch.bfloat16, device=DEVICE) for _ in range(3)]
     with pytest.raises(ValueError, match=r"k_buffer\[0\] has an empty row \(shape \(28, 0, 8\)\)"):
         hc.make_host_pool(dev, layout="layer_first", io_backend=io_backend, size=24, registry=registry)
 
