@@ -280,9 +280,11 @@ def cmd_explain(registry: Registry, args) -> int:
             lines[0] = f"auto chooses per call by tokens per call ({where}; else the static rule) for:"
             lines += ["  Per token-count bucket:"] + autoselect.explain_lines(registry, request)
             data["buckets"] = {str(e): {"implementation": c.implementation, "max_ctas": c.max_ctas,
+                                        "plugin": registry.plugin_of(c.implementation),
                                         "source": c.source, "why": c.why} for e, c in table.items()}  # fmt: skip
             # The choice for the largest calls (where most bytes move); "buckets" has every choice.
             data["implementation"] = table[max(table)].implementation
+            data["plugin"] = registry.plugin_of(data["implementation"])  # the chosen one's, not the first claimant's
         else:
             lines.append(f"  auto on {request.device_type} pools: the best-priority claimant (the rule is about GPUs)")
     return _explain_out(args.json, data, "\n".join(lines))

@@ -194,3 +194,6 @@ def test_explain_auto_on_the_command_line(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["buckets"]["4096"]["implementation"] == "direct.copy_engine"
     assert data["buckets"]["64"]["source"] == "rule"
+    # the chosen implementation's plugin, not the first claimant's (jit or kernel, by priority)
+    assert (data["implementation"], data["plugin"]) == ("direct.copy_engine", "direct")
+    assert data["buckets"]["4096"]["plugin"] == "direct"
