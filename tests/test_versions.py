@@ -83,3 +83,45 @@ def test_the_size_rule_says_what_changed_and_since_when():
     dev = hc.MHADevicePool(24, 4, torch.bfloat16, 2, 8, 2, "cpu")
     with pytest.raises(ValueError, match=r"Changed in hicache-core 0\.2\.0: 0\.1 accepted a host pool smaller"):
         hc.make_host_pool(dev, layout="layer_first", io_backend="reference", size=8)
+
+
+# ---- what 0.1 plugins wrote keeps working for one minor version, with a warning naming the replacement --
+
+
+def test_layout_split_at_reads_and_constructs_with_a_warning(registry):
+    split = registry.layouts["page_first_kv_split"]
+    with pytest.warns(DeprecationWarning, match=r"Layout\.split_at is deprecated since hicache-core 0\.2\.0 and goes "
+                                                r"in 0\.3\.0: use Layout\.split"):  # fmt: skip
+        assert split.split_at == "kv_lora_rank"
+    with pytest.warns(DeprecationWarning, match=r"Layout\.split_at"):
+        assert registry.layouts["page_first"].split_at is None
+    with pytest.warns(DeprecationWarning, match=r"Layout\(split_at=\.\.\.\) is deprecated.*pass split=True"):
+        old = hc.Layout("old_split", ("component", "page", "layer", "token", "head", "dim"), split_at="kv_lora_rank")
+    assert old.split and old.same_arrangement(split)
+
+
+def test_pool_kinds_read_as_a_set_works_with_a_warning(registry):
+    layout = registry.layouts["page_first"]
+    assert layout.pool_kinds == None and not layout.pool_kinds  # noqa: E711 - it is None-like, on purpose
+    assert layout.allows("mla") and not registry.layouts["page_head"].allows("mla")
+    with pytest.warns(DeprecationWarning, match=r"use layout\.allows\(kind\)"):
+        assert "mla" in layout.pool_kinds
+    with pytest.warns(DeprecationWarning, match=r"iterating Layout\.pool_kinds"):
+        assert "mha" in list(layout.pool_kinds)
+    assert "mha" in registry.layouts["page_head"].pool_kinds  # a real set: no warning, as in 0.1
+
+
+def test_moved_modules_keep_their_old_names_with_a_warning():
+    import hicache_core.geometry as geometry
+    import hicache_core.storage.url as url
+    from hicache_core.host_layout import host_layout_spec
+    from hicache_core.storage.make import make_storage
+
+    with pytest.warns(DeprecationWarning, match=r"hicache_core\.storage\.url\.make_storage moved to "
+                                                r"hicache_core\.storage\.make_storage"):  # fmt: skip
+        assert url.make_storage is make_storage
+    with pytest.warns(DeprecationWarning, match=r"hicache_core\.geometry\.host_layout_spec moved"):
+        assert geometry.host_layout_spec is host_layout_spec
+    with pytest.raises(AttributeError):
+        url.no_such_name  # noqa: B018
+    assert hc.geometry_of.__module__ == "hicache_core.host_pool"  # the face's convenience resolves at the door
