@@ -57,3 +57,18 @@ def test_explain_unknown_layout(capsys):
     code = main(["explain", "--pool", "mha", "--layout", "nope", "--op", "load_to_device_per_layer",
                  "--io-backend", "direct", "--json"])  # fmt: skip
     assert code == 1 and "Unknown layout 'nope'" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_hicache_storage_check_runs_without_pytest(tmp_path):
+    """hicache-core does not depend on pytest, so the command must not import the pytest kit."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['pytest'] = None\n"  # any import of pytest now raises ImportError
+        "from hicache_core.cli import main\n"
+        f"sys.exit(main(['storage', 'check', 'file://{tmp_path}/l3']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "pytest" not in done.stderr

@@ -8,22 +8,24 @@ from typing import Any
 
 import torch
 
+from ..host_pool import make_host_pool
 from ..storage.backend import PageStatus
 from ..storage.keys import page_hashes
 from ..storage.make import make_storage
+from ..testing.cases import as_bytes, build_device_pools, fill_random, pages_of
 
 
 def _small_pool(page_size: int = 4, pages: int = 16) -> Any:
-    from ..testing.storage_kit import StorageCase, make_pool
-
-    seed = int(uuid.uuid4().int % 997)
-    return make_pool(StorageCase("mha", "page_first", "plain", page_size), pages=pages, seed=seed)
+    # Built from the kit's pure-torch pieces, not its pytest fixtures: the command must run without pytest.
+    device_pool, _ = build_device_pools("mha", "plain", page_size, "cpu")
+    size = max(pages * page_size, -(-int(device_pool.size) // page_size) * page_size)
+    host = make_host_pool(device_pool, layout="page_first", io_backend="reference", operations=[], size=size)
+    fill_random(list(host.plan.host_buffers.values()), torch.Generator().manual_seed(int(uuid.uuid4().int % 997)))
+    return host
 
 
 def run_check(url: str, as_json: bool = False) -> int:
     """Write, find, read back and compare a few pages against a live store, then remove them."""
-    from ..testing.cases import as_bytes, pages_of
-
     host = _small_pool()
     model_id = f"hicache-check-{uuid.uuid4().hex[:12]}"
     steps: list[tuple[str, bool, str]] = []
