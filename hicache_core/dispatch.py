@@ -10,6 +10,8 @@ plugins that failed to load; install hints for first-party plugins.
 from __future__ import annotations
 
 import warnings
+import weakref
+from typing import Any
 
 from .implementation import Implementation, TransferRequest
 from .plugin_sources import source_tree_plugins
@@ -91,13 +93,21 @@ def claims(registry: Registry, request: TransferRequest) -> type[Implementation]
     return best
 
 
+#: Per registry, its generation and what each (request, force) resolved to (or the error it raised).
+_resolved: weakref.WeakKeyDictionary[Registry, tuple[int, dict[Any, Any]]] = weakref.WeakKeyDictionary()
+
+
 def resolve(registry: Registry, request: TransferRequest, *, force: str | None = None) -> type[Implementation]:
     """The implementation for ``request``, or :class:`UnsupportedCombinationError` saying why not."""
     key = (request, force)
-    cached = registry._resolved.get(key)
+    generation, table = _resolved.get(registry, (None, None))
+    if generation != registry.generation or table is None:
+        table = {}
+        _resolved[registry] = (registry.generation, table)
+    cached = table.get(key)
     if cached is None:
         cached = _resolve(registry, request, force)
-        registry._resolved[key] = cached
+        table[key] = cached
     if isinstance(cached, UnsupportedCombinationError):
         raise cached
     return cached

@@ -91,7 +91,8 @@ class Registry:
         self.owner: dict[tuple[str, str], str] = {}  # (what, name) -> plugin name; what as in plugin_of
         self.plugins: dict[str, PluginRecord] = {}
         self.allow: set[str] | None = None
-        self._resolved: dict[Any, Any] = {}
+        #: Bumped whenever registrations change; caches of answers about this registry (dispatch's) key on it.
+        self.generation = 0
         self._sorted: dict[str, list[type[Implementation]]] = {}
         self._probe_key: tuple | None = None
         self._probe_list: list[TransferRequest] = []
@@ -140,7 +141,7 @@ class Registry:
             self._call(plugin, record, "hicache_register_storage_backends", self._storage_registrar(record))
         for _plugin, record in loaded:
             self._probe_declarations(record)
-        self._resolved.clear()
+        self.generation += 1
         self._sorted.clear()
         for name in sorted((allow or set()) - seen):  # a typo in HICACHE_PLUGINS must not pass silently
             self.plugins[name] = PluginRecord(
@@ -188,7 +189,7 @@ class Registry:
             self._call(plugin, record, "hicache_register_backends", self._backend_registrar(record))
             self._call(plugin, record, "hicache_register_storage_backends", self._storage_registrar(record))
             self._probe_declarations(record)
-            self._resolved.clear()
+            self.generation += 1
             self._sorted.clear()
         return record
 
