@@ -268,12 +268,12 @@ def gemm_interference(impl: Implementation, fn: Callable[[], None], bytes_per_ca
 def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | None = None,
               overlap: bool = False, name: str | None = None, tokens: tuple[int, ...] | None = None,
               shapes: tuple[str, ...] | None = None, layouts: tuple[str, ...] | None = None,
-              anchor_module: str | None = None) -> int:  # fmt: skip
+              anchor_module: str | None = None, modes: tuple[str, ...] | None = None) -> int:  # fmt: skip
     """The sweep: every implementation on every pool it claims, both clocks, the ceilings, SGLang's anchor."""
     from .bench_anchor import find_anchor
 
     if overlap:
-        return run_overlap(out=out, quick=quick, only=only, name=name)
+        return run_overlap(out=out, quick=quick, only=only, name=name, modes=modes, layouts=layouts)
     if not torch.cuda.is_available():
         overhead = measure_dispatch_overhead()
         print(f"No GPU: measured the core dispatch overhead only: {overhead['overhead_us']:.3f} us per call")
@@ -545,8 +545,12 @@ def _sglang_note() -> dict:
 
 
 def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str | None = None,
-                name: str | None = None) -> int:  # fmt: skip
-    """Layer-wise loads under prefill GEMMs, and all-layer backups under decode (hicache_core.overlap)."""
+                name: str | None = None, modes: tuple[str, ...] | None = None,
+                layouts: tuple[str, ...] | None = None) -> int:  # fmt: skip
+    """Layer-wise loads under prefill GEMMs, and all-layer backups under decode (hicache_core.overlap).
+
+    ``modes`` (default: ``sglang`` alone with ``quick``, else both): how the loads are issued,
+    :data:`hicache_core.overlap.MODES`."""
     from . import autoselect
     from .dispatch import resolve
     from .overlap import (
@@ -568,8 +572,11 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
     env = environment()
     ceiling = measure_ceiling(1 << 30)
     print(f"ceiling: H2D {ceiling['h2d_gbps']:.1f} GB/s, D2H {ceiling['d2h_gbps']:.1f} GB/s")
+    from .overlap import MODES
+
+    modes = tuple(modes or (("sglang",) if quick else MODES))
     budgets = (2, 8, 0) if quick else (2, 4, 8, 16, 0)
-    layouts = ("page_first_direct",) if quick else ("page_first_direct", "layer_first")
+    layouts = tuple(layouts or (("page_first_direct",) if quick else ("page_first_direct", "layer_first")))
     reps = 2 if quick else 3
     records: list[dict] = []
     meta = {"environment": env, "ceiling": ceiling, "anchor": _sglang_note(),
@@ -594,6 +601,13 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
             for cls in impls:
                 if not reasons_for(cls, TransferRequest(cls.io_backend, LOAD, geometry, decl)):
                     made[cls.name] = cls(host.plan)
+                    if getattr(getattr(made[cls.name], "copier", None), "thread", False):
+                        # The same copy engine submitting from the caller's thread: what the worker saves.
+                        made[cls.name + " caller-thread"] = sync = cls(host.plan)
+                        sync.copier.thread = False
+                        # A small first batch, then the rest of the layer in one call (issue 11's "left").
+                        made[cls.name + " first32+rest"] = ramp = cls(host.plan)
+                        ramp.copier.first_batch, ramp.copier.max_batch = 32, 0
             request = TransferRequest("auto", LOAD, geometry, decl, True)
             try:
                 base = resolve(registry, request)
@@ -609,7 +623,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                 nbytes = m * shape.item_bytes() * host.layer_num
                 layers = host.layer_num
                 alone = _median_run(lambda s=streams, n=layers: prefill_run(s, n, None, True), reps)
-                for impl_name, impl in made.items():
+                for mode, (impl_name, impl) in ((mo, it) for mo in modes for it in made.items()):
                     where = host.plan.device if impl.index_device == "device" else torch.device("cpu")
                     h, d = hp.to(where), dp.to(where)
                     settings = budgets if hasattr(impl, "max_ctas") else (None,)
@@ -618,7 +632,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                             impl.max_ctas = budget
                         try:
                             result = prefill_overlap(impl, streams, h, d, layers, nbytes, ceiling["h2d_gbps"], reps,
-                                                     compute_alone=alone)  # fmt: skip
+                                                     compute_alone=alone, mode=mode)  # fmt: skip
                         except Exception as exc:  # noqa: BLE001 - one failing row must not end the run
                             print(f"{impl_name} {layout} {model_name} {m}: failed: {type(exc).__name__}: {exc}")
                             continue
@@ -630,10 +644,12 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                             "path": getattr(getattr(impl, "copier", None), "path", None), **result,
                         })  # fmt: skip
                         r = records[-1]
-                        print(f"{model_name:12} {m:6} {layout:18} {_row_label(r):34} eff {r['efficiency']:.2f} "
+                        print(f"{mode:11} {model_name:12} {m:6} {layout:18} {_row_label(r):34} "
+                              f"eff {r['efficiency']:.2f} "
                               f"overlapped {r['overlapped_s'] * 1e3:7.1f} ms (compute {r['compute_s'] * 1e3:6.1f}, "
                               f"transfer {r['transfer_s'] * 1e3:6.1f}) GEMM {r['gemm_slowdown']:+.0%} "
-                              f"first GEMM at {r['first_gemm_start_s'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+                              f"first GEMM at {r['first_gemm_start_s'] * 1e3:.1f} ms, loads submitted in "
+                              f"{r['load_submit_s'] * 1e3:.2f} ms", flush=True)  # fmt: skip
                 del streams
                 _write(Path(out), name or "overlap", {**meta, "complete": False}, records, plot=False)
             # All-layer backups during decode (4096 tokens), on the same pool.
@@ -697,23 +713,27 @@ def _row_label(r: dict) -> str:
 
 
 def overlap_summary(records: list[dict]) -> str:
-    """Per case: the best row, direct's best, auto's, and whether auto is within 5 % of the best."""
-    lines = ["| case | best | direct | auto | auto / best |", "|---|---|---|---|---|"]
-    cases = sorted({(r["model"], r["new_tokens"], r["cached_tokens"], r["layout"]) for r in records
-                    if "efficiency" in r})  # fmt: skip
-    for model, n, m, layout in cases:
-        rows = [r for r in records if "efficiency" in r and (r["model"], r["new_tokens"], r["cached_tokens"],
-                r["layout"]) == (model, n, m, layout)]  # fmt: skip
+    """Per mode and case: the best row, direct's best, auto's and auto's static rule, and auto / best."""
+    lines = ["| mode | case | best | direct | auto | auto / best | auto-rule / best |", "|---|---|---|---|---|---|---|"]
+
+    def case_of(r):
+        return (r.get("mode", "interleaved"), r["model"], r["new_tokens"], r["cached_tokens"], r["layout"])
+
+    for mode, model, n, m, layout in sorted({case_of(r) for r in records if "efficiency" in r}):
+        rows = [r for r in records if "efficiency" in r and case_of(r) == (mode, model, n, m, layout)]
         best = max((r for r in rows if not r["implementation"].startswith("auto")), key=lambda r: r["efficiency"],
                    default=None)  # fmt: skip
         direct = max((r for r in rows if r["implementation"].startswith("direct")), key=lambda r: r["efficiency"],
                      default=None)  # fmt: skip
         auto = next((r for r in rows if r["implementation"] == "auto"), None)
+        rule = next((r for r in rows if r["implementation"] == "auto-rule"), None)
 
         def cell(r):
             return "-" if r is None else f"{_row_label(r)}: {r['efficiency']:.2f}, GEMM {r['gemm_slowdown']:+.0%}"
 
-        ratio = f"{auto['efficiency'] / best['efficiency']:.3f}" if auto and best else "-"
-        lines.append(f"| {model} {n} new / {m} cached, {layout} | {cell(best)} | {cell(direct)} | {cell(auto)} "
-                     f"| {ratio} |")  # fmt: skip
+        def ratio(r, best=best):
+            return f"{r['efficiency'] / best['efficiency']:.3f}" if r and best else "-"
+
+        lines.append(f"| {mode} | {model} {n} new / {m} cached, {layout} | {cell(best)} | {cell(direct)} "
+                     f"| {cell(auto)} | {ratio(auto)} | {ratio(rule)} |")  # fmt: skip
     return "\n".join(lines)

@@ -48,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), help="cpu: the CPU implementations against memcpy")
     p.add_argument("--overlap", action="store_true",
                    help="layer-wise loads under prefill GEMMs, backups under decode (hicache_core.overlap)")
+    p.add_argument("--overlap-mode", help="with --overlap, comma-separated: sglang (every layer's load issued before "
+                   "the forward, as SGLang does), interleaved (each layer's load, then its GEMMs); default: sglang "
+                   "with --quick, else both")
     p.add_argument("--tokens", help="comma-separated tokens per call (default: 64,4096 quick, else 64,512,4096,32768)")
     p.add_argument("--shapes", help="comma-separated shape names (default: all; quick: deepseek-mla,llama-8b)")
     p.add_argument("--name", help="file name of the JSON and PNG (default: quick, sweep or overlap)")
@@ -109,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .bench import run_bench
 
     return run_bench(out=args.out, quick=args.quick, only=args.only, overlap=args.overlap, name=args.name,
+                     modes=tuple(_csv(args.overlap_mode)) if args.overlap_mode else None,
                      tokens=tuple(int(t) for t in _csv(args.tokens)) if args.tokens else None,
                      shapes=tuple(_csv(args.shapes)) if args.shapes else None,
                      layouts=tuple(_csv(args.layouts)) if args.layouts else None,

@@ -21,8 +21,18 @@ def test_overlap_summary_compares_auto_with_the_best_non_auto_row():
             _row("auto", 0.94, chosen="direct.copy_engine"), _row("auto-rule", 0.99)]  # fmt: skip
     text = bench.overlap_summary(rows)
     line = text.splitlines()[-1]
-    assert "direct.copy_engine: 0.95" in line.split("|")[2]  # best: never an auto row
-    assert line.rstrip(" |").endswith("0.989")  # 0.94 / 0.95
+    cells = [c.strip() for c in line.strip(" |").split("|")]
+    assert cells[0] == "interleaved"  # rows from before the modes were named: issue 11's order
+    assert "direct.copy_engine: 0.95" in cells[2]  # best: never an auto row
+    assert cells[-2:] == ["0.989", "1.042"]  # auto 0.94 / 0.95, the static rule 0.99 / 0.95
+
+
+def test_overlap_summary_keeps_the_modes_apart():
+    rows = [_row("direct.copy_engine", 0.95, mode="sglang"), _row("direct.copy_engine", 0.80, mode="interleaved"),
+            _row("auto", 0.76, mode="interleaved"), _row("auto", 0.95, mode="sglang")]  # fmt: skip
+    lines = bench.overlap_summary(rows).splitlines()[2:]
+    assert [ln.split("|")[1].strip() for ln in lines] == ["interleaved", "sglang"]
+    assert lines[0].split("|")[-3].strip() == "0.950" and lines[1].split("|")[-3].strip() == "1.000"
 
 
 def test_compute_models_split_the_regimes_as_issue_11_does():

@@ -12,6 +12,8 @@ the SMs stay with the model.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from hicache_core import OPERATIONS, Implementation, TransferPlan, TransferRequest
@@ -76,6 +78,14 @@ class DirectCopy(Implementation):
         self.copier = copier_for(plan.device)
         self._all = self.builder.layers_all()
         self._describe = self.builder.describe
+        self._parts = len(plan.parts)
+
+    def flush(self) -> None:
+        """Wait until every call is submitted to the driver (calls of many copies go from a worker
+        thread); raises the first error a submission met. Not needed for stream order."""
+        flush = getattr(self.copier, "flush", None)
+        if flush is not None:
+            flush()
 
     def load_to_device_per_layer(self, host_indices, device_indices, layer):
         self._copy(host_indices, device_indices, (layer,), True)
@@ -93,7 +103,9 @@ class DirectCopy(Implementation):
         builder = self.builder
         # Bounds (checked in runs(), before any byte moves) are those of the layer with the fewest rows.
         runs = builder.runs(host_indices, device_indices, builder.rows_for(layers))
-        self.copier.submit(builder.build(runs, layers, to_device), self._describe)
+        # The runs (bounds checked) are the caller's; the copy list is built where it is submitted.
+        self.copier.submit_built(partial(builder.build, runs, layers, to_device), self._describe,
+                                 len(runs) * self._parts * len(layers))  # fmt: skip
 
     def plan_for(self, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: tuple[int, ...],
                  to_device: bool):  # fmt: skip
@@ -104,4 +116,5 @@ class DirectCopy(Implementation):
     @property
     def path(self) -> str:
         """How operations are submitted here, in words."""
-        return self.copier.path
+        thread = getattr(self.copier, "thread_path", None)
+        return self.copier.path + (f"; {thread}" if thread else "")

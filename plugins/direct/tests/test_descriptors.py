@@ -236,6 +236,8 @@ def _fake_copier(abi: str, batch_result, memcpy_fail_at=None):
     c._attr_idx = (ctypes.c_size_t * 1)(0)
     c.prefer_overlap = True
     c.batch, c.max_batch, c.streams, c.unavailable = True, 0, 1, None
+    c.first_batch = 0
+    c.thread, c.thread_min, c._worker, c.no_thread = True, 64, None, None
     c._batch_abi = abi
 
     def batch_fn(*args):
@@ -295,6 +297,36 @@ def test_max_batch_splits_the_submission():
     c.max_batch = 4
     c.submit(batch, impl.builder.describe)
     assert [x[1] for x in c.calls] == [4, 2]
+
+
+def test_first_batch_then_the_rest_in_one_call():
+    impl, batch = _a_batch()
+    c = _fake_copier("13.0", 0)
+    c.first_batch, c.max_batch = 2, 0
+    c.submit(batch, impl.builder.describe)
+    assert [x[1] for x in c.calls] == [2, 4]
+    c.calls.clear()
+    c.first_batch, c.max_batch = 2, 3
+    c.submit(batch, impl.builder.describe)
+    assert [x[1] for x in c.calls] == [2, 3, 1]
+
+
+def test_calls_on_the_default_stream_or_with_few_copies_stay_on_the_callers_thread():
+    impl, batch = _a_batch()
+    c = _fake_copier("13.0", 0)
+    built = []
+
+    def make():
+        built.append(1)
+        return batch
+
+    c.submit_built(make, impl.builder.describe, 1000)  # the legacy default stream: no worker
+    c._get_stream = lambda index: 0x1234
+    c.submit_built(make, impl.builder.describe, 6)  # a real stream, but under thread_min copies
+    assert c._worker is None and built == [1, 1]
+    assert c.calls == [("batch", 6, memcpy._STREAM_PER_THREAD), ("batch", 6, 0x1234)]
+    c.thread = False
+    assert "caller's thread" in c.thread_path
 
 
 def test_failidx_names_the_run_on_12_8():
