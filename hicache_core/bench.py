@@ -605,9 +605,9 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                         # The same copy engine submitting from the caller's thread: what the worker saves.
                         made[cls.name + " caller-thread"] = sync = cls(host.plan)
                         sync.copier.thread = False
-                        # A small first batch, then the rest of the layer in one call (issue 11's "left").
-                        made[cls.name + " first32+rest"] = ramp = cls(host.plan)
-                        ramp.copier.first_batch, ramp.copier.max_batch = 32, 0
+                        # The worker for calls of every size (the default keeps the largest on the caller's thread).
+                        made[cls.name + " worker"] = worker = cls(host.plan)
+                        worker.copier.thread_max = 0
             request = TransferRequest("auto", LOAD, geometry, decl, True)
             try:
                 base = resolve(registry, request)

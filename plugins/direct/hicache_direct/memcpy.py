@@ -126,11 +126,18 @@ class CudaCopier:
     * ``batch_2d`` (``HICACHE_DIRECT_BATCH_2D``, default 0 until measured on a GPU): submit the
       2-D copies (``page_first_kv_split``'s halves) as one ``cudaMemcpy3DBatchAsync`` instead of
       one ``cudaMemcpy2DAsync`` per run.
-    * ``thread`` (``HICACHE_DIRECT_THREAD``, default 1) and ``thread_min``
-      (``HICACHE_DIRECT_THREAD_MIN``, default 64): calls of at least ``thread_min`` copies are
-      built and submitted by a worker thread on a side stream, gated on the caller's stream by
-      stream memory operations (:mod:`hicache_direct.submitter`), so the caller returns after
-      two stream operations; fewer copies cost less to submit than to hand over.
+    * ``thread`` (``HICACHE_DIRECT_THREAD``, default 1), ``thread_min`` (``HICACHE_DIRECT_THREAD_MIN``,
+      default 64) and ``thread_max`` (``HICACHE_DIRECT_THREAD_MAX``, default 512; 0 = no limit):
+      calls of ``thread_min`` copies or more, and fewer than ``thread_max``, are built and
+      submitted by a worker thread on a side stream, gated on the caller's stream by stream
+      memory operations (:mod:`hicache_direct.submitter`), so the caller returns after two
+      stream operations. Fewer copies cost less to submit than to hand over. Larger calls stay
+      on the caller's thread: measured on the H200 (``benchmarks/results/overlap-sglang-h200.json``),
+      the driver serialises the caller's stream operations and the forward's launches behind
+      the worker's batch calls, and a call that large is transfer-bound anyway (its copies
+      outlast their submission), so the worker cost DeepSeek-V3 at 32768 cached tokens 0.78-0.86
+      of ideal against 0.85-0.93, while at 8192 it took llama-8b's first GEMM from 10.6 to 2.1 ms
+      (0.82 -> 0.94 of ideal).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -169,6 +176,7 @@ class CudaCopier:
         self.batch_2d = _env_int("HICACHE_DIRECT_BATCH_2D", 0) != 0
         self.thread = _env_int("HICACHE_DIRECT_THREAD", 1) != 0
         self.thread_min = _env_int("HICACHE_DIRECT_THREAD_MIN", 64)
+        self.thread_max = _env_int("HICACHE_DIRECT_THREAD_MAX", 512)
         self._worker = None
         self.no_thread: str | None = None  # why the worker cannot be used here, once found out
 
@@ -196,7 +204,8 @@ class CudaCopier:
             return "on the caller's thread (thread=0)"
         if self.no_thread:
             return f"on the caller's thread: {self.no_thread}"
-        return (f"calls of >= {self.thread_min} copies from a worker thread on a side stream, gated on the caller's "
+        span = f">= {self.thread_min}" + (f" and < {self.thread_max}" if self.thread_max else "")
+        return (f"calls of {span} copies from a worker thread on a side stream, gated on the caller's "
                 "stream by cuStreamWriteValue32/cuStreamWaitValue32")  # fmt: skip
 
     def submit_built(self, make_batch: Callable[[], Batch], describe: Callable[[Batch, tuple], str],
@@ -206,7 +215,8 @@ class CudaCopier:
         worker = self._worker
         if worker is not None and worker.error is not None:
             worker.raise_error()
-        if self.thread and copies >= self.thread_min and self.no_thread is None:
+        if (self.thread and copies >= self.thread_min and (not self.thread_max or copies < self.thread_max)
+                and self.no_thread is None):  # fmt: skip
             stream = self._get_stream(self.index)
             # The legacy and per-thread default streams are the caller thread's own (a handle the worker
             # cannot name), and a capture cannot wait for a thread: those stay on this thread.

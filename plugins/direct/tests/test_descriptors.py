@@ -237,7 +237,7 @@ def _fake_copier(abi: str, batch_result, memcpy_fail_at=None):
     c.prefer_overlap = True
     c.batch, c.max_batch, c.streams, c.unavailable = True, 0, 1, None
     c.first_batch = 0
-    c.thread, c.thread_min, c._worker, c.no_thread = True, 64, None, None
+    c.thread, c.thread_min, c.thread_max, c._worker, c.no_thread = True, 64, 512, None, None
     c._batch_abi = abi
 
     def batch_fn(*args):
@@ -323,8 +323,9 @@ def test_calls_on_the_default_stream_or_with_few_copies_stay_on_the_callers_thre
     c.submit_built(make, impl.builder.describe, 1000)  # the legacy default stream: no worker
     c._get_stream = lambda index: 0x1234
     c.submit_built(make, impl.builder.describe, 6)  # a real stream, but under thread_min copies
-    assert c._worker is None and built == [1, 1]
-    assert c.calls == [("batch", 6, memcpy._STREAM_PER_THREAD), ("batch", 6, 0x1234)]
+    c.submit_built(make, impl.builder.describe, 512)  # a real stream, but thread_max copies or more
+    assert c._worker is None and built == [1, 1, 1]
+    assert c.calls == [("batch", 6, memcpy._STREAM_PER_THREAD), ("batch", 6, 0x1234), ("batch", 6, 0x1234)]
     c.thread = False
     assert "caller's thread" in c.thread_path
 
