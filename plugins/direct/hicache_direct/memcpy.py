@@ -133,8 +133,8 @@ class CudaCopier:
       memory operations (:mod:`hicache_direct.submitter`), so the caller returns after two
       stream operations. Fewer copies cost less to submit than to hand over. Larger calls stay
       on the caller's thread: measured on the H200 (``benchmarks/results/overlap-sglang-h200-run1.json``
-      and ``overlap-sglang-h200.json``), the driver serialises the caller's stream operations and the forward's launches behind
-      the worker's batch calls, and a call that large is transfer-bound anyway (its copies
+      and ``overlap-sglang-h200.json``), the driver serialises the caller's stream operations and
+      the forward's launches behind the worker's batch calls, and a call that large is transfer-bound anyway (its copies
       outlast their submission), so the worker cost DeepSeek-V3 at 32768 cached tokens 0.78-0.86
       of ideal against 0.85-0.93, while at 8192 it took llama-8b's first GEMM from 10.6 to 2.1 ms
       (0.82 -> 0.94 of ideal).
