@@ -26,7 +26,7 @@ step kit-worker 90 env HICACHE_TEST_DEVICE=cuda HICACHE_DIRECT_THREAD_MIN=1 HICA
   "$PY" -m pytest -q -p no:cacheprovider -n 8 plugins/direct/tests -k "submitter or layer_events or beside_compute or round_trip"
 step tests 120 env HICACHE_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider -n 8 \
   plugins/direct/tests plugins/kernel/tests/test_kernel_conformance.py plugins/jit/tests/test_jit_conformance.py \
-  -k "submitter or descriptors or layer_events or beside_compute or round_trip"
+  -k "submitter or descriptors or layer_events or beside_compute"
 step submission 150 "$PY" scripts/gpu/submission_check.py --out "$OUT"
 step overlap 240 env HICACHE_PROFILE="$PWD/benchmarks/results/calibrate-profile-h200.json" \
   "$PY" -m hicache_core.cli bench --overlap --quick --overlap-mode sglang \

@@ -103,9 +103,14 @@ class DirectCopy(Implementation):
         builder = self.builder
         # Bounds (checked in runs(), before any byte moves) are those of the layer with the fewest rows.
         runs = builder.runs(host_indices, device_indices, builder.rows_for(layers))
-        # The runs (bounds checked) are the caller's; the copy list is built where it is submitted.
-        self.copier.submit_built(partial(builder.build, runs, layers, to_device), self._describe,
+        # The runs (bounds checked) are the caller's; the copy list is built where it is submitted. The
+        # bound method keeps this implementation, so its plan and buffers, alive until then (a pool
+        # destroyed right after the call cannot free them under a queued job).
+        self.copier.submit_built(partial(self._batch, runs, layers, to_device), self._describe,
                                  len(runs) * self._parts * len(layers))  # fmt: skip
+
+    def _batch(self, runs, layers: tuple[int, ...], to_device: bool):
+        return self.builder.build(runs, layers, to_device)
 
     def plan_for(self, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: tuple[int, ...],
                  to_device: bool):  # fmt: skip

@@ -427,3 +427,36 @@ def test_a_refused_3d_batch_falls_back_to_2d_copies():
     with pytest.warns(UserWarning, match="2-D copies one by one"):
         c.submit(batch, impl.builder.describe)
     assert [x[0] for x in c.calls] == ["2d"] * 4 and c._batch3d_fn is None
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_vectorised_descriptors_are_the_per_item_copies_of_a_scattered_prefix(layout):
+    """A prefix in miniature (64 scattered pages, every layer in turn): each layer's copy list, whether
+    built per call or served from the per-runs tables (second use on), expands item by item to exactly
+    the (device address, host address, bytes) of every item, written out one item at a time here."""
+    dev, _, host, _ = _pools("mha", layout, pages=80, layers=3)
+    impl = host.implementation_for(hc.LOAD)
+    gen = torch.Generator().manual_seed(11)
+    pages = (torch.randperm(79, generator=gen)[:64] + 1).tolist()
+    rows = (torch.randperm(79, generator=gen)[:64] + 1).tolist()
+    h, d = _slots(pages), _slots(rows)
+    parts = impl.builder.parts
+    for rep in range(2):
+        for layer in range(3):
+            batch = impl.plan_for(h, d, (layer,), True)
+            got = []
+            dst, src, size = batch.linear()
+            for a, b, n in zip(dst, src, size):
+                for p in parts:
+                    if n % p.item_bytes == 0:
+                        item = p.item_bytes
+                        break
+                got += [(a + k * item, b + k * item, item) for k in range(n // item)]
+            want = []
+            for p in parts:
+                for slot, row in zip(h.tolist(), d.tolist()):
+                    page, token = divmod(slot, PAGE)
+                    src_addr = p.host_base + layer * p.layer_stride + page * p.page_stride + token * p.token_stride
+                    want.append((p.device_bases[layer] + row * p.row_bytes, src_addr, p.item_bytes))
+            assert sorted(got) == sorted(want), (layout, rep, layer)
+            assert batch.copies_2d == []
