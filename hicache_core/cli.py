@@ -264,7 +264,9 @@ def cmd_explain(registry: Registry, args) -> int:
     head = f"Resolved to {impl.name} (plugin {plugin}, io backend {impl.io_backend!r}, priority {impl.priority})"
     lines = [head + " for:"]
     lines += [f"    {label:<12} {value}" for label, value in request.describe()]
-    data = {"resolved": True, "implementation": impl.name, "plugin": plugin}
+    if impl.description:
+        lines.append(f"  How it moves bytes: {impl.description}")
+    data = {"resolved": True, "implementation": impl.name, "plugin": plugin, "description": impl.description}
     if args.io_backend == "auto":
         from . import autoselect
 

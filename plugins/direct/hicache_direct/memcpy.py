@@ -127,17 +127,18 @@ class CudaCopier:
       2-D copies (``page_first_kv_split``'s halves) as one ``cudaMemcpy3DBatchAsync`` instead of
       one ``cudaMemcpy2DAsync`` per run.
     * ``thread`` (``HICACHE_DIRECT_THREAD``, default 1), ``thread_min`` (``HICACHE_DIRECT_THREAD_MIN``,
-      default 64) and ``thread_max`` (``HICACHE_DIRECT_THREAD_MAX``, default 512; 0 = no limit):
+      default 64) and ``thread_max`` (``HICACHE_DIRECT_THREAD_MAX``, default 384; 0 = no limit):
       calls of ``thread_min`` copies or more, and fewer than ``thread_max``, are built and
       submitted by a worker thread on a side stream, gated on the caller's stream by stream
       memory operations (:mod:`hicache_direct.submitter`), so the caller returns after two
       stream operations. Fewer copies cost less to submit than to hand over. Larger calls stay
-      on the caller's thread: measured on the H200 (``benchmarks/results/overlap-sglang-h200-run1.json``
-      and ``overlap-sglang-h200.json``), the driver serialises the caller's stream operations and
-      the forward's launches behind the worker's batch calls, and a call that large is transfer-bound anyway (its copies
-      outlast their submission), so the worker cost DeepSeek-V3 at 32768 cached tokens 0.78-0.86
-      of ideal against 0.85-0.93, while at 8192 it took llama-8b's first GEMM from 10.6 to 2.1 ms
-      (0.82 -> 0.94 of ideal).
+      on the caller's thread. Measured on the H200 in SGLang's order
+      (``benchmarks/results/overlap-sglang-h200-run1.json`` and ``overlap-sglang-h200.json``, both
+      paths in every case): the driver queues the caller's stream operations and the forward's
+      launches behind the worker's batch calls, which costs the transfer-bound prefixes (32768
+      cached tokens: llama-8b's 1024 copies per layer, DeepSeek-V3's ~500) 0.01-0.08 of ideal,
+      while the compute-bound ones (8192: 256 and 128 copies) gain 0.01-0.11, their first GEMM
+      queued after 2-12 ms instead of 6-35. 384 lies between the two groups.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -176,7 +177,7 @@ class CudaCopier:
         self.batch_2d = _env_int("HICACHE_DIRECT_BATCH_2D", 0) != 0
         self.thread = _env_int("HICACHE_DIRECT_THREAD", 1) != 0
         self.thread_min = _env_int("HICACHE_DIRECT_THREAD_MIN", 64)
-        self.thread_max = _env_int("HICACHE_DIRECT_THREAD_MAX", 512)
+        self.thread_max = _env_int("HICACHE_DIRECT_THREAD_MAX", 384)
         self._worker = None
         self.no_thread: str | None = None  # why the worker cannot be used here, once found out
 
