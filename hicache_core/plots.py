@@ -144,3 +144,53 @@ def _label(r: dict) -> str:
     if r.get("chosen"):
         name += f" -> {r['chosen']}"
     return f"{name} [{r['layout']}]"
+
+
+def plot_submission(path: Path, records: list[dict]) -> None:
+    """Issue 22's submission figures: the prefix load's host time (the 1.5 ms bar as a line) and its GPU
+    time as a fraction of the link, and MLA loads as a fraction of the copy engine at their size (1 = the
+    ceiling, a line); one colour per submission path (caller's thread, worker)."""
+    plt = _pyplot()
+    if plt is None:
+        return
+    prefix = [r for r in records if r.get("metric") == "prefix_submission"]
+    mla = [r for r in records if r.get("metric") == "mla_load_queued"]
+    if not prefix and not mla:
+        return
+    fig, axes = plt.subplots(2, 2, figsize=(14, 8), squeeze=False)
+    (ax_host, ax_gpu), (ax_mla, ax_none) = axes
+    ax_none.axis("off")
+    paths = {"caller": "#1f77b4", "worker": "#d62728"}
+
+    def col(setting: str) -> str:
+        return paths["worker"] if setting.startswith("worker") else paths["caller"]
+
+    labels = [f"{r['setting']} [{r['layout']}]" for r in prefix]
+    y = list(range(len(prefix)))
+    ax_host.barh(y, [r["host_submit_s"] * 1e3 for r in prefix], color=[col(r["setting"]) for r in prefix])
+    ax_host.axvline(1.5, color="black", lw=1.2)
+    ax_host.set_yticks(y, labels, fontsize=7)
+    ax_host.invert_yaxis()
+    ax_host.set_title("32 layers x 128 pages (llama-8b 8192 tokens): host ms to return (line: 1.5 ms)", fontsize=8)
+    ax_gpu.barh(y, [r["fraction_of_ceiling"] for r in prefix], color=[col(r["setting"]) for r in prefix])
+    ax_gpu.axvline(1.0, color="black", lw=1.2)
+    ax_gpu.set_yticks(y, [""] * len(y))  # the same rows as the panel on the left
+    ax_gpu.invert_yaxis()
+    ax_gpu.set_xlim(0, 1.05)
+    ax_gpu.set_title("the same load: bytes / GPU time, fraction of the link (line: pinned memcpy)", fontsize=8)
+    labels = [f"{r['setting']} [{r['tokens']} tokens]" for r in mla]
+    y = list(range(len(mla)))
+    ax_mla.barh(y, [r["fraction_of_ceiling"] for r in mla], color=[col(r["setting"]) for r in mla])
+    ax_mla.axvline(1.0, color="black", lw=1.2)
+    ax_mla.axvline(0.85, color="black", lw=0.8, ls="--")
+    ax_mla.set_yticks(y, labels, fontsize=7)
+    ax_mla.invert_yaxis()
+    ax_mla.set_xlim(0, 1.05)
+    ax_mla.set_title("MLA per-layer loads, queued: fraction of the copy engine at that size (dashed: 0.85)",
+                     fontsize=8)  # fmt: skip
+    for ax in (ax_host, ax_gpu, ax_mla):
+        ax.grid(axis="x", alpha=0.3)
+    fig.text(0.01, 0.01, "blue: submitted on the caller's thread; red: from direct's worker thread", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

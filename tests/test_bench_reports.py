@@ -76,3 +76,17 @@ def test_plots_draw_from_records(tmp_path):
     overlap = [_row("direct.copy_engine", 0.9), _row("jit.one_layer", 0.8, max_ctas=8, layout="layer_first")]
     bench._plot(tmp_path / "overlap.png", overlap)
     assert (tmp_path / "sweep.png").stat().st_size > 10_000 and (tmp_path / "overlap.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_submission_plot_draws_from_the_committed_h200_records(tmp_path):
+    import json
+    from pathlib import Path
+
+    from hicache_core.plots import plot_submission
+
+    committed = Path(__file__).parents[1] / "benchmarks" / "results" / "submission-check-h200.json"
+    records = json.loads(committed.read_text())["records"]
+    assert {r["metric"] for r in records} >= {"prefix_submission", "mla_load_queued", "small_host_us"}
+    plot_submission(tmp_path / "submission.png", records)
+    assert (tmp_path / "submission.png").stat().st_size > 10_000

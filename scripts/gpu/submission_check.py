@@ -215,6 +215,9 @@ def main() -> int:
     for part in args.only.split(","):
         records += {"prefix": prefix, "mla": mla, "small": small}[part](*((ceiling,) if part == "prefix" else ()))
         out.write_text(json.dumps({"environment": environment(), "ceiling": ceiling, "records": records}, indent=1))
+    from hicache_core.plots import plot_submission
+
+    plot_submission(out.with_suffix(".png"), records)
     print(f"wrote {out}")
     return 0
 
