@@ -90,3 +90,11 @@ def test_submission_plot_draws_from_the_committed_h200_records(tmp_path):
     assert {r["metric"] for r in records} >= {"prefix_submission", "mla_load_queued", "small_host_us"}
     plot_submission(tmp_path / "submission.png", records)
     assert (tmp_path / "submission.png").stat().st_size > 10_000
+
+
+def test_overlap_modes_are_named_and_an_unknown_one_is_refused_before_any_work():
+    from hicache_core.overlap import MODES, prefill_run
+
+    assert MODES == ("sglang", "interleaved")
+    with pytest.raises(ValueError, match="sglang, interleaved"):
+        prefill_run(None, 1, None, False, mode="sglang-ish")
