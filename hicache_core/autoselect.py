@@ -244,7 +244,9 @@ def static_rule(request: TransferRequest, candidates: list[type[Implementation]]
         if linear and piece >= DMA_MIN_PIECE:
             return Choice(dma[0], None, "rule",
                           f"rule: pieces of {piece // 1024} KiB (>= {DMA_MIN_PIECE // 1024} KiB, 1-D) go to the copy "
-                          "engine, which leaves the SMs to the model")  # fmt: skip
+                          "engine, which leaves the SMs to the model (loads issued in SGLang's order on the H200: at "
+                          "or within 3 % of the best in 6 of 8 prefill cases; where 8-CTA SM kernels beat it, in "
+                          "DeepSeek-V3's transfer-bound case, they slow the GEMMs by about 54 %)")  # fmt: skip
         kernels = [c for c in candidates if c.engine != "copy_engine"]
         if kernels:
             why = (f"{piece} B pieces are under {DMA_MIN_PIECE // 1024} KiB" if linear

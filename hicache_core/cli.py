@@ -49,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), help="cpu: the CPU implementations against memcpy")
     p.add_argument("--overlap", action="store_true",
                    help="layer-wise loads under prefill GEMMs, backups under decode (hicache_core.tools.bench.overlap)")
+    p.add_argument("--overlap-mode", help="with --overlap, comma-separated: sglang (every layer's load issued before "
+                   "the forward, as SGLang does), interleaved (each layer's load, then its GEMMs); default: sglang "
+                   "with --quick, else both")
     p.add_argument("--tokens", help="comma-separated tokens per call (default: 64,4096 quick, else 64,512,4096,32768)")
     p.add_argument("--shapes", help="comma-separated shape names (default: all; quick: deepseek-mla,llama-8b)")
     p.add_argument("--name", help="file name of the JSON and PNG (default: quick, sweep or overlap)")
@@ -110,7 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overlap:
         from .tools.bench.overlap_command import run_overlap
 
-        return run_overlap(out=args.out, quick=args.quick, only=args.only, name=args.name)
+        return run_overlap(out=args.out, quick=args.quick, only=args.only, name=args.name,
+                           modes=tuple(_csv(args.overlap_mode)) if args.overlap_mode else None,
+                           layouts=tuple(_csv(args.layouts)) if args.layouts else None)
     from .tools.bench.sweep import run_bench
 
     return run_bench(out=args.out, quick=args.quick, only=args.only, name=args.name,
@@ -269,7 +274,9 @@ def cmd_explain(registry: Registry, args) -> int:
     head = f"Resolved to {impl.name} (plugin {plugin}, io backend {impl.io_backend!r}, priority {impl.priority})"
     lines = [head + " for:"]
     lines += [f"    {label:<12} {value}" for label, value in request.describe()]
-    data = {"resolved": True, "implementation": impl.name, "plugin": plugin}
+    if impl.description:
+        lines.append(f"  How it moves bytes: {impl.description}")
+    data = {"resolved": True, "implementation": impl.name, "plugin": plugin, "description": impl.description}
     if args.io_backend == "auto":
         from . import autoselect
 

@@ -197,3 +197,15 @@ def test_explain_auto_on_the_command_line(capsys):
     # the chosen implementation's plugin, not the first claimant's (jit or kernel, by priority)
     assert (data["implementation"], data["plugin"]) == ("direct.copy_engine", "direct")
     assert data["buckets"]["4096"]["plugin"] == "direct"
+
+
+def test_explain_says_how_the_copy_engine_submits(capsys):
+    from hicache_core.cli import main
+
+    args = ["explain", "--pool", "mha", "--layout", "page_first_direct", "--op", "load_to_device_per_layer",
+            "--io-backend", "direct", "--device", "cuda"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "How it moves bytes:" in out and "worker thread" in out and "stream memory operations" in out
+    assert main([*args, "--json"]) == 0
+    assert "64-383 copies" in json.loads(capsys.readouterr().out)["description"]

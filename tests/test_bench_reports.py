@@ -24,8 +24,18 @@ def test_overlap_summary_compares_auto_with_the_best_non_auto_row():
             _row("auto", 0.94, chosen="direct.copy_engine"), _row("auto-rule", 0.99)]  # fmt: skip
     text = overlap_summary(rows)
     line = text.splitlines()[-1]
-    assert "direct.copy_engine: 0.95" in line.split("|")[2]  # best: never an auto row
-    assert line.rstrip(" |").endswith("0.989")  # 0.94 / 0.95
+    cells = [c.strip() for c in line.strip(" |").split("|")]
+    assert cells[0] == "interleaved"  # rows from before the modes were named: issue 11's order
+    assert "direct.copy_engine: 0.95" in cells[2]  # best: never an auto row
+    assert cells[-2:] == ["0.989", "1.042"]  # auto 0.94 / 0.95, the static rule 0.99 / 0.95
+
+
+def test_overlap_summary_keeps_the_modes_apart():
+    rows = [_row("direct.copy_engine", 0.95, mode="sglang"), _row("direct.copy_engine", 0.80, mode="interleaved"),
+            _row("auto", 0.76, mode="interleaved"), _row("auto", 0.95, mode="sglang")]  # fmt: skip
+    lines = bench.overlap_summary(rows).splitlines()[2:]
+    assert [ln.split("|")[1].strip() for ln in lines] == ["interleaved", "sglang"]
+    assert lines[0].split("|")[-3].strip() == "0.950" and lines[1].split("|")[-3].strip() == "1.000"
 
 
 def test_compute_models_split_the_regimes_as_issue_11_does():
@@ -85,3 +95,25 @@ def test_plots_draw_from_records(tmp_path):
     overlap = [_row("direct.copy_engine", 0.9), _row("jit.one_layer", 0.8, max_ctas=8, layout="layer_first")]
     records._plot(tmp_path / "overlap.png", overlap)
     assert (tmp_path / "sweep.png").stat().st_size > 10_000 and (tmp_path / "overlap.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_submission_plot_draws_from_the_committed_h200_records(tmp_path):
+    import json
+    from pathlib import Path
+
+    from hicache_core.plots import plot_submission
+
+    committed = Path(__file__).parents[1] / "benchmarks" / "results" / "submission-check-h200.json"
+    records = json.loads(committed.read_text())["records"]
+    assert {r["metric"] for r in records} >= {"prefix_submission", "mla_load_queued", "small_host_us"}
+    plot_submission(tmp_path / "submission.png", records)
+    assert (tmp_path / "submission.png").stat().st_size > 10_000
+
+
+def test_overlap_modes_are_named_and_an_unknown_one_is_refused_before_any_work():
+    from hicache_core.overlap import MODES, prefill_run
+
+    assert MODES == ("sglang", "interleaved")
+    with pytest.raises(ValueError, match="sglang, interleaved"):
+        prefill_run(None, 1, None, False, mode="sglang-ish")

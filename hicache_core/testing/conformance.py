@@ -520,6 +520,71 @@ class ConformanceTests:
                 "than the reference: the transfer did not run on the current stream"
             )
 
+    def test_layer_events_order_a_consumer(self, hicache_case: Case) -> None:
+        """On CUDA, as a server loads a cached prefix: every layer's load issued on a load stream, an
+        event recorded after each layer's call, and a consumer stream that waits on layer ``l``'s
+        event and then reads the device pool (a kernel on the consumer stream). Whatever layers
+        ``0..l`` moved must be there, byte for byte, when the consumer reads: an implementation
+        that returns before its copies are ordered on the load stream (a worker thread, a side
+        stream) fails here. The load stream is held back first, so the copies are still queued
+        when the events are recorded.
+        """
+        case = hicache_case
+        device = self.device_under_test()
+        if device.type != "cuda" or not hasattr(torch.cuda, "_sleep"):
+            pytest.skip("needs CUDA: a consumer stream waits on per-layer events of a load stream")
+        if case.operation == BACKUP_ALL:
+            pytest.skip("per-layer events are what a layer-wise load records; an all-layer backup has one")
+        impl_side, ref_side = self._pair(case)
+        h, d = self._round_trip_indices(case, impl_side)
+        if self.implementation_under_test().index_device == "cpu":
+            h, d = h.cpu(), d.cpu()
+        kind = impl_side.host.geometry.decl
+        host = impl_side.host
+        # What the reference leaves after each layer (run on the default stream, synchronously).
+        watch = (lambda side: C.device_tensors(side.device_pool, side.drafts, kind)) if case.operation == LOAD else (
+            lambda side: C.host_tensors(side.host))  # fmt: skip
+        for side in (impl_side, ref_side):
+            for t in watch(side).values():
+                C.as_bytes(t).fill_(0xA5)
+        torch.cuda.synchronize(device)
+        layers = list(range(host.start_layer, host.end_layer))
+        method = getattr(ref_side.host, case.operation)
+        want, before = [], {n: C.as_bytes(t).clone() for n, t in watch(ref_side).items()}
+        for layer in layers:
+            method(ref_side.device_pool, h, d, layer, "reference")
+            torch.cuda.synchronize(device)
+            want.append({n: C.as_bytes(t).clone() for n, t in watch(ref_side).items()})
+        load, consumer = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        events = [torch.cuda.Event() for _ in layers]
+        seen = []
+        impl_method = getattr(host, case.operation)
+        with torch.cuda.stream(load):
+            torch.cuda._sleep(50_000_000)
+            for layer, event in zip(layers, events):
+                impl_method(impl_side.device_pool, h, d, layer, impl_side.io_backend)
+                event.record(load)
+        with torch.cuda.stream(consumer):
+            for event in events:
+                consumer.wait_event(event)
+                # A read ordered on the consumer stream: a copy kernel for device bytes, a DMA for host bytes.
+                seen.append({n: C.as_bytes(t).clone() if t.is_cuda else C.as_bytes(t).to(device, non_blocking=True)
+                             for n, t in watch(impl_side).items()})  # fmt: skip
+        torch.cuda.synchronize(device)
+        for i, layer in enumerate(layers):
+            for n, got in seen[i].items():
+                got, ref = got.cpu(), want[i][n].cpu()
+                moved = ref != before[n].cpu()  # bytes layers <= layer changed in the reference
+                if not torch.equal(got[moved], ref[moved]):
+                    bad = int((got[moved] != ref[moved]).sum())
+                    pytest.fail(
+                        f"{self._who()} [{case.id}] {n}: a consumer waiting on the event recorded after layer "
+                        f"{layer}'s call saw {bad} of {int(moved.sum())} moved bytes not yet there: the copies were "
+                        "not ordered before that event on the caller's stream",
+                        pytrace=False,
+                    )
+        self._assert_same(case, impl_side, ref_side)
+
     def test_unpinned_host(self, hicache_case: Case) -> None:
         """On CUDA, a host pool that is not pinned is refused at construction with a reason, or works."""
         case = hicache_case
@@ -693,6 +758,7 @@ _matrix("untouched")(ConformanceTests.test_pool_untouched_outside_indices)
 _matrix("bad")(ConformanceTests.test_rejects_bad_input)
 _matrix("oracle")(ConformanceTests.test_layout_matches_its_oracle)
 _matrix("stream")(ConformanceTests.test_beside_compute_stream)
+_matrix("stream")(ConformanceTests.test_layer_events_order_a_consumer)
 _matrix("unpinned")(ConformanceTests.test_unpinned_host)
 
 

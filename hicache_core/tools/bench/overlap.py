@@ -96,8 +96,21 @@ class Streams:
             torch.matmul(self.x, self.w, out=self.out)
 
 
-def prefill_run(streams: Streams, layers: int, load: Callable[[int], None] | None, compute: bool) -> dict:
-    """One pass over ``layers``: loads on the transfer stream, GEMMs on the compute stream, per-layer events."""
+#: How the benchmark issues a prefill's loads: ``sglang`` as SGLang's ``L2TransferEngine`` does
+#: (every layer's load submitted on the load stream before the forward is queued, one event per
+#: layer that the forward's layer waits on), or ``interleaved`` (each layer's load, then that
+#: layer's GEMMs, as issue 11's benchmark did: it hides the host's submission time behind the GEMMs).
+MODES = ("sglang", "interleaved")
+
+
+def prefill_run(streams: Streams, layers: int, load: Callable[[int], None] | None, compute: bool,
+                mode: str = "sglang") -> dict:  # fmt: skip
+    """One pass over ``layers``: loads on the transfer stream, GEMMs on the compute stream, per-layer events.
+
+    ``host_submit_s`` is the host time of the whole pass; ``load_submit_s`` that of the load calls
+    alone (in ``sglang`` mode: the time before the forward's first GEMM can be queued)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown overlap mode {mode!r}; modes: {', '.join(MODES)}")
     timing = [torch.cuda.Event(enable_timing=True) for _ in range(2 * layers + 2)]
     ready = [torch.cuda.Event() for _ in range(layers)]
     cs, ts = streams.compute, streams.transfer
@@ -105,24 +118,43 @@ def prefill_run(streams: Streams, layers: int, load: Callable[[int], None] | Non
     host0 = time.perf_counter()
     timing[0].record(cs)
     ts.wait_event(timing[0])
-    for layer in range(layers):
+    load_s = 0.0
+
+    def issue_load(layer: int) -> None:
+        nonlocal load_s
+        t0 = time.perf_counter()
+        with torch.cuda.stream(ts):
+            load(layer)
+            ready[layer].record(ts)
+        load_s += time.perf_counter() - t0
+
+    def forward_layer(layer: int) -> None:
+        with torch.cuda.stream(cs):
+            if load is not None:
+                cs.wait_event(ready[layer])
+            timing[1 + 2 * layer].record(cs)
+            streams.gemms()
+            timing[2 + 2 * layer].record(cs)
+
+    if mode == "sglang":
         if load is not None:
-            with torch.cuda.stream(ts):
-                load(layer)
-                ready[layer].record(ts)
+            for layer in range(layers):
+                issue_load(layer)
         if compute:
-            with torch.cuda.stream(cs):
-                if load is not None:
-                    cs.wait_event(ready[layer])
-                timing[1 + 2 * layer].record(cs)
-                streams.gemms()
-                timing[2 + 2 * layer].record(cs)
+            for layer in range(layers):
+                forward_layer(layer)
+    else:
+        for layer in range(layers):
+            if load is not None:
+                issue_load(layer)
+            if compute:
+                forward_layer(layer)
     host_submit = time.perf_counter() - host0
     cs.wait_stream(ts)
     timing[-1].record(cs)
     torch.cuda.synchronize()
     total = timing[0].elapsed_time(timing[-1]) / 1e3
-    out = {"seconds": total, "host_submit_s": host_submit}
+    out = {"seconds": total, "host_submit_s": host_submit, "load_submit_s": load_s}
     if compute:
         out["gemm_busy_s"] = sum(timing[1 + 2 * i].elapsed_time(timing[2 + 2 * i]) for i in range(layers)) / 1e3
         out["first_gemm_start_s"] = timing[0].elapsed_time(timing[1]) / 1e3
@@ -138,7 +170,7 @@ def _median_run(fn: Callable[[], dict], reps: int) -> dict:
 
 def prefill_overlap(impl: Implementation, streams: Streams, h: torch.Tensor, d: torch.Tensor, layers: int,
                     nbytes: int, ceiling_gbps: float, reps: int = 3,
-                    compute_alone: dict | None = None) -> dict:  # fmt: skip
+                    compute_alone: dict | None = None, mode: str = "sglang") -> dict:  # fmt: skip
     """The overlap figures of one implementation (``compute_alone`` may be passed to share it)."""
 
     def load(layer: int) -> None:
@@ -146,8 +178,8 @@ def prefill_overlap(impl: Implementation, streams: Streams, h: torch.Tensor, d: 
 
     if compute_alone is None:
         compute_alone = _median_run(lambda: prefill_run(streams, layers, None, True), reps)
-    transfer = _median_run(lambda: prefill_run(streams, layers, load, False), reps)
-    both = _median_run(lambda: prefill_run(streams, layers, load, True), reps)
+    transfer = _median_run(lambda: prefill_run(streams, layers, load, False, mode), reps)
+    both = _median_run(lambda: prefill_run(streams, layers, load, True, mode), reps)
     ideal = max(compute_alone["seconds"], nbytes / (ceiling_gbps * 1e9))
     per_layer_transfer = transfer["seconds"] / layers
     return {
@@ -158,7 +190,9 @@ def prefill_overlap(impl: Implementation, streams: Streams, h: torch.Tensor, d: 
         "efficiency": ideal / both["seconds"],
         "gemm_slowdown": both["gemm_busy_s"] / compute_alone["gemm_busy_s"] - 1,
         "transfer_gbps_alone": nbytes / transfer["seconds"] / 1e9,
+        "mode": mode,
         "host_submit_s": both["host_submit_s"],
+        "load_submit_s": both["load_submit_s"],
         "transfer_host_submit_s": transfer["host_submit_s"],
         "first_gemm_start_s": both["first_gemm_start_s"],
         "one_layer_transfer_s": per_layer_transfer,
@@ -237,6 +271,7 @@ __all__ = [
     "CASES",
     "LOAD",
     "MODELS",
+    "MODES",
     "ComputeModel",
     "Streams",
     "decode_backup",

@@ -14,7 +14,17 @@ from ...registry import get_registry
 from ..demo import random_pages
 from ..shapes import SHAPES
 from .machine import measure_ceiling
-from .overlap import CASES, MODELS, Streams, _median_run, decode_backup, fill_random_fast, prefill_overlap, prefill_run
+from .overlap import (
+    CASES,
+    MODELS,
+    MODES,
+    Streams,
+    _median_run,
+    decode_backup,
+    fill_random_fast,
+    prefill_overlap,
+    prefill_run,
+)
 from .records import _write, environment
 from .sweep import _implementations
 
@@ -32,8 +42,12 @@ def _sglang_note() -> dict:
 
 
 def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str | None = None,
-                name: str | None = None) -> int:  # fmt: skip
-    """Layer-wise loads under prefill GEMMs, and all-layer backups under decode (hicache_core.tools.bench.overlap)."""
+                name: str | None = None, modes: tuple[str, ...] | None = None,
+                layouts: tuple[str, ...] | None = None) -> int:  # fmt: skip
+    """Layer-wise loads under prefill GEMMs, and all-layer backups under decode (hicache_core.tools.bench.overlap).
+
+    ``modes`` (default: ``sglang`` alone with ``quick``, else both): how the loads are issued,
+    :data:`hicache_core.tools.bench.overlap.MODES`."""
     if not torch.cuda.is_available():
         print("hicache bench --overlap needs a GPU")
         return 1
@@ -42,8 +56,9 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
     env = environment()
     ceiling = measure_ceiling(1 << 30)
     print(f"ceiling: H2D {ceiling['h2d_gbps']:.1f} GB/s, D2H {ceiling['d2h_gbps']:.1f} GB/s")
+    modes = tuple(modes or (("sglang",) if quick else MODES))
     budgets = (2, 8, 0) if quick else (2, 4, 8, 16, 0)
-    layouts = ("page_first_direct",) if quick else ("page_first_direct", "layer_first")
+    layouts = tuple(layouts or (("page_first_direct",) if quick else ("page_first_direct", "layer_first")))
     reps = 2 if quick else 3
     records: list[dict] = []
     meta = {"environment": env, "ceiling": ceiling, "anchor": _sglang_note(),
@@ -65,9 +80,17 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                              + list(host.plan.host_buffers.values()))  # fmt: skip
             decl, geometry = registry.layouts[layout], host.geometry
             made: dict[str, Implementation] = {}
+            tuned: dict[str, dict] = {}  # a row's submission settings (an implementation's SUBMISSION_VARIANTS)
             for cls in impls:
                 if not reasons_for(cls, TransferRequest(cls.io_backend, LOAD, geometry, decl)):
-                    made[cls.name] = cls(host.plan)
+                    made[cls.name] = impl = cls(host.plan)
+                    # The same implementation on each submission path it declares (the copy engine: the
+                    # caller's thread, the worker for every call), beside its default.
+                    declared = impl.tuning_variants()
+                    for variant in getattr(cls, "SUBMISSION_VARIANTS", {}):
+                        if variant in declared:
+                            made[f"{cls.name} {variant}"] = cls(host.plan)
+                            tuned[f"{cls.name} {variant}"] = declared[variant]
             request = TransferRequest("auto", LOAD, geometry, decl, True)
             try:
                 base = resolve(registry, request)
@@ -83,7 +106,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                 nbytes = m * shape.item_bytes() * host.layer_num
                 layers = host.layer_num
                 alone = _median_run(lambda s=streams, n=layers: prefill_run(s, n, None, True), reps)
-                for impl_name, impl in made.items():
+                for mode, (impl_name, impl) in ((mo, it) for mo in modes for it in made.items()):
                     where = host.plan.device if impl.index_device == "device" else torch.device("cpu")
                     h, d = hp.to(where), dp.to(where)
                     settings = budgets if hasattr(impl, "max_ctas") else (None,)
@@ -91,8 +114,9 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                         if budget is not None:
                             impl.max_ctas = budget
                         try:
-                            result = prefill_overlap(impl, streams, h, d, layers, nbytes, ceiling["h2d_gbps"], reps,
-                                                     compute_alone=alone)  # fmt: skip
+                            with impl.tuned(tuned.get(impl_name, {})):
+                                result = prefill_overlap(impl, streams, h, d, layers, nbytes, ceiling["h2d_gbps"],
+                                                         reps, compute_alone=alone, mode=mode)  # fmt: skip
                         except Exception as exc:  # noqa: BLE001 - one failing row must not end the run
                             print(f"{impl_name} {layout} {model_name} {m}: failed: {type(exc).__name__}: {exc}")
                             continue
@@ -104,10 +128,12 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                             "path": getattr(getattr(impl, "copier", None), "path", None), **result,
                         })  # fmt: skip
                         r = records[-1]
-                        print(f"{model_name:12} {m:6} {layout:18} {_row_label(r):34} eff {r['efficiency']:.2f} "
+                        print(f"{mode:11} {model_name:12} {m:6} {layout:18} {_row_label(r):34} "
+                              f"eff {r['efficiency']:.2f} "
                               f"overlapped {r['overlapped_s'] * 1e3:7.1f} ms (compute {r['compute_s'] * 1e3:6.1f}, "
                               f"transfer {r['transfer_s'] * 1e3:6.1f}) GEMM {r['gemm_slowdown']:+.0%} "
-                              f"first GEMM at {r['first_gemm_start_s'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+                              f"first GEMM at {r['first_gemm_start_s'] * 1e3:.1f} ms, loads submitted in "
+                              f"{r['load_submit_s'] * 1e3:.2f} ms", flush=True)  # fmt: skip
                 del streams
                 _write(Path(out), name or "overlap", {**meta, "complete": False}, records, plot=False)
             # All-layer backups during decode (4096 tokens), on the same pool.
@@ -171,23 +197,27 @@ def _row_label(r: dict) -> str:
 
 
 def overlap_summary(records: list[dict]) -> str:
-    """Per case: the best row, direct's best, auto's, and whether auto is within 5 % of the best."""
-    lines = ["| case | best | direct | auto | auto / best |", "|---|---|---|---|---|"]
-    cases = sorted({(r["model"], r["new_tokens"], r["cached_tokens"], r["layout"]) for r in records
-                    if "efficiency" in r})  # fmt: skip
-    for model, n, m, layout in cases:
-        rows = [r for r in records if "efficiency" in r and (r["model"], r["new_tokens"], r["cached_tokens"],
-                r["layout"]) == (model, n, m, layout)]  # fmt: skip
+    """Per mode and case: the best row, direct's best, auto's and auto's static rule, and auto / best."""
+    lines = ["| mode | case | best | direct | auto | auto / best | auto-rule / best |", "|---|---|---|---|---|---|---|"]
+
+    def case_of(r):
+        return (r.get("mode", "interleaved"), r["model"], r["new_tokens"], r["cached_tokens"], r["layout"])
+
+    for mode, model, n, m, layout in sorted({case_of(r) for r in records if "efficiency" in r}):
+        rows = [r for r in records if "efficiency" in r and case_of(r) == (mode, model, n, m, layout)]
         best = max((r for r in rows if not r["implementation"].startswith("auto")), key=lambda r: r["efficiency"],
                    default=None)  # fmt: skip
         direct = max((r for r in rows if r["implementation"].startswith("direct")), key=lambda r: r["efficiency"],
                      default=None)  # fmt: skip
         auto = next((r for r in rows if r["implementation"] == "auto"), None)
+        rule = next((r for r in rows if r["implementation"] == "auto-rule"), None)
 
         def cell(r):
             return "-" if r is None else f"{_row_label(r)}: {r['efficiency']:.2f}, GEMM {r['gemm_slowdown']:+.0%}"
 
-        ratio = f"{auto['efficiency'] / best['efficiency']:.3f}" if auto and best else "-"
-        lines.append(f"| {model} {n} new / {m} cached, {layout} | {cell(best)} | {cell(direct)} | {cell(auto)} "
-                     f"| {ratio} |")  # fmt: skip
+        def ratio(r, best=best):
+            return f"{r['efficiency'] / best['efficiency']:.3f}" if r and best else "-"
+
+        lines.append(f"| {mode} | {model} {n} new / {m} cached, {layout} | {cell(best)} | {cell(direct)} "
+                     f"| {cell(auto)} | {ratio(auto)} | {ratio(rule)} |")  # fmt: skip
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -24,7 +25,7 @@ from hicache_core import OPERATIONS, Implementation, TransferPlan, TransferReque
 from .descriptors import DescriptorBuilder, PartAddresses
 from .memcpy import copier_for
 
-_COPIER_KNOBS = ("streams", "max_batch", "prefer_overlap", "batch", "batch_2d")
+_COPIER_KNOBS = ("streams", "max_batch", "prefer_overlap", "batch", "batch_2d", "thread", "thread_max")
 
 
 class DirectCopy(Implementation):
@@ -47,7 +48,10 @@ class DirectCopy(Implementation):
     index_dtypes = frozenset({torch.int32, torch.int64})
     index_device = "cpu"
     engine = "copy_engine"
-    description = "copy engine: one cudaMemcpyBatchAsync of merged contiguous runs per operation"
+    description = ("copy engine: one cudaMemcpyBatchAsync of merged contiguous runs per operation; on CUDA, calls of "
+                   "64-383 copies are submitted by a worker thread on a side stream gated on the caller's stream by "
+                   "stream memory operations (the caller returns after two of them; the stream order is kept), "
+                   "fewer or more on the caller's thread (HICACHE_DIRECT_THREAD=0: always)")
 
     #: Submission settings a benchmark times beside the defaults (knobs of :class:`~hicache_direct.memcpy.CudaCopier`).
     VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -59,11 +63,17 @@ class DirectCopy(Implementation):
         "no_overlap_hint": {"prefer_overlap": False},
         "one_by_one": {"batch": False},
     }
+    #: The submission paths an overlap benchmark compares beside the default (``thread`` routes calls of
+    #: ``thread_min`` to ``thread_max`` copies through the worker): always the caller's thread, always the worker.
+    SUBMISSION_VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "caller-thread": {"thread": False},
+        "worker": {"thread_max": 0},
+    }
 
     def tuning_variants(self) -> dict[str, dict[str, Any]]:
         if not all(hasattr(self.copier, knob) for knob in _COPIER_KNOBS):
             return {}  # the host copier (CPU pools) has no submission knobs
-        variants = dict(self.VARIANTS)
+        variants = {**self.VARIANTS, **self.SUBMISSION_VARIANTS}
         # 2-D copies as one cudaMemcpy3DBatchAsync: only where there are 2-D copies, and only when the
         # bench is asked to (scripts/gpu/direct-check.sh asks once its byte-exact check of that path passed).
         if self.builder.sliced and os.environ.get("HICACHE_BENCH_BATCH_2D") == "1":
@@ -119,6 +129,14 @@ class DirectCopy(Implementation):
         self.copier = copier_for(plan.device)
         self._all = self.builder.layers_all()
         self._describe = self.builder.describe
+        self._parts = len(plan.parts)
+
+    def flush(self) -> None:
+        """Wait until every call is submitted to the driver (calls of many copies go from a worker
+        thread); raises the first error a submission met. Not needed for stream order."""
+        flush = getattr(self.copier, "flush", None)
+        if flush is not None:
+            flush()
 
     def load_to_device_per_layer(self, host_indices, device_indices, layer):
         self._copy(host_indices, device_indices, (layer,), True)
@@ -136,7 +154,14 @@ class DirectCopy(Implementation):
         builder = self.builder
         # Bounds (checked in runs(), before any byte moves) are those of the layer with the fewest rows.
         runs = builder.runs(host_indices, device_indices, builder.rows_for(layers))
-        self.copier.submit(builder.build(runs, layers, to_device), self._describe)
+        # The runs (bounds checked) are the caller's; the copy list is built where it is submitted. The
+        # bound method keeps this implementation, so its plan and buffers, alive until then (a pool
+        # destroyed right after the call cannot free them under a queued job).
+        self.copier.submit_built(partial(self._batch, runs, layers, to_device), self._describe,
+                                 len(runs) * self._parts * len(layers))  # fmt: skip
+
+    def _batch(self, runs, layers: tuple[int, ...], to_device: bool):
+        return self.builder.build(runs, layers, to_device)
 
     def plan_for(self, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: tuple[int, ...],
                  to_device: bool):  # fmt: skip
@@ -147,4 +172,5 @@ class DirectCopy(Implementation):
     @property
     def path(self) -> str:
         """How operations are submitted here, in words."""
-        return self.copier.path
+        thread = getattr(self.copier, "thread_path", None)
+        return self.copier.path + (f"; {thread}" if thread else "")

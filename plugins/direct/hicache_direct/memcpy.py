@@ -96,6 +96,11 @@ class HostCopier:
             for row in range(height):
                 ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
 
+    def submit_built(self, make_batch: Callable[[], Batch], describe: Callable[[Batch, tuple], str],
+                     copies: int) -> None:  # fmt: skip
+        """Build and run the copies now (memmove is synchronous: there is nothing to take off the thread)."""
+        self.submit(make_batch(), describe)
+
 
 class CudaCopier:
     """Submits copy lists on the caller's current CUDA stream through the runtime torch loaded.
@@ -109,6 +114,10 @@ class CudaCopier:
       submits the rest. 32 measured best on the H200 (``benchmarks/results/direct-bench-h200.json``):
       llama-8b load of 4096 tokens 0.81 -> 0.90 of the ceiling, MLA 0.63 -> 0.73, all-layer
       backups 0.84 -> 0.97, against one unbounded batch.
+    * ``first_batch`` (``HICACHE_DIRECT_FIRST_BATCH``, default 0 = as ``max_batch``): the size of
+      an operation's first batch call, the rest going in calls of ``max_batch``; with
+      ``max_batch=0`` the copy engine starts on a small first batch while one call submits
+      the rest (fewer calls per operation).
     * ``streams`` (``HICACHE_DIRECT_STREAMS``, default 1): spread one operation's copies over
       this many streams (the caller's plus side streams joined back by events), so that
       several copy engines work at once.
@@ -117,6 +126,19 @@ class CudaCopier:
     * ``batch_2d`` (``HICACHE_DIRECT_BATCH_2D``, default 0 until measured on a GPU): submit the
       2-D copies (``page_first_kv_split``'s halves) as one ``cudaMemcpy3DBatchAsync`` instead of
       one ``cudaMemcpy2DAsync`` per run.
+    * ``thread`` (``HICACHE_DIRECT_THREAD``, default 1), ``thread_min`` (``HICACHE_DIRECT_THREAD_MIN``,
+      default 64) and ``thread_max`` (``HICACHE_DIRECT_THREAD_MAX``, default 384; 0 = no limit):
+      calls of ``thread_min`` copies or more, and fewer than ``thread_max``, are built and
+      submitted by a worker thread on a side stream, gated on the caller's stream by stream
+      memory operations (:mod:`hicache_direct.submitter`), so the caller returns after two
+      stream operations. Fewer copies cost less to submit than to hand over. Larger calls stay
+      on the caller's thread. Measured on the H200 in SGLang's order
+      (``benchmarks/results/overlap-sglang-h200-run1.json`` and ``overlap-sglang-h200.json``, both
+      paths in every case): the driver queues the caller's stream operations and the forward's
+      launches behind the worker's batch calls, which costs the transfer-bound prefixes (32768
+      cached tokens: llama-8b's 1024 copies per layer, DeepSeek-V3's ~500) 0.01-0.08 of ideal,
+      while the compute-bound ones (8192: 256 and 128 copies) gain 0.01-0.11, their first GEMM
+      queued after 2-12 ms instead of 6-35. 384 lies between the two groups.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -149,9 +171,15 @@ class CudaCopier:
         self._get_device, self._get_stream = cuda_current_functions()
         self.batch = _env_int("HICACHE_DIRECT_BATCH", 1) != 0
         self.max_batch = _env_int("HICACHE_DIRECT_MAX_BATCH", 32)
+        self.first_batch = _env_int("HICACHE_DIRECT_FIRST_BATCH", 0)
         self.streams = max(1, _env_int("HICACHE_DIRECT_STREAMS", 1))
         self.prefer_overlap = _env_int("HICACHE_DIRECT_PREFER_OVERLAP", 1) != 0
         self.batch_2d = _env_int("HICACHE_DIRECT_BATCH_2D", 0) != 0
+        self.thread = _env_int("HICACHE_DIRECT_THREAD", 1) != 0
+        self.thread_min = _env_int("HICACHE_DIRECT_THREAD_MIN", 64)
+        self.thread_max = _env_int("HICACHE_DIRECT_THREAD_MAX", 384)
+        self._worker = None
+        self.no_thread: str | None = None  # why the worker cannot be used here, once found out
 
     @property
     def prefer_overlap(self) -> bool:
@@ -169,6 +197,58 @@ class CudaCopier:
             return f"cudaMemcpyBatchAsync (CUDA runtime {self.runtime_version}, {self._batch_abi} ABI)"
         why = "disabled (batch=0)" if not self.batch else self.unavailable
         return f"one cudaMemcpyAsync per run: the batch call is {why}"
+
+    @property
+    def thread_path(self) -> str:
+        """Where calls of many copies are submitted from, in words."""
+        if not self.thread:
+            return "on the caller's thread (thread=0)"
+        if self.no_thread:
+            return f"on the caller's thread: {self.no_thread}"
+        span = f">= {self.thread_min}" + (f" and < {self.thread_max}" if self.thread_max else "")
+        return (f"calls of {span} copies from a worker thread on a side stream, gated on the caller's "
+                "stream by cuStreamWriteValue32/cuStreamWaitValue32")  # fmt: skip
+
+    def submit_built(self, make_batch: Callable[[], Batch], describe: Callable[[Batch, tuple], str],
+                     copies: int) -> None:  # fmt: skip
+        """Submit the copies ``make_batch()`` builds (about ``copies`` of them) in the caller's stream order:
+        from the worker thread where that pays (``thread``), else here and now."""
+        worker = self._worker
+        if worker is not None and worker.error is not None:
+            worker.raise_error()
+        if (self.thread and copies >= self.thread_min and (not self.thread_max or copies < self.thread_max)
+                and self.no_thread is None):  # fmt: skip
+            stream = self._get_stream(self.index)
+            # The legacy and per-thread default streams are the caller thread's own (a handle the worker
+            # cannot name), and a capture cannot wait for a thread: those stay on this thread.
+            if stream > _STREAM_PER_THREAD and self._not_capturing(stream):
+                if worker is None:
+                    worker = self._start_worker()
+                if worker is not None:
+                    from .submitter import StreamOpsRefused
+
+                    try:
+                        worker.submit(stream, make_batch, describe)
+                        return
+                    except StreamOpsRefused as exc:  # nothing queued: this call and later ones on this thread
+                        self.no_thread = str(exc)
+        self.submit(make_batch(), describe)
+
+    def flush(self) -> None:
+        """Wait until the worker has submitted every queued call (not until the copies are done);
+        raise the first error it met."""
+        if self._worker is not None:
+            self._worker.flush()
+
+    def _start_worker(self):
+        from .submitter import SubmitThread
+
+        try:
+            self._worker = SubmitThread(self)
+        except (OSError, AttributeError) as exc:
+            self.no_thread = f"stream memory operations are not available ({exc})"
+            return None
+        return self._worker
 
     def stream(self) -> int:
         """The caller's current stream, read once per operation (two threads may run a load and a
@@ -283,7 +363,8 @@ class CudaCopier:
             if fn is None:  # given up on during this operation: the rest one by one
                 self._one_by_one(batch, describe, stream, start, hi)
                 return
-            n = min(self.max_batch or hi - start, hi - start)
+            size = self.first_batch if start == lo and self.first_batch else self.max_batch
+            n = min(size or hi - start, hi - start)
             off = start * 8
             if self._batch_abi == "12.8":
                 fail_idx.value = _NO_INDEX

@@ -236,6 +236,8 @@ def _fake_copier(abi: str, batch_result, memcpy_fail_at=None):
     c._attr_idx = (ctypes.c_size_t * 1)(0)
     c.prefer_overlap = True
     c.batch, c.max_batch, c.streams, c.unavailable = True, 0, 1, None
+    c.first_batch = 0
+    c.thread, c.thread_min, c.thread_max, c._worker, c.no_thread = True, 64, 512, None, None
     c._batch_abi = abi
 
     def batch_fn(*args):
@@ -295,6 +297,37 @@ def test_max_batch_splits_the_submission():
     c.max_batch = 4
     c.submit(batch, impl.builder.describe)
     assert [x[1] for x in c.calls] == [4, 2]
+
+
+def test_first_batch_then_the_rest_in_one_call():
+    impl, batch = _a_batch()
+    c = _fake_copier("13.0", 0)
+    c.first_batch, c.max_batch = 2, 0
+    c.submit(batch, impl.builder.describe)
+    assert [x[1] for x in c.calls] == [2, 4]
+    c.calls.clear()
+    c.first_batch, c.max_batch = 2, 3
+    c.submit(batch, impl.builder.describe)
+    assert [x[1] for x in c.calls] == [2, 3, 1]
+
+
+def test_calls_on_the_default_stream_or_with_few_copies_stay_on_the_callers_thread():
+    impl, batch = _a_batch()
+    c = _fake_copier("13.0", 0)
+    built = []
+
+    def make():
+        built.append(1)
+        return batch
+
+    c.submit_built(make, impl.builder.describe, 1000)  # the legacy default stream: no worker
+    c._get_stream = lambda index: 0x1234
+    c.submit_built(make, impl.builder.describe, 6)  # a real stream, but under thread_min copies
+    c.submit_built(make, impl.builder.describe, 512)  # a real stream, but thread_max copies or more
+    assert c._worker is None and built == [1, 1, 1]
+    assert c.calls == [("batch", 6, memcpy._STREAM_PER_THREAD), ("batch", 6, 0x1234), ("batch", 6, 0x1234)]
+    c.thread = False
+    assert "caller's thread" in c.thread_path
 
 
 def test_failidx_names_the_run_on_12_8():
@@ -394,3 +427,36 @@ def test_a_refused_3d_batch_falls_back_to_2d_copies():
     with pytest.warns(UserWarning, match="2-D copies one by one"):
         c.submit(batch, impl.builder.describe)
     assert [x[0] for x in c.calls] == ["2d"] * 4 and c._batch3d_fn is None
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_vectorised_descriptors_are_the_per_item_copies_of_a_scattered_prefix(layout):
+    """A prefix in miniature (64 scattered pages, every layer in turn): each layer's copy list, whether
+    built per call or served from the per-runs tables (second use on), expands item by item to exactly
+    the (device address, host address, bytes) of every item, written out one item at a time here."""
+    dev, _, host, _ = _pools("mha", layout, pages=80, layers=3)
+    impl = host.implementation_for(hc.LOAD)
+    gen = torch.Generator().manual_seed(11)
+    pages = (torch.randperm(79, generator=gen)[:64] + 1).tolist()
+    rows = (torch.randperm(79, generator=gen)[:64] + 1).tolist()
+    h, d = _slots(pages), _slots(rows)
+    parts = impl.builder.parts
+    for rep in range(2):
+        for layer in range(3):
+            batch = impl.plan_for(h, d, (layer,), True)
+            got = []
+            dst, src, size = batch.linear()
+            for a, b, n in zip(dst, src, size):
+                for p in parts:
+                    if n % p.item_bytes == 0:
+                        item = p.item_bytes
+                        break
+                got += [(a + k * item, b + k * item, item) for k in range(n // item)]
+            want = []
+            for p in parts:
+                for slot, row in zip(h.tolist(), d.tolist()):
+                    page, token = divmod(slot, PAGE)
+                    src_addr = p.host_base + layer * p.layer_stride + page * p.page_stride + token * p.token_stride
+                    want.append((p.device_bases[layer] + row * p.row_bytes, src_addr, p.item_bytes))
+            assert sorted(got) == sorted(want), (layout, rep, layer)
+            assert batch.copies_2d == []

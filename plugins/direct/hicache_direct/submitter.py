@@ -1,0 +1,239 @@
+"""Copy submission off the caller's thread, gated on the caller's stream by stream memory operations.
+
+The driver spends about a microsecond per descriptor in ``cudaMemcpyBatchAsync``, so a
+server that issues every layer's load before the forward (SGLang's
+``submit_host_to_device`` loops over the layers on the scheduler thread) pays 32 layers
+x 256 descriptors of driver time before its first GEMM is even queued. Here the caller
+pays two stream memory operations per call and a queue put; a worker thread submits
+the copies on a side stream of its own.
+
+Order, per call on the caller's stream ``S`` with side stream ``W`` and the call's
+sequence number ``n`` (``S`` and ``W`` each have one 32-bit word, ``start`` and
+``done``, in device memory):
+
+* the caller, before it returns: ``S: write start = n``, ``S: wait until done >= n``;
+* the worker, later: ``W: wait until start >= n``, the copies, ``W: write done = n``.
+
+So the copies begin only once ``S`` has reached the call (what came before it on ``S``,
+a producer of a backup's source or a user of a load's destination, is done), and
+nothing queued on ``S`` after the call (the event a server records after each layer)
+runs before the copies are done: the same order as copies queued on ``S`` itself.
+One side stream per caller stream, jobs in the order the caller made them, so each
+word only grows (the comparison is cyclic, ``(int32)(value - n) >= 0``, so wrapping at
+2**32 is harmless). The side stream is made with ``cudaStreamCreateWithFlags``, never
+taken from torch's stream pool, which may hand out the caller's own stream again (the
+worker's waits would then queue behind the caller's wait: a deadlock).
+
+Errors: bad indices are refused by the caller (bounds are checked before the job is
+queued). A copy the driver refuses in the worker still writes ``done`` (else ``S``
+would wait forever), and the error is raised by the copier's next call and by
+:meth:`SubmitThread.flush`, naming the run. Streams under graph capture, the legacy and
+per-thread default streams, and calls of few copies are submitted on the caller's
+thread as before.
+
+One caveat: the worker needs the GIL between driver calls. A thread that blocks on the
+GPU while holding the GIL (a C extension that synchronises without releasing it) before
+the worker has submitted would wait forever; torch's own synchronising calls release
+the GIL. ``HICACHE_DIRECT_THREAD=0`` turns the worker off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import functools
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ (cyclic: (int32_t)(*addr - value) >= 0)
+_WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: the write follows a memory fence
+_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit sync with the legacy default stream
+_H2D = 1  # cudaMemcpyHostToDevice
+MASK = (1 << 32) - 1
+
+
+def next_sequence(value: int) -> int:
+    """The sequence number after ``value`` (32-bit, cyclic, never 0: the words start at 0)."""
+    value = (value + 1) & MASK
+    return value or 1
+
+
+def reached(word: int, target: int) -> bool:
+    """What ``cuStreamWaitValue32(GEQ)`` tests: ``(int32_t)(word - target) >= 0``."""
+    diff = (word - target) & MASK
+    return diff < (1 << 31)
+
+
+@functools.lru_cache(maxsize=1)
+def libcuda() -> ctypes.CDLL:
+    """The CUDA driver library (already loaded by the runtime torch uses)."""
+    return ctypes.CDLL("libcuda.so.1")
+
+
+class StreamOps:
+    """``cuStreamWriteValue32`` and ``cuStreamWaitValue32`` through ctypes (the ``_v2`` entry points
+    where exported: CUDA 12 made them the default and kept the old names as aliases)."""
+
+    def __init__(self) -> None:
+        lib = libcuda()
+        self.write = self._bind(lib, "cuStreamWriteValue32")
+        self.wait = self._bind(lib, "cuStreamWaitValue32")
+
+    @staticmethod
+    def _bind(lib: ctypes.CDLL, name: str):
+        fn = getattr(lib, name + "_v2", None) or getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return fn
+
+
+class StreamOpsRefused(RuntimeError):
+    """The driver refused a stream memory operation on the caller's stream (nothing was queued)."""
+
+
+class _Gate:
+    """One caller stream's side stream, its two device words, and the last sequence number used."""
+
+    __slots__ = ("stream", "side", "start", "done", "seq")
+
+    def __init__(self, stream: int, side: int, words: int) -> None:
+        self.stream, self.side = stream, side
+        self.start, self.done = words, words + 4
+        self.seq = 0
+
+
+class SubmitThread:
+    """A worker thread that submits one copier's jobs on per-caller-stream side streams (module docstring).
+
+    ``submit(stream, make_batch, describe)`` is what the caller's thread runs; ``make_batch``
+    builds the copy list in the worker (so it owns the descriptor buffers it fills), and
+    ``copier._submit(batch, describe, side)`` submits it there.
+    """
+
+    def __init__(self, copier) -> None:
+        self.copier = copier
+        self.ops = StreamOps()
+        self._gates: dict[int, _Gate] = {}
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.submitted = 0
+        _live.add(self)
+
+    # ---- the caller's side ---------------------------------------------------------------------
+
+    def submit(self, stream: int, make_batch: Callable, describe: Callable) -> None:
+        """Gate ``stream`` on the job and queue it; raises :class:`StreamOpsRefused` (before anything is
+        queued) where the driver refuses a stream memory operation."""
+        gate = self._gates.get(stream) or self._gate(stream)
+        with self._lock:  # two caller threads on one stream: numbers in the order they reach the stream
+            seq = gate.seq = next_sequence(gate.seq)
+            err = self.ops.write(stream, gate.start, seq, _WRITE_DEFAULT)
+            if err:
+                raise StreamOpsRefused(f"cuStreamWriteValue32 failed with CUDA error {err}")
+            err = self.ops.wait(stream, gate.done, seq, _WAIT_GEQ)
+            if err:  # the start word moved ahead alone: harmless, the worker's waits only need it to grow
+                raise StreamOpsRefused(f"cuStreamWaitValue32 failed with CUDA error {err}")
+            with self._idle:
+                self._pending += 1
+            self._jobs.put((gate, seq, make_batch, describe))
+        if self._thread is None:
+            self._start()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued job is submitted (not copied), then raise a worker error if any."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0, timeout)
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        error = self.error
+        if error is not None:
+            self.error = None
+            from .memcpy import CopyError
+
+            raise CopyError(f"an earlier copy submitted from direct's worker thread failed (its stream went on, "
+                            f"those bytes did not move): {error}") from error  # fmt: skip
+
+    def _gate(self, stream: int) -> _Gate:
+        copier = self.copier
+        lib = copier._lib
+        side = ctypes.c_void_p(0)
+        words = ctypes.c_void_p(0)
+        with self._lock:
+            gate = self._gates.get(stream)
+            if gate is not None:
+                return gate
+            self._check(lib.cudaStreamCreateWithFlags(ctypes.byref(side), _NON_BLOCKING), "cudaStreamCreateWithFlags")
+            self._check(lib.cudaMalloc(ctypes.byref(words), ctypes.c_size_t(8)), "cudaMalloc")
+            zeros = (ctypes.c_uint32 * 2)(0, 0)
+            # Synchronous: the words hold 0 before any wait can read them.
+            self._check(lib.cudaMemcpy(words, zeros, ctypes.c_size_t(8), _H2D), "cudaMemcpy")
+            gate = self._gates[stream] = _Gate(stream, side.value, words.value)
+        return gate
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hicache-direct-submit", daemon=True)
+                self._thread.start()
+
+    def _check(self, err: int, what: str) -> None:
+        if err:
+            from .memcpy import CopyError
+
+            raise CopyError(f"{what} failed with CUDA error {err}")
+
+    # ---- the worker's side ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        copier = self.copier
+        copier._lib.cudaSetDevice(copier.index)
+        ops = self.ops
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            gate, seq, make_batch, describe = job
+            try:
+                self._check(ops.wait(gate.side, gate.start, seq, _WAIT_GEQ), "cuStreamWaitValue32")
+                copier._submit(make_batch(), describe, gate.side)
+            except BaseException as exc:  # noqa: BLE001 - reported by the next call; the stream must go on
+                if self.error is None:
+                    self.error = exc
+            finally:
+                err = ops.write(gate.side, gate.done, seq, _WRITE_DEFAULT)
+                if err and self.error is None:
+                    self.error = RuntimeError(f"cuStreamWriteValue32 failed with CUDA error {err}: the caller's "
+                                              "stream waits for it")  # fmt: skip
+                self.submitted += 1
+                with self._idle:
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self._idle.notify_all()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Submit what is queued, then end the worker (at exit: streams waiting on it go on)."""
+        if self._thread is not None:
+            with self._idle:
+                self._idle.wait_for(lambda: self._pending == 0, timeout)
+            self._jobs.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+
+_live: weakref.WeakSet[SubmitThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    for worker in list(_live):
+        worker.close(timeout=10.0)
+
+
+__all__ = ["MASK", "StreamOps", "StreamOpsRefused", "SubmitThread", "libcuda", "next_sequence", "reached"]
