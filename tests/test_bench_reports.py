@@ -33,7 +33,7 @@ def test_overlap_summary_compares_auto_with_the_best_non_auto_row():
 def test_overlap_summary_keeps_the_modes_apart():
     rows = [_row("direct.copy_engine", 0.95, mode="sglang"), _row("direct.copy_engine", 0.80, mode="interleaved"),
             _row("auto", 0.76, mode="interleaved"), _row("auto", 0.95, mode="sglang")]  # fmt: skip
-    lines = bench.overlap_summary(rows).splitlines()[2:]
+    lines = overlap_summary(rows).splitlines()[2:]
     assert [ln.split("|")[1].strip() for ln in lines] == ["interleaved", "sglang"]
     assert lines[0].split("|")[-3].strip() == "0.950" and lines[1].split("|")[-3].strip() == "1.000"
 
@@ -102,7 +102,7 @@ def test_submission_plot_draws_from_the_committed_h200_records(tmp_path):
     import json
     from pathlib import Path
 
-    from hicache_core.plots import plot_submission
+    from hicache_core.tools.bench.plots import plot_submission
 
     committed = Path(__file__).parents[1] / "benchmarks" / "results" / "submission-check-h200.json"
     records = json.loads(committed.read_text())["records"]
@@ -112,7 +112,7 @@ def test_submission_plot_draws_from_the_committed_h200_records(tmp_path):
 
 
 def test_overlap_modes_are_named_and_an_unknown_one_is_refused_before_any_work():
-    from hicache_core.overlap import MODES, prefill_run
+    from hicache_core.tools.bench.overlap import MODES, prefill_run
 
     assert MODES == ("sglang", "interleaved")
     with pytest.raises(ValueError, match="sglang, interleaved"):

@@ -26,11 +26,12 @@ from pathlib import Path
 import torch
 
 import hicache_core as hc
-from hicache_core.bench import environment, measure_ceiling
-from hicache_core.bench_ceilings import memcpy_seconds
-from hicache_core.bench_clock import host_us, queued_seconds
-from hicache_core.demo import random_pages
-from hicache_core.shapes import SHAPES
+from hicache_core.tools.bench.ceilings import memcpy_seconds
+from hicache_core.tools.bench.clock import host_us, queued_seconds
+from hicache_core.tools.bench.machine import measure_ceiling
+from hicache_core.tools.bench.records import environment
+from hicache_core.tools.demo import random_pages
+from hicache_core.tools.shapes import SHAPES
 
 PAGE = 64
 SETTINGS = {  # name: (thread, first_batch, max_batch)
@@ -215,7 +216,7 @@ def main() -> int:
     for part in args.only.split(","):
         records += {"prefix": prefix, "mla": mla, "small": small}[part](*((ceiling,) if part == "prefix" else ()))
         out.write_text(json.dumps({"environment": environment(), "ceiling": ceiling, "records": records}, indent=1))
-    from hicache_core.plots import plot_submission
+    from hicache_core.tools.bench.plots import plot_submission
 
     plot_submission(out.with_suffix(".png"), records)
     print(f"wrote {out}")
