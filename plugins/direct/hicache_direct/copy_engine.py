@@ -26,6 +26,7 @@ from .descriptors import DescriptorBuilder, PartAddresses
 from .memcpy import copier_for
 
 _COPIER_KNOBS = ("streams", "max_batch", "prefer_overlap", "batch", "batch_2d", "thread", "thread_max")
+_BATCH_KNOBS = _COPIER_KNOBS[:5]  # the CUDA copier's; the worker's two are there where it can run
 
 
 class DirectCopy(Implementation):
@@ -71,9 +72,11 @@ class DirectCopy(Implementation):
     }
 
     def tuning_variants(self) -> dict[str, dict[str, Any]]:
-        if not all(hasattr(self.copier, knob) for knob in _COPIER_KNOBS):
+        if not all(hasattr(self.copier, knob) for knob in _BATCH_KNOBS):
             return {}  # the host copier (CPU pools) has no submission knobs
-        variants = {**self.VARIANTS, **self.SUBMISSION_VARIANTS}
+        variants = dict(self.VARIANTS)
+        if all(hasattr(self.copier, knob) for knob in ("thread", "thread_max")):
+            variants |= self.SUBMISSION_VARIANTS
         # 2-D copies as one cudaMemcpy3DBatchAsync: only where there are 2-D copies, and only when the
         # bench is asked to (scripts/gpu/direct-check.sh asks once its byte-exact check of that path passed).
         if self.builder.sliced and os.environ.get("HICACHE_BENCH_BATCH_2D") == "1":
