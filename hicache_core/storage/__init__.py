@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .backend import (
         STORAGE_BATCH_SIZE,
         Capabilities,
+        NotAPage,
         ObjectMissing,
         PageResult,
         PageStatus,
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "STORAGE_BATCH_SIZE": "backend",
     "Capabilities": "backend",
+    "NotAPage": "backend",
     "ObjectMissing": "backend",
     "PageResult": "backend",
     "PageStatus": "backend",
@@ -63,6 +65,7 @@ __all__ = [
     "BackupFuture",
     "Capabilities",
     "Namespace",
+    "NotAPage",
     "ObjectMissing",
     "PageMap",
     "PageResult",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .keys import Namespace, fingerprint, geometry_description
-from .page_format import HEADER_SIZE, HeaderError, address_of, checksum_runs, pack_header, unpack_header
+from .page_format import HEADER_SIZE, HeaderError, HeaderVersionError, address_of, checksum_runs, pack_header, unpack_header
 from .pages import PageMap, Span
 
 if TYPE_CHECKING:
@@ -89,6 +90,10 @@ class ObjectMissing(KeyError):
 
 class SizeMismatch(ValueError):
     """Returned by ``get_objects_into`` when the stored object's size differs from the targets'."""
+
+
+class NotAPage(ValueError):
+    """Returned (not raised) for a key whose stored value is not a hicache page (e.g. a Redis list): ``mismatch``."""
 
 
 @dataclass
@@ -339,14 +344,37 @@ class StorageBackend:
         return target if result.ok else None
 
     def batch_set(self, keys: Sequence[str], values: Sequence[torch.Tensor] | None = None, **_: Any) -> bool:
-        """Store flat pages (SGLang's generic path); true when every page was stored."""
-        return all(self.set(k, v) for k, v in zip(keys, values or [], strict=True))
+        """Store flat pages (SGLang's generic path); true when every page was stored.
+
+        Every key and every value is checked before the first page is written.
+        """
+        pages = self._bound()
+        hashes = _check_keys(keys)
+        if values is None or isinstance(values, torch.Tensor) or not isinstance(values, Sequence):
+            raise TypeError(f"batch_set needs one flat page tensor per key, got {type(values).__name__}")
+        if len(values) != len(hashes):
+            raise ValueError(f"batch_set got {len(hashes)} keys and {len(values)} values")
+        flats = [_flat_bytes(v, pages.page_bytes) for v in values]
+        spans = [[Span(f.data_ptr(), pages.page_bytes, memoryview(f.numpy()).cast("B"))] for f in flats]
+        return all(r.ok for r in self._put(hashes, self.namespace.keys(hashes), spans))
 
     def batch_get(self, keys: Sequence[str], target_locations: Sequence[torch.Tensor] | None = None,
                   **_: Any) -> list[torch.Tensor | None]:  # fmt: skip
-        """Load flat pages (SGLang's generic path)."""
-        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, targets, strict=True)]
+        """Load flat pages (SGLang's generic path); every key and target is checked before the first read."""
+        pages = self._bound()
+        hashes = _check_keys(keys)
+        if target_locations is None:
+            targets = [self.host_pool.get_dummy_flat_data_page() for _ in hashes]
+        else:
+            if isinstance(target_locations, torch.Tensor) or not isinstance(target_locations, Sequence):
+                raise TypeError(f"target_locations must be one tensor per key, got {type(target_locations).__name__}")
+            if len(target_locations) != len(hashes):
+                raise ValueError(f"batch_get got {len(hashes)} keys and {len(target_locations)} targets")
+            targets = list(target_locations)
+        flats = [_flat_bytes(t, pages.page_bytes) for t in targets]
+        spans = [[Span(f.data_ptr(), pages.page_bytes, memoryview(f.numpy()).cast("B"))] for f in flats]
+        results = self._get(hashes, self.namespace.keys(hashes), spans)
+        return [t if r.ok else None for t, r in zip(targets, results)]
 
     def get_stats(self) -> StorageStats:
         """A copy of the counters, with the store's own figures under ``backend``."""
@@ -539,6 +567,8 @@ class StorageBackend:
     def _verify(self, h: str, key: str, header_bytes: Any, runs: list[tuple[int, int]], size: int) -> PageResult:
         try:
             header = unpack_header(header_bytes)
+        except HeaderVersionError as exc:  # a sound page of another format: not damage
+            return PageResult(h, PageStatus.MISMATCH, str(exc))
         except HeaderError as exc:
             return PageResult(h, PageStatus.CORRUPT, str(exc))
         if header.fingerprint != self._fingerprint:
@@ -553,16 +583,28 @@ class StorageBackend:
 
     def __repr__(self) -> str:
         bound = f" namespace={self.namespace.prefix}" if self.namespace else " (unbound)"
-        return f"<{type(self).__name__} {self.url.raw}{bound}>"
+        return f"<{type(self).__name__} {self.url.redacted}{bound}>"
+
+
+#: What a page hash may be: every backend can store it as a name (a file, a Redis key, a Mooncake key).
+_PAGE_HASH = re.compile(r"[0-9A-Za-z_-]{1,200}")
 
 
 def _check_keys(keys: Sequence[str]) -> list[str]:
+    """Every key checked before any byte of the batch moves (one bad key never leaves half a batch written)."""
     if isinstance(keys, str) or not isinstance(keys, Sequence):
         raise TypeError(f"keys must be a list of page hashes (str), got {type(keys).__name__}")
     out = list(keys)
-    for k in out:
+    for i, k in enumerate(out):
         if not isinstance(k, str) or not k:
-            raise TypeError(f"every key must be a non-empty str (a page hash), got {k!r}")
+            raise TypeError(f"every key must be a non-empty str (a page hash), got {k!r} at position {i}")
+        if not _PAGE_HASH.fullmatch(k):
+            raise ValueError(
+                f"key {k[:80]!r} at position {i} is not a page hash (1-200 of A-Z a-z 0-9 _ -); nothing was moved"
+            )
+    if len(set(out)) != len(out):
+        dup = next(k for i, k in enumerate(out) if k in out[:i])
+        raise ValueError(f"key {dup[:80]!r} appears twice in one batch; nothing was moved")
     return out
 
 
@@ -585,7 +627,7 @@ def _describe(err: BaseException) -> str:
 def _failed_read(h: str, err: BaseException) -> PageResult:
     if isinstance(err, ObjectMissing):
         return PageResult(h, PageStatus.MISSING, "not in the store")
-    if isinstance(err, SizeMismatch):
+    if isinstance(err, (SizeMismatch, NotAPage)):
         return PageResult(h, PageStatus.MISMATCH, str(err))
     if isinstance(err, TimeoutError):
         return PageResult(h, PageStatus.TIMEOUT, _describe(err))
