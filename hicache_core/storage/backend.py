@@ -158,6 +158,8 @@ class StorageBackend:
     io_chunk_bytes: ClassVar[int] = 8 << 20
     #: Options this backend accepts (URL query or keyword), with a one-line meaning each.
     options_help: ClassVar[Mapping[str, str]] = {}
+    #: How to start the store's server, for messages when it cannot be reached ("" for serverless stores).
+    server_hint: ClassVar[str] = ""
 
     def __init__(self, url: StorageURL, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.options_help))
@@ -201,6 +203,9 @@ class StorageBackend:
     def get_objects(self, keys: Sequence[str]) -> list[bytes | bytearray | memoryview | BaseException | None]:
         """Read each whole object (backends without zero-copy): its bytes, ``None`` if missing, or an exception."""
         raise NotImplementedError(f"{type(self).__name__} does not implement get_objects")
+
+    def ping(self) -> None:
+        """Raise :class:`StorageError` when the store cannot be reached (saying how to start it); default: nothing."""
 
     def register_memory(self, spans: Sequence[Span]) -> None:
         """Called once when bound to a host pool, with every host buffer (zero-copy backends register them)."""
