@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .. import metrics as _metrics
 from .keys import Namespace, fingerprint, geometry_description
 from .page_format import HEADER_SIZE, HeaderError, HeaderVersionError, address_of, checksum_runs, pack_header, unpack_header
 from .pages import PageMap, Span
@@ -498,6 +499,7 @@ class StorageBackend:
             self._stats.write_seconds += elapsed
             self._stats.write_refused_full += sum(r.status is PageStatus.FULL for r in results)
             self._stats.write_failed += sum(r.status is PageStatus.ERROR for r in results)
+        _record_l3("write", results, size + HEADER_SIZE)
         return results
 
     def _get(self, hashes: list[str], full: list[str], targets: list[list[Span]]) -> list[PageResult]:
@@ -567,6 +569,7 @@ class StorageBackend:
                 if not r.ok:
                     counter = _READ_COUNTER.get(r.status, "read_failed")
                     setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+        _record_l3("read", results, size + HEADER_SIZE)
         return results
 
     def _verify(self, h: str, key: str, header_bytes: Any, runs: list[tuple[int, int]], size: int) -> PageResult:
@@ -593,6 +596,19 @@ class StorageBackend:
 
 #: What a page hash may be: every backend can store it as a name (a file, a Redis key, a Mooncake key).
 _PAGE_HASH = re.compile(r"[0-9A-Za-z_-]{1,200}")
+
+
+def _record_l3(op: str, results: list[PageResult], object_bytes: int) -> None:
+    """Pages by outcome, bytes moved, and checksum failures (hicache_core.metrics), once per batch."""
+    by: dict[str, int] = {}
+    for r in results:
+        by[r.status.value] = by.get(r.status.value, 0) + 1
+    for outcome, n in by.items():
+        _metrics.L3_PAGES.labels(op=op, outcome=outcome).inc(n)
+    if by.get("ok"):
+        _metrics.L3_BYTES.labels(op=op).inc(by["ok"] * object_bytes)
+    if by.get("corrupt"):
+        _metrics.record_checksum_failure("l3", by["corrupt"])
 
 
 def _check_keys(keys: Sequence[str]) -> list[str]:
