@@ -17,7 +17,7 @@ from hicache_core.storage import PageStatus, PrefetchTimeout, StorageController,
 from hicache_core.storage.keys import Namespace, namespace_for
 from hicache_core.storage.page_format import HEADER_SIZE
 from hicache_core.storage.url import StorageURL, UnknownStorageScheme, redact_url
-from hicache_core.testing.storage_kit import StorageCase, make_pool, page_bytes
+from hicache_core.testing.storage_kit import StorageCase, make_pool
 
 CASE = StorageCase("mha", "page_first", "plain", 4)
 
@@ -275,7 +275,8 @@ def test_metrics_transfers_from_the_host_pool():
     rows = {(r["labels"]["op"]): r["value"] for r in snap["hicache_transfer_pages_total"]["values"]}
     assert rows == {"backup_from_device_all_layer": 2, "load_to_device_per_layer": 2}
     nbytes = {(r["labels"]["op"]): r["value"] for r in snap["hicache_transfer_bytes_total"]["values"]}
-    assert nbytes["backup_from_device_all_layer"] == 32 * host.get_size_per_token() == 2 * nbytes["load_to_device_per_layer"]
+    backed, loaded = nbytes["backup_from_device_all_layer"], nbytes["load_to_device_per_layer"]
+    assert backed == 32 * host.get_size_per_token() == 2 * loaded
     hist = snap["hicache_transfer_submit_seconds"]["values"][0]["value"]
     assert hist["count"] == 1 and hist["sum"] > 0
 

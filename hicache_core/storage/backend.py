@@ -24,7 +24,15 @@ import torch
 
 from .. import metrics as _metrics
 from .keys import Namespace, fingerprint, geometry_description
-from .page_format import HEADER_SIZE, HeaderError, HeaderVersionError, address_of, checksum_runs, pack_header, unpack_header
+from .page_format import (
+    HEADER_SIZE,
+    HeaderError,
+    HeaderVersionError,
+    address_of,
+    checksum_runs,
+    pack_header,
+    unpack_header,
+)
 from .pages import PageMap, Span
 
 if TYPE_CHECKING:

@@ -359,7 +359,7 @@ class StorageController:
 
     def explain_miss(self, token_ids: Sequence[Any], *, prior_hash: str | None = None,
                      host_pages: int | Sequence[bool] | None = None) -> Any:  # fmt: skip
-        """Why the pages of ``token_ids`` would not (or did not) hit: see :func:`hicache_core.storage.explain.explain_miss`.
+        """Why the pages of ``token_ids`` would not (or did not) hit (:func:`.explain.explain_miss`).
 
         :param host_pages: what the caller's host tier holds of this prefix (its radix tree knows):
             a count of leading pages, or one bool per page; ``None`` when unknown.

@@ -134,7 +134,8 @@ class MissReport:
             lines.append(f"L3 is off on this rank: {self.broken}")
         for p in self.pages:
             where = f"host={_tri(p.in_host)} store={_tri(p.in_store)}"
-            lines.append(f"  page {p.index:4d} {p.key[:16]} {where:24s} {p.reason}{': ' + p.detail if p.detail else ''}")
+            detail = f": {p.detail}" if p.detail else ""
+            lines.append(f"  page {p.index:4d} {p.key[:16]} {where:24s} {p.reason}{detail}")
         return "\n".join(lines)
 
 

@@ -41,7 +41,8 @@ def _token_id(x: Any) -> int:
     try:
         return operator.index(x)  # int, numpy and torch integer scalars; not float, str, float tensors
     except TypeError:
-        raise TypeError(f"token id {x!r} ({type(x).__name__}) is not an integer (token ids are never coerced)") from None
+        kind = type(x).__name__
+        raise TypeError(f"token id {x!r} ({kind}) is not an integer (token ids are never coerced)") from None
 
 
 def _token_bytes(tokens: Sequence[Any]) -> bytes:

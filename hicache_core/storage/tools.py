@@ -74,7 +74,8 @@ def run_check(url: str, as_json: bool = False) -> int:
         backend.close()
     ok = all(s[1] for s in steps)
     if as_json:
-        print(json.dumps({"url": redact_url(url), "ok": ok, "steps": [dict(step=s, ok=o, detail=d) for s, o, d in steps],
+        print(json.dumps({"url": redact_url(url), "ok": ok,
+                          "steps": [dict(step=s, ok=o, detail=d) for s, o, d in steps],
                           "stats": stats}, indent=2, default=str))  # fmt: skip
     else:
         print(f"hicache storage check {redact_url(url)} ({type(backend).__name__}, {backend.capabilities})")

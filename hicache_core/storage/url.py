@@ -28,7 +28,7 @@ def redact_url(url: str) -> str:
     if not isinstance(url, str):
         return type(url).__name__
     head, sep, rest = url.partition("://")
-    secret = r"(?i)((?:^|[?&])(?:%s)=)[^&#]*" % "|".join(sorted(SECRET_OPTIONS))
+    secret = r"(?i)((?:^|[?&])(?:" + "|".join(sorted(SECRET_OPTIONS)) + r")=)[^&#]*"
     if not sep:
         return re.sub(secret, r"\1***", url)
     netloc = re.match(r"[^/?#]*", rest).group(0)

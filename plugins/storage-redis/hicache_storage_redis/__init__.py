@@ -1,4 +1,4 @@
-"""hicache-storage-redis: the ``redis://host:port/db`` and ``rediss://`` (TLS) L3 backends (Redis or Valkey, through redis-py)."""
+"""hicache-storage-redis: the ``redis://host:port/db`` and ``rediss://`` (TLS) L3 backends (Redis, Valkey)."""
 
 from __future__ import annotations
 

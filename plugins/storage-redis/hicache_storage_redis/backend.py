@@ -80,9 +80,9 @@ class RedisStorage(StorageBackend):
         if tls:
             from hicache_core.storage.url import option_bool
 
+            check = option_bool(options.get("check_hostname", True), "check_hostname")
             extra = dict(ssl=True, ssl_ca_certs=options.get("ca"), ssl_certfile=options.get("cert"),
-                         ssl_keyfile=options.get("key"),
-                         ssl_check_hostname=option_bool(options.get("check_hostname", True), "check_hostname"))  # fmt: skip
+                         ssl_keyfile=options.get("key"), ssl_check_hostname=check)  # fmt: skip
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
