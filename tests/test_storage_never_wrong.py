@@ -29,7 +29,8 @@ def _setup(name, pages=32, model="m", case=CASE, **kw):
 
 
 @pytest.mark.parametrize("a, b", [
-    ("/ckpt/run-2026-01-15/checkpoint-1000", "/ckpt/run-2026-01-15/checkpoint-2000"),
+    ("/mnt/models/team-research/experiments/llama-3-8b-sft/run-2026-01-15-lr3e-5-bs512/checkpoint-1000",
+     "/mnt/models/team-research/experiments/llama-3-8b-sft/run-2026-01-15-lr3e-5-bs512/checkpoint-2000"),
     ("acme/llama-3-8b", "acme_llama-3-8b"),
     ("team-a/model", "team-a:model"),
     ("x" * 80 + "-a", "x" * 80 + "-b"),
