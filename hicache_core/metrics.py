@@ -361,7 +361,11 @@ def prometheus_collector(prefix: str = "") -> Any:
 
     :raises ImportError: ``prometheus_client`` is not installed (it is optional: pip install prometheus-client).
     """
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    try:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+    except ImportError as exc:
+        raise ImportError("hicache's Prometheus export needs prometheus_client, an optional dependency: "
+                          "pip install 'hicache-core[metrics]' (or prometheus-client)") from exc  # fmt: skip
 
     class _Collector:
         def collect(self) -> Any:
@@ -391,8 +395,8 @@ def prometheus_collector(prefix: str = "") -> Any:
 
 def register_prometheus(registry: Any = None, prefix: str = "") -> Any:
     """Register :func:`prometheus_collector` with ``registry`` (default: prometheus_client's global one)."""
+    collector = prometheus_collector(prefix)  # first: its ImportError says how to install the extra
     if registry is None:
         from prometheus_client import REGISTRY as registry  # noqa: N811
-    collector = prometheus_collector(prefix)
     registry.register(collector)
     return collector

@@ -324,7 +324,8 @@ def test_hicache_stats_text_and_json(tmp_path, capsys):
 
 
 def test_prometheus_export_names():
-    prom = pytest.importorskip("prometheus_client", reason="prometheus_client is optional and not installed")
+    import prometheus_client as prom  # scripts/dev installs it (pinned): this test never skips in CI
+
     metrics.reset()
     metrics.record_checksum_failure("l3")
     registry = prom.CollectorRegistry()
@@ -332,3 +333,35 @@ def test_prometheus_export_names():
     text = prom.generate_latest(registry).decode()
     assert 'sglang:hicache_checksum_failures_total{tier="l3"} 1.0' in text
     assert "# TYPE sglang:hicache_transfer_submit_seconds histogram" in text
+
+
+_NO_PROMETHEUS = """
+import sys
+
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "prometheus_client" or name.startswith("prometheus_client."):
+            raise ImportError(f"blocked: {name}")
+
+sys.meta_path.insert(0, _Block())
+import hicache_core, hicache_core.cli, hicache_core.storage
+from hicache_core import metrics
+metrics.record_checksum_failure("l3", 2)
+assert metrics.snapshot()["hicache_checksum_failures_total"]["values"] == [{"labels": {"tier": "l3"}, "value": 2}]
+try:
+    metrics.register_prometheus(None, prefix="sglang:")
+except ImportError as exc:
+    print("refused:", exc)
+assert "prometheus_client" not in sys.modules
+"""
+
+
+def test_core_without_prometheus_client():
+    """prometheus_client is optional: the core imports and records without it, and the export says how to get it."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _NO_PROMETHEUS], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "refused: hicache's Prometheus export needs prometheus_client" in done.stdout
+    assert "pip install 'hicache-core[metrics]'" in done.stdout

@@ -46,3 +46,16 @@ def test_close_clear_and_short_objects(mooncake_url):
     with pytest.raises(StorageError, match="closed"):
         mine.batch_exists(keys)
     other.close()
+
+
+def test_demo_storage_says_why_a_mooncake_prefix_left_with_its_writer(mooncake_url, capfd):
+    """Item 16: process 1's pages live in its own segment and leave with it; the demo says so and how to keep them."""
+    from hicache_core.cli import main
+
+    assert main(["demo", "--storage", mooncake_url, "--device", "cpu", "--tokens", "64"]) == 1
+    out = capfd.readouterr().out
+    assert "backed up 4 pages (0 failed)" in out  # process 1 wrote the whole prefix
+    assert "found 0 of 4 pages" in out  # ... and it was gone once process 1 exited
+    assert "the load process failed (exit 1)" in out
+    assert "keeps a page in the segment of the client that stored it" in out
+    assert "mooncake_client -master_server_address=HOST:PORT" in out
