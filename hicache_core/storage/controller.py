@@ -27,11 +27,13 @@ counted (:meth:`StorageController.stats`).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -367,6 +369,21 @@ class StorageController:
         self._check_open()
         return explain_miss(self.storage, token_ids, prior_hash=prior_hash, host_pages=host_pages,
                             outcomes=self.outcomes, rank=self.tp_rank, broken=self._broken)  # fmt: skip
+
+    def write_outcomes(self, path: str | os.PathLike | None = None) -> Path:
+        """Write the outcome memory for ``hicache explain-miss`` (atomically), beside the metrics snapshot by default.
+
+        Default path: ``$HICACHE_METRICS_DIR/hicache-outcomes-<pid>-rank<r>.json``. Only this memory
+        knows ``timed_out``, ``ranks_disagreed``, ``host_pool_full`` and the like: they leave no
+        trace in the store. A server calls this when it writes its metrics snapshot.
+        """
+        if path is None:
+            folder = os.environ.get("HICACHE_METRICS_DIR")
+            if not folder:
+                raise ValueError("write_outcomes needs a path, or HICACHE_METRICS_DIR set to a folder")
+            path = Path(folder) / f"hicache-outcomes-{os.getpid()}-rank{self.tp_rank}.json"
+        return self.outcomes.write(path, namespace=self.storage.namespace.prefix, rank=self.tp_rank,
+                                   broken=self._broken)  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
         """The controller's counters, and the backend's under ``storage``."""

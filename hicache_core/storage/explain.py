@@ -20,11 +20,14 @@ missing page), ``error``.
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .backend import PageStatus, StorageBackend, _check_keys
@@ -34,6 +37,7 @@ LOADED = "loaded"
 REASONS = ("in_host", "in_store", LOADED, "not_in_store", "checksum_failed", "layout_mismatch", "timed_out",
            "ranks_disagreed", "host_pool_full", "queue_full", "cancelled", "store_unreachable",
            "earlier_page_missing", "earlier_page_failed", "error")  # fmt: skip
+OUTCOMES_FORMAT = "hicache-outcomes-1"
 #: Reasons that leave no trace in the store: only the controller's memory can give them.
 TRANSIENT = frozenset({"timed_out", "ranks_disagreed", "host_pool_full", "queue_full", "cancelled",
                        "store_unreachable"})  # fmt: skip
@@ -86,6 +90,41 @@ class Outcomes:
 
     def __len__(self) -> int:
         return len(self._last)
+
+    def write(self, path: str | os.PathLike, *, namespace: str, rank: int, broken: str = "") -> Path:
+        """Write this memory as JSON (atomically), tagged with its namespace and rank, for ``hicache explain-miss``."""
+        path = Path(path)
+        with self._lock:
+            last = {k: list(v) for k, v in self._last.items()}
+        doc = {"format": OUTCOMES_FORMAT, "namespace": namespace, "rank": rank, "broken": broken, "outcomes": last}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> tuple[Outcomes, dict[str, Any]]:
+        """An :class:`Outcomes` from a file :meth:`write` wrote, and its tags (namespace, rank, broken).
+
+        :raises ValueError: the file is not an outcomes file (each entry is checked).
+        """
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not an outcomes file ({exc})") from None
+        if not isinstance(doc, dict) or doc.get("format") != OUTCOMES_FORMAT:
+            raise ValueError(f"{path}: not an outcomes file (format {OUTCOMES_FORMAT!r} expected)")
+        entries = doc.get("outcomes")
+        if not isinstance(entries, dict):
+            raise ValueError(f"{path}: 'outcomes' must map page keys to [reason, detail, time]")
+        memory = cls(max(1, len(entries)))
+        for key, entry in entries.items():
+            if (not isinstance(entry, list) or len(entry) != 3 or entry[0] not in REASONS
+                    or not isinstance(entry[1], str) or not isinstance(entry[2], (int, float))):  # fmt: skip
+                raise ValueError(f"{path}: outcome of {key[:16]} is not [reason, detail, time]: {entry!r}")
+            memory._last[key] = (entry[0], entry[1], float(entry[2]))
+        tags = {"namespace": doc.get("namespace"), "rank": doc.get("rank"), "broken": doc.get("broken") or ""}
+        return memory, tags
 
 
 @dataclass(frozen=True)
