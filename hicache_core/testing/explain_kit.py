@@ -68,15 +68,29 @@ def host_pool(layout: str = "page_first", pages: int = 16) -> Any:
 
 
 class _Slow:
-    """The store answers reads ``delay`` seconds late (a slow link), nothing else changes."""
+    """The store answers reads ``delay`` seconds late (a slow link), nothing else changes.
+
+    Both read primitives are slowed: zero-copy backends read with ``get_objects_into``, others with ``get_objects``.
+    """
+
+    METHODS = ("get_objects_into", "get_objects")
 
     def __init__(self, storage: Any, delay: float) -> None:
-        self.real, self.delay = storage.get_objects_into, delay
-        storage.get_objects_into = self
+        self.storage, self.delay = storage, delay
+        self.real = {m: getattr(storage, m) for m in self.METHODS}
+        for m in self.METHODS:
+            setattr(storage, m, self._slowed(self.real[m]))
 
-    def __call__(self, keys: Any, targets: Any) -> Any:
-        time.sleep(self.delay)
-        return self.real(keys, targets)
+    def _slowed(self, fn: Callable) -> Callable:
+        def read(*args: Any) -> Any:
+            time.sleep(self.delay)
+            return fn(*args)
+
+        return read
+
+    def undo(self) -> None:
+        for m in self.METHODS:
+            delattr(self.storage, m)
 
 
 def run_scenario(url: str, corrupt: Callable[[Any, str, int], None], outdir: Path) -> Scenario:
@@ -121,7 +135,7 @@ def run_scenario(url: str, corrupt: Callable[[Any, str, int], None], outdir: Pat
         host.free(slots)
         slow = _Slow(storage, 0.2)
         res = ctl.prefetch(toks).result(30)
-        storage.get_objects_into = slow.real
+        slow.undo()
         if not res.terminated or res.completed >= 10:
             raise AssertionError(f"the slow prefetch was not timed out: {res}")
         sc.timed_out_from = res.completed
@@ -147,3 +161,22 @@ def cli_args(sc: Scenario, name: str, *extra: str) -> list[str]:
     toks, host_pages = PREFIXES[name]
     args = ["explain-miss", sc.url, "--model-id", sc.model_id, *CLI_GEOMETRY, "--token-ids", ",".join(map(str, toks))]
     return args + (["--host-pages", str(host_pages)] if host_pages is not None else []) + list(extra)
+
+
+def check_cli(sc: Scenario, run: Callable[[list[str]], tuple[int, str]], outdir: Path) -> None:
+    """``hicache explain-miss --json`` gives the store's reasons, and the remembered ones with ``--outcomes``.
+
+    ``run(argv)`` runs the command and returns its exit code and stdout.
+    """
+    import json
+
+    for name in PREFIXES:
+        code, out = run(cli_args(sc, name, "--json"))
+        report = json.loads(out)
+        assert [p["reason"] for p in report["pages"]] == FROM_STORE[name], (name, report)
+        assert report["namespace"] == sc.storage.namespace.prefix and report["outcomes_read"] is False
+        assert code == (0 if set(FROM_STORE[name]) <= {"in_host", "in_store"} else 1)
+        code, out = run(cli_args(sc, name, "--json", "--outcomes", str(outdir)))
+        report = json.loads(out)
+        assert [p["reason"] for p in report["pages"]] == sc.remembered(name), (name, report)
+        assert report["outcomes_read"] is True
