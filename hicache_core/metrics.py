@@ -13,7 +13,8 @@ Measured on the 2-core development VM (CPython 3.11): a counter ``inc`` 0.15 us,
 What is measured:
 
 * ``hicache_transfer_pages_total`` / ``_bytes_total`` {op, impl}: pages and bytes each host pool
-  transfer call was given (``op`` is ``load``, ``backup_layer`` or ``backup_all``).
+  transfer call was given (``op`` is the operation: ``load_to_device_per_layer``,
+  ``backup_from_device_per_layer`` or ``backup_from_device_all_layer``).
 * ``hicache_transfer_submit_seconds`` {op, impl}: host time to *submit* one transfer call. GPU time
   is not measured: it would need a synchronisation on the caller's stream, which the hot path must
   never do; a server that wants it records CUDA events around its own calls.
