@@ -126,3 +126,26 @@ def test_help_says_where_the_remembered_reasons_come_from(capsys):
         main(["explain-miss", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "timed_out, ranks_disagreed, host_pool_full" in out and "StorageController.explain_miss" in out
+
+
+def test_ranks_disagreed_from_the_ranks_memory_files(tmp_path, capsys):
+    """Two ranks over gloo, rank 1 late past the bound: both remember ranks_disagreed; the command reads it per rank."""
+    from hicache_core.testing.storage_procs import late_rank, prefix_tokens, run_ranks
+
+    store, outcomes = tmp_path / "store", tmp_path / "outcomes"
+    store.mkdir()
+    outcomes.mkdir()
+    url = f"file://{store}"
+    ranks = run_ranks(late_rank, 2, tmp_path, timeout=90, mode="delay", op_timeout=2.0, delay=4.0, url=url,
+                      outcomes=str(outcomes))  # fmt: skip
+    assert all(r["reasons"][0] == "ranks_disagreed" for r in ranks), ranks
+    toks = prefix_tokens(8, kit.PAGE, salt=3)
+    for rank in (0, 1):
+        base = ["explain-miss", url, "--model-id", "late", *kit.CLI_GEOMETRY, "--rank", str(rank), "--tp-size", "2",
+                "--token-ids", ",".join(map(str, toks)), "--json"]  # fmt: skip
+        assert main(base) == 0  # the store alone: every page is there and sound
+        assert {p["reason"] for p in json.loads(capsys.readouterr().out)["pages"]} == {"in_store"}
+        assert main(base + ["--outcomes", str(outcomes)]) == 1
+        report = json.loads(capsys.readouterr().out)
+        assert [p["reason"] for p in report["pages"]] == ["ranks_disagreed"] * 8, report
+        assert report["rank"] == rank and "agreement" in report["broken"]

@@ -207,16 +207,25 @@ def server(rank: int, world: int, init_file: str, out_file: str, **kw: Any) -> N
 
 
 def _late_rank(rank: int, world: int, init_file: str, *, mode: str, op_timeout: float = 2.0,
-               delay: float = 4.0) -> dict:  # fmt: skip
+               delay: float = 4.0, url: str = "", outcomes: str = "") -> dict:  # fmt: skip
     """``mode="delay"``: rank 1's read takes ``delay`` s, past rank 0's agreement bound. ``"extra"``: rank 1
-    submits a prefetch the others do not. Each rank reports what it got, and a second prefetch after."""
+    submits a prefetch the others do not. Each rank reports what it got, and a second prefetch after.
+
+    With ``url`` the ranks share that store and a pool of :mod:`.explain_kit`'s geometry (what
+    ``hicache explain-miss`` can name), and each writes its outcome memory into the folder ``outcomes``.
+    """
     from ..storage.controller import StorageController
     from ..storage.url import make_storage
 
     group = _init(rank, world, init_file)
-    page = SHAPE[3]
-    host = make_rank_pool(rank, seed=2, pages=24)
-    storage = make_storage(f"memory://late-{os.getpid()}", host, model_id="late", tp_rank=rank, tp_size=world)
+    if url:
+        from . import explain_kit
+
+        page, host = explain_kit.PAGE, explain_kit.host_pool(pages=24)
+    else:
+        page, host = SHAPE[3], make_rank_pool(rank, seed=2, pages=24)
+    storage = make_storage(url or f"memory://late-{os.getpid()}", host, model_id="late", tp_rank=rank,
+                           tp_size=world)  # fmt: skip
     ctl = StorageController(storage, group=group, tp_rank=rank, prefetch_policy="wait_complete",
                             op_timeout=op_timeout)  # fmt: skip
     toks = prefix_tokens(8, page, salt=3)
@@ -237,6 +246,8 @@ def _late_rank(rank: int, world: int, init_file: str, *, mode: str, op_timeout: 
     second = ctl.prefetch(toks).result(60)
     stats = ctl.stats()
     report = ctl.explain_miss(toks)
+    if outcomes:
+        ctl.write_outcomes(Path(outcomes) / f"hicache-outcomes-{os.getpid()}-rank{rank}.json")
     ctl.close()
     for res in (first, second):
         if res.tokens:
