@@ -69,6 +69,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer repeats and SM budgets")
     p.add_argument("--out", help="profile file (default: the per-device file in the user's cache directory)")
 
+    p = sub.add_parser("stats", help="hicache's metrics (transfers, host pool, L3 hits and misses by reason)")
+    p.add_argument("snapshots", nargs="*", help="snapshot files or folders (default $HICACHE_METRICS_DIR)")
+    p.add_argument("--json", action="store_true")
+    from .explain_miss_tool import add_arguments as explain_miss_arguments
+
+    explain_miss_arguments(sub.add_parser("explain-miss", help="which pages of a prefix the store holds, and why "
+                                          "the rest would miss (reason codes)"))  # fmt: skip
     p = sub.add_parser("storage", help="L3 storage: check a live store, or print its statistics")
     storage_sub = p.add_subparsers(dest="storage_command", required=True)
     q = storage_sub.add_parser("check", help="write, find, read back and compare a few pages, then remove them")
@@ -84,6 +91,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_matrix(get_registry(), args)
     if args.command == "explain":
         return cmd_explain(get_registry(), args)
+    if args.command == "stats":
+        from .stats_tool import run_stats as run_metrics
+
+        return run_metrics(args.snapshots, args.json)
+    if args.command == "explain-miss":
+        from .explain_miss_tool import run as run_explain_miss
+
+        return run_explain_miss(args)
     if args.command == "storage":
         from .tools.storage_check import run_check, run_stats
 

@@ -25,6 +25,8 @@ import ctypes
 
 import torch
 
+from .metrics import record_dropped_indices
+
 #: Calls remembered for naming the one that dropped indices (older ones are named by number only).
 HISTORY = 256
 HISTORY_MASK = HISTORY - 1  # a power of two, so the pool's hot path indexes with a mask
@@ -87,6 +89,7 @@ class DropReport:
         seq = self._malformed.value
         if seq:
             self._malformed.value = 0
+            record_dropped_indices()
             raise DroppedIndicesError(
                 f"an earlier transfer, {self._describe(seq)}, was given page-item indices on the GPU that were not "
                 "whole pages (runs of page_size consecutive slots from a page start); each run moved the page of "
@@ -98,6 +101,7 @@ class DropReport:
         if not seq:
             return
         self._value.value = 0
+        record_dropped_indices()
         operation, layer_id, _ = self._call(seq)
         raise DroppedIndicesError(
             f"an earlier transfer, {self._describe(seq)}, was given out-of-range indices: the kernel masked them, "

@@ -14,11 +14,13 @@ import operator
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from numbers import Real
+from time import perf_counter
 from typing import Any
 
 import torch
 
 from . import geometry as _geometry
+from . import metrics as _metrics
 from .allocator import SlotAllocator
 from .dispatch import UnsupportedCombinationError, resolve
 from .drops import HISTORY_MASK, DropReport
@@ -273,6 +275,9 @@ class HostPool(PageAccess):
         self._drop_word, self._drop_calls = plan.drop_report._value, plan.drop_report._calls
         self._cache = IndexCache()
         self._malformed_on_device: torch.Tensor | None = None
+        host_bytes = sum(t.numel() * t.element_size() for t in plan.host_buffers.values())
+        self._layer_page_bytes = host_bytes // max(1, spec.num_pages) // max(1, self.layer_num)
+        _metrics.track_host_pool(self)
 
     def _alias_view(self, alias) -> torch.Tensor:
         buffer = getattr(self, alias.buffer)
@@ -378,8 +383,10 @@ class HostPool(PageAccess):
         if h is None:
             return
         impl = entry[0]
+        t0 = perf_counter()
         try:  # inline rather than through _call: this is the per-layer hot path
             getattr(impl, op)(h, d, layer)
+            self._record(op, impl, h, t0, 1)
         except (ValueError, IndexError, TypeError) as exc:
             _refuse_meta(h, d)
             _note(impl, op, exc)
@@ -390,8 +397,10 @@ class HostPool(PageAccess):
 
     def _call(self, impl: Implementation, op: str, *args) -> None:
         """Run the implementation; whatever it raises names it (input errors keep their type)."""
+        t0 = perf_counter()
         try:
             getattr(impl, op)(*args)
+            self._record(op, impl, args[0], t0, self.layer_num)
         except (ValueError, IndexError, TypeError) as exc:
             _refuse_meta(*args[:2])
             _note(impl, op, exc)
@@ -399,6 +408,12 @@ class HostPool(PageAccess):
         except Exception as exc:
             _refuse_meta(*args[:2])
             raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
+
+    def _record(self, op: str, impl: Implementation, h: torch.Tensor, t0: float, layers: int) -> None:
+        """The one place transfers are counted (hicache_core.metrics): pages, bytes, host submission time."""
+        items = h.numel()
+        pages = items if self._items_are_pages else items // self.page_size
+        _metrics.record_transfer(op, impl.name, pages, pages * self._layer_page_bytes * layers, perf_counter() - t0)
 
     def _impl(self, op: str, io_backend: str):
         entry = self._impls.get((op, io_backend))

@@ -34,3 +34,19 @@ def test_ranks_agree_on_hits_and_loads_without_deadlock(world, tmp_path):
         assert rank["free_after"] == rank["capacity"], "host slots leaked"
         assert rank["stats"]["agreement_timeouts"] == 0
         assert rank["stats"]["prefetches"] == 12
+
+
+@pytest.mark.parametrize("mode", ["delay", "extra"])
+def test_ranks_agree_or_all_fail_never_a_stale_pairing(mode, tmp_path):
+    """Issue 21 item 2 (a rank late past the bound) and item 15 (a prefetch only one rank submitted)."""
+    from hicache_core.testing.storage_procs import late_rank
+
+    ranks = run_ranks(late_rank, 2, tmp_path, timeout=90, mode=mode, op_timeout=2.0, delay=4.0)
+    for rank in ranks:
+        assert rank["first"][0] == 0, ranks  # nobody reports pages another rank gave up on
+        assert rank["second"][0] == 0 and "rank agreement lost" in rank["second"][1], ranks
+        assert rank["broken"], ranks
+        assert rank["reasons"][0] == "ranks_disagreed", ranks
+        assert rank["free"] == rank["capacity"], "host slots leaked"
+    if mode == "extra":
+        assert all("different" in r["first"][1] for r in ranks), ranks

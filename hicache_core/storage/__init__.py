@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .backend import (
         STORAGE_BATCH_SIZE,
         Capabilities,
+        NotAPage,
         ObjectMissing,
         PageResult,
         PageStatus,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "STORAGE_BATCH_SIZE": "backend",
     "Capabilities": "backend",
+    "NotAPage": "backend",
     "ObjectMissing": "backend",
     "PageResult": "backend",
     "PageStatus": "backend",
@@ -64,6 +66,7 @@ __all__ = [
     "BackupFuture",
     "Capabilities",
     "Namespace",
+    "NotAPage",
     "ObjectMissing",
     "PageMap",
     "PageResult",

@@ -22,8 +22,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .. import metrics as _metrics
 from .keys import Namespace, fingerprint, geometry_description
-from .page_format import HEADER_SIZE, HeaderError, address_of, checksum_runs, pack_header, unpack_header
+from .page_format import (
+    HEADER_SIZE,
+    HeaderError,
+    HeaderVersionError,
+    address_of,
+    checksum_runs,
+    pack_header,
+    unpack_header,
+)
 from .pages import PageMap, Span
 
 if TYPE_CHECKING:
@@ -92,6 +101,10 @@ class SizeMismatch(ValueError):
     """Returned by ``get_objects_into`` when the stored object's size differs from the targets'."""
 
 
+class NotAPage(ValueError):
+    """Returned (not raised) for a key whose stored value is not a hicache page (e.g. a Redis list): ``mismatch``."""
+
+
 @dataclass
 class StorageStats:
     """Counters of one backend instance; ``get_stats()`` returns a copy. Nothing fails uncounted."""
@@ -158,6 +171,8 @@ class StorageBackend:
     io_chunk_bytes: ClassVar[int] = 8 << 20
     #: Options this backend accepts (URL query or keyword), with a one-line meaning each.
     options_help: ClassVar[Mapping[str, str]] = {}
+    #: How to start the store's server, for messages when it cannot be reached ("" for serverless stores).
+    server_hint: ClassVar[str] = ""
 
     @classmethod
     def declaration_problems(cls) -> list[str]:
@@ -216,6 +231,9 @@ class StorageBackend:
     def get_objects(self, keys: Sequence[str]) -> list[bytes | bytearray | memoryview | BaseException | None]:
         """Read each whole object (backends without zero-copy): its bytes, ``None`` if missing, or an exception."""
         raise NotImplementedError(f"{type(self).__name__} does not implement get_objects")
+
+    def ping(self) -> None:
+        """Raise :class:`StorageError` when the store cannot be reached (saying how to start it); default: nothing."""
 
     def register_memory(self, spans: Sequence[Span]) -> None:
         """Called once when bound to a host pool, with every host buffer (zero-copy backends register them)."""
@@ -359,14 +377,37 @@ class StorageBackend:
         return target if result.ok else None
 
     def batch_set(self, keys: Sequence[str], values: Sequence[torch.Tensor] | None = None, **_: Any) -> bool:
-        """Store flat pages (SGLang's generic path); true when every page was stored."""
-        return all(self.set(k, v) for k, v in zip(keys, values or [], strict=True))
+        """Store flat pages (SGLang's generic path); true when every page was stored.
+
+        Every key and every value is checked before the first page is written.
+        """
+        pages = self._bound()
+        hashes = _check_keys(keys)
+        if values is None or isinstance(values, torch.Tensor) or not isinstance(values, Sequence):
+            raise TypeError(f"batch_set needs one flat page tensor per key, got {type(values).__name__}")
+        if len(values) != len(hashes):
+            raise ValueError(f"batch_set got {len(hashes)} keys and {len(values)} values")
+        flats = [_flat_bytes(v, pages.page_bytes) for v in values]
+        spans = [[Span(f.data_ptr(), pages.page_bytes, memoryview(f.numpy()).cast("B"))] for f in flats]
+        return all(r.ok for r in self._put(hashes, self.namespace.keys(hashes), spans))
 
     def batch_get(self, keys: Sequence[str], target_locations: Sequence[torch.Tensor] | None = None,
                   **_: Any) -> list[torch.Tensor | None]:  # fmt: skip
-        """Load flat pages (SGLang's generic path)."""
-        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-        return [self.get(k, t) for k, t in zip(keys, targets, strict=True)]
+        """Load flat pages (SGLang's generic path); every key and target is checked before the first read."""
+        pages = self._bound()
+        hashes = _check_keys(keys)
+        if target_locations is None:
+            targets = [self.host_pool.get_dummy_flat_data_page() for _ in hashes]
+        else:
+            if isinstance(target_locations, torch.Tensor) or not isinstance(target_locations, Sequence):
+                raise TypeError(f"target_locations must be one tensor per key, got {type(target_locations).__name__}")
+            if len(target_locations) != len(hashes):
+                raise ValueError(f"batch_get got {len(hashes)} keys and {len(target_locations)} targets")
+            targets = list(target_locations)
+        flats = [_flat_bytes(t, pages.page_bytes) for t in targets]
+        spans = [[Span(f.data_ptr(), pages.page_bytes, memoryview(f.numpy()).cast("B"))] for f in flats]
+        results = self._get(hashes, self.namespace.keys(hashes), spans)
+        return [t if r.ok else None for t, r in zip(targets, results)]
 
     def get_stats(self) -> StorageStats:
         """A copy of the counters, with the store's own figures under ``backend``."""
@@ -485,6 +526,7 @@ class StorageBackend:
             self._stats.write_seconds += elapsed
             self._stats.write_refused_full += sum(r.status is PageStatus.FULL for r in results)
             self._stats.write_failed += sum(r.status is PageStatus.ERROR for r in results)
+        _record_l3("write", results, size + HEADER_SIZE)
         return results
 
     def _get(self, hashes: list[str], full: list[str], targets: list[list[Span]]) -> list[PageResult]:
@@ -554,11 +596,14 @@ class StorageBackend:
                 if not r.ok:
                     counter = _READ_COUNTER.get(r.status, "read_failed")
                     setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+        _record_l3("read", results, size + HEADER_SIZE)
         return results
 
     def _verify(self, h: str, key: str, header_bytes: Any, runs: list[tuple[int, int]], size: int) -> PageResult:
         try:
             header = unpack_header(header_bytes)
+        except HeaderVersionError as exc:  # a sound page of another format: not damage
+            return PageResult(h, PageStatus.MISMATCH, str(exc))
         except HeaderError as exc:
             return PageResult(h, PageStatus.CORRUPT, str(exc))
         if header.fingerprint != self._fingerprint:
@@ -573,16 +618,41 @@ class StorageBackend:
 
     def __repr__(self) -> str:
         bound = f" namespace={self.namespace.prefix}" if self.namespace else " (unbound)"
-        return f"<{type(self).__name__} {self.url.raw}{bound}>"
+        return f"<{type(self).__name__} {self.url.redacted}{bound}>"
+
+
+#: What a page hash may be: every backend can store it as a name (a file, a Redis key, a Mooncake key).
+_PAGE_HASH = re.compile(r"[0-9A-Za-z_-]{1,200}")
+
+
+def _record_l3(op: str, results: list[PageResult], object_bytes: int) -> None:
+    """Pages by outcome, bytes moved, and checksum failures (hicache_core.metrics), once per batch."""
+    by: dict[str, int] = {}
+    for r in results:
+        by[r.status.value] = by.get(r.status.value, 0) + 1
+    for outcome, n in by.items():
+        _metrics.L3_PAGES.labels(op=op, outcome=outcome).inc(n)
+    if by.get("ok"):
+        _metrics.L3_BYTES.labels(op=op).inc(by["ok"] * object_bytes)
+    if by.get("corrupt"):
+        _metrics.record_checksum_failure("l3", by["corrupt"])
 
 
 def _check_keys(keys: Sequence[str]) -> list[str]:
+    """Every key checked before any byte of the batch moves (one bad key never leaves half a batch written)."""
     if isinstance(keys, str) or not isinstance(keys, Sequence):
         raise TypeError(f"keys must be a list of page hashes (str), got {type(keys).__name__}")
     out = list(keys)
-    for k in out:
+    for i, k in enumerate(out):
         if not isinstance(k, str) or not k:
-            raise TypeError(f"every key must be a non-empty str (a page hash), got {k!r}")
+            raise TypeError(f"every key must be a non-empty str (a page hash), got {k!r} at position {i}")
+        if not _PAGE_HASH.fullmatch(k):
+            raise ValueError(
+                f"key {k[:80]!r} at position {i} is not a page hash (1-200 of A-Z a-z 0-9 _ -); nothing was moved"
+            )
+    if len(set(out)) != len(out):
+        dup = next(k for i, k in enumerate(out) if k in out[:i])
+        raise ValueError(f"key {dup[:80]!r} appears twice in one batch; nothing was moved")
     return out
 
 
@@ -605,7 +675,7 @@ def _describe(err: BaseException) -> str:
 def _failed_read(h: str, err: BaseException) -> PageResult:
     if isinstance(err, ObjectMissing):
         return PageResult(h, PageStatus.MISSING, "not in the store")
-    if isinstance(err, SizeMismatch):
+    if isinstance(err, (SizeMismatch, NotAPage)):
         return PageResult(h, PageStatus.MISMATCH, str(err))
     if isinstance(err, TimeoutError):
         return PageResult(h, PageStatus.TIMEOUT, _describe(err))

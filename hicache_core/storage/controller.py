@@ -27,17 +27,21 @@ counted (:meth:`StorageController.stats`).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .agreement import AgreementTimeout, agree_min, check_group
+from .. import metrics as _metrics
+from .agreement import AgreementFailed, AgreementTimeout, RanksDisagreed, agree_min, check_group, keys_digest
 from .backend import STORAGE_BATCH_SIZE, PageResult, PageStatus, StorageBackend
+from .explain import LOADED, Outcomes, explain_miss, reason_of_status
 from .keys import page_hashes
 
 log = logging.getLogger(__name__)
@@ -153,6 +157,8 @@ class PrefetchFuture(_Future):
         super().__init__(keys)
         self._controller = controller
         self._terminate = threading.Event()
+        self._deliver_lock = threading.Lock()
+        self._abandoned: TimeoutError | None = None
         self.tokens_requested = tokens
         self.submitted = time.monotonic()
 
@@ -166,6 +172,10 @@ class PrefetchFuture(_Future):
         ``best_effort``: terminate now, wait only for the batch in flight. ``wait_complete``:
         wait for every page. ``timeout``: wait until the policy's limit, then terminate.
         Waits after a terminate are bounded by the controller's ``op_timeout`` (or ``timeout``).
+
+        When that wait runs out, the prefetch is *abandoned*: this raises ``TimeoutError``, and
+        when the worker finishes it frees every host slot it reserved (none stays reserved for a
+        caller who will never take it); a later ``result()`` raises the same ``TimeoutError``.
         """
         ctl = self._controller
         bound = ctl.op_timeout if timeout is None else timeout
@@ -177,7 +187,26 @@ class PrefetchFuture(_Future):
             if remaining > 0 and self._done.wait(min(remaining, bound)):
                 return self._wait(0)
             self.terminate()
-        return self._wait(bound)
+        if self._done.wait(bound):
+            return self._wait(0)
+        with self._deliver_lock:
+            if not self._done.is_set():
+                self._abandoned = TimeoutError(
+                    f"prefetch not done within {bound:g} s: abandoned; the worker frees its host slots when it finishes"
+                )
+        return self._wait(0) if self._abandoned is None else self._raise_abandoned()
+
+    def _raise_abandoned(self) -> PrefetchResult:
+        raise self._abandoned
+
+    def _deliver(self, value: PrefetchResult | None = None, error: BaseException | None = None) -> bool:
+        """Hand the worker's result over; false (the caller frees the slots) when the caller abandoned it."""
+        with self._deliver_lock:
+            if self._abandoned is not None:
+                self._set(error=self._abandoned)
+                return False
+            self._set(value, error)
+            return True
 
 
 _ALREADY = "already in the store"
@@ -252,6 +281,7 @@ class StorageController:
         self.prefetch_timeout = prefetch_timeout or PrefetchTimeout()
         self.group = group
         self.selective_threshold = selective_threshold
+        self.tp_rank = tp_rank
         self.batch_pages = batch_pages
         self.op_timeout = op_timeout
         self.writes_here = not (storage.namespace.share.startswith("replicated") and tp_rank != 0)
@@ -260,11 +290,13 @@ class StorageController:
              "backup_skipped_by_policy", "backup_skipped_replica", "backup_refused_queue_full", "prefetches",
              "prefetch_refused_queue_full", "prefetch_cancelled", "prefetch_pages_hit", "prefetch_pages_agreed",
              "prefetch_pages_loaded", "prefetch_pages_failed", "prefetch_terminated", "prefetch_no_host_space",
-             "agreement_timeouts"),
+             "prefetch_abandoned", "prefetch_abandoned_pages_freed", "agreement_timeouts", "agreement_disagreements"),
             0,
         )  # fmt: skip
         self._lock = threading.Lock()
         self._broken = ""
+        self._seq = 0  # collectives issued on this rank's group (carried in each one, see agreement.py)
+        self.outcomes = Outcomes()  # the last outcome of each page key (bounded), for explain_miss
         self._backup_q: queue.Queue = queue.Queue(maxsize=queue_depth)
         self._prefetch_q: queue.Queue = queue.Queue()  # bounded by _prefetch_slots (see queue_depth)
         self._prefetch_slots = threading.BoundedSemaphore(queue_depth)
@@ -326,6 +358,32 @@ class StorageController:
             request.refused = "prefetch queue full"
         self._prefetch_q.put(request)
         return future
+
+    def explain_miss(self, token_ids: Sequence[Any], *, prior_hash: str | None = None,
+                     host_pages: int | Sequence[bool] | None = None) -> Any:  # fmt: skip
+        """Why the pages of ``token_ids`` would not (or did not) hit (:func:`.explain.explain_miss`).
+
+        :param host_pages: what the caller's host tier holds of this prefix (its radix tree knows):
+            a count of leading pages, or one bool per page; ``None`` when unknown.
+        """
+        self._check_open()
+        return explain_miss(self.storage, token_ids, prior_hash=prior_hash, host_pages=host_pages,
+                            outcomes=self.outcomes, rank=self.tp_rank, broken=self._broken)  # fmt: skip
+
+    def write_outcomes(self, path: str | os.PathLike | None = None) -> Path:
+        """Write the outcome memory for ``hicache explain-miss`` (atomically), beside the metrics snapshot by default.
+
+        Default path: ``$HICACHE_METRICS_DIR/hicache-outcomes-<pid>-rank<r>.json``. Only this memory
+        knows ``timed_out``, ``ranks_disagreed``, ``host_pool_full`` and the like: they leave no
+        trace in the store. A server calls this when it writes its metrics snapshot.
+        """
+        if path is None:
+            folder = os.environ.get("HICACHE_METRICS_DIR")
+            if not folder:
+                raise ValueError("write_outcomes needs a path, or HICACHE_METRICS_DIR set to a folder")
+            path = Path(folder) / f"hicache-outcomes-{os.getpid()}-rank{self.tp_rank}.json"
+        return self.outcomes.write(path, namespace=self.storage.namespace.prefix, rank=self.tp_rank,
+                                   broken=self._broken)  # fmt: skip
 
     def stats(self) -> dict[str, Any]:
         """The controller's counters, and the backend's under ``storage``."""
@@ -431,43 +489,53 @@ class StorageController:
             if job is _STOP:
                 return
             try:
-                job.future._set(self._run_prefetch(job))
+                result = self._run_prefetch(job)
+                if not job.future._deliver(result) and result.tokens:
+                    self.host_pool.free(result.host_indices)  # abandoned by its caller: nothing stays reserved
+                    self._count("prefetch_abandoned")
+                    self._count("prefetch_abandoned_pages_freed", result.completed)
+                    self.outcomes.record(result.keys[: result.completed], "timed_out",
+                                         "loaded after the caller stopped waiting; its slots were freed")  # fmt: skip
             except BaseException as exc:  # noqa: BLE001
                 log.exception("hicache L3 prefetch failed")
-                job.future._set(error=exc)
+                job.future._deliver(error=exc)
             finally:
                 if not job.refused:
                     self._prefetch_slots.release()
 
-    def _agree(self, value: int) -> int:
+    def _agree(self, value: int, digest: int) -> int:
         if self._broken:
             raise AgreementTimeout(self._broken)
+        self._seq += 1
         try:
-            return agree_min(value, self.group, self.op_timeout)
-        except AgreementTimeout as exc:
-            # The group's collective sequence is now unknown on the other ranks: never issue another.
+            return agree_min(value, self.group, self.op_timeout, seq=self._seq, digest=digest)
+        except AgreementFailed as exc:
+            # Poisoned: every rank saw the same verdict (or timed out); no rank issues another collective,
+            # so the others fail theirs within op_timeout instead of pairing with a stale one.
             self._broken = f"rank agreement lost: {exc}"
-            self._count("agreement_timeouts")
+            self._count("agreement_disagreements" if isinstance(exc, RanksDisagreed) else "agreement_timeouts")
             raise
 
     def _run_prefetch(self, job: _Prefetch) -> PrefetchResult:
         self._count("prefetches")
         keys, fut = job.keys, job.future
+        digest = keys_digest(keys)
         empty = torch.empty(0, dtype=torch.int64)
-        error = job.refused
+        error, why = job.refused, ("queue_full" if job.refused else "")
         if fut.cancelled():
             self._count("prefetch_cancelled")
-            error = error or "cancelled"
+            error, why = error or "cancelled", why or "cancelled"
         local = 0
         if not error:
             try:
                 local = self.storage.batch_exists(keys)
             except Exception as exc:  # noqa: BLE001 - this rank found nothing; it still takes part below
-                error = f"batch_exists raised {type(exc).__name__}: {exc}"
+                error, why = f"batch_exists raised {type(exc).__name__}: {exc}", "store_unreachable"
         self._count("prefetch_pages_hit", local)
         try:
-            agreed = self._agree(local)
-        except AgreementTimeout as exc:
+            agreed = self._agree(local, digest)
+        except AgreementFailed as exc:
+            self._explain(keys, local, 0, 0, 0, [], "ranks_disagreed", str(exc))
             return PrefetchResult(keys, local, 0, 0, empty, error=str(exc))
         self._count("prefetch_pages_agreed", agreed)
         slots = empty
@@ -475,7 +543,7 @@ class StorageController:
             got = self.host_pool.alloc(agreed * self.page_size)
             if got is None:
                 self._count("prefetch_no_host_space")
-                error = f"host pool has no room for {agreed} pages"
+                error, why = f"host pool has no room for {agreed} pages", "host_pool_full"
             else:
                 slots = got.to(torch.int64)
         results: list[PageResult] = []
@@ -497,16 +565,49 @@ class StorageController:
             self._count("prefetch_terminated")
         self._count("prefetch_pages_failed", sum(not r.ok for r in results))
         try:
-            completed = self._agree(loaded)
-        except AgreementTimeout as exc:
+            completed = self._agree(loaded, digest)
+        except AgreementFailed as exc:
             if slots.numel():
                 self.host_pool.free(slots)
+            self._explain(keys, local, agreed, loaded, 0, results, "ranks_disagreed", str(exc))
             return PrefetchResult(keys, local, agreed, 0, empty, results, terminated, str(exc))
         keep = completed * self.page_size
         if slots.numel() > keep:
             self.host_pool.free(slots[keep:])
         self._count("prefetch_pages_loaded", completed)
+        if terminated:
+            why = why or "timed_out"
+            error = error or "the caller stopped waiting (prefetch policy) before these pages were read"
+        self._explain(keys, local, agreed, loaded, completed, results, why, error)
         return PrefetchResult(keys, local, agreed, completed, slots[:keep], results, terminated, error)
+
+    def _explain(self, keys: list[str], local: int, agreed: int, loaded: int, completed: int,
+                 results: list[PageResult], why: str, detail: str) -> None:  # fmt: skip
+        """Remember, and count, why each page of a prefetch did or did not reach the host tier."""
+        rec = self.outcomes.record
+        rec(keys[:completed], LOADED, "")
+        rec(keys[completed:loaded], "ranks_disagreed", "another rank did not load it")
+        read = len(results)
+        for i, r in enumerate(results[loaded:], start=loaded):
+            rec([keys[i]], reason_of_status(r.status), r.detail)
+            rec(keys[i + 1 : read], "earlier_page_failed", f"page {i} of the prefix failed: {r.status.value}")
+            break
+        if why:
+            rec(keys[read:local], why, detail)
+        elif read < agreed:
+            rec(keys[read:agreed], "timed_out", "not read before the prefetch stopped")
+        if not why or why in ("host_pool_full", "timed_out"):
+            rec(keys[agreed:local], "ranks_disagreed", "another rank's store lacked it (the ranks took the minimum)")
+        if local < len(keys) and why not in ("queue_full", "cancelled", "store_unreachable"):
+            rec(keys[local : local + 1], "not_in_store", "")
+            rec(keys[local + 1 :], "earlier_page_missing", f"page {local} of the prefix is not in the store")
+        elif why:
+            rec(keys[local:], why, detail)
+        hits = _metrics.L3_PREFETCH
+        if completed:
+            hits.labels(result="hit", reason="loaded").inc(completed)
+        for reason, count in self.outcomes.last_counts(keys[completed:]).items():
+            hits.labels(result="miss", reason=reason).inc(count)
 
 
 def _whole_pages(host_indices: torch.Tensor, pages: int, page_size: int) -> torch.Tensor:

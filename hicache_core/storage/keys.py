@@ -10,32 +10,48 @@ the hash part equals SGLang's for the same tokens.
 The namespace keeps pages that cannot be loaded into a pool apart from the pages that
 can: a different model, a different pool geometry (kind, layout, dtype, item bytes,
 page size, layers per page) or a different share of the model (tensor-parallel rank,
-layer shard) is a different namespace, so it is never even found.
+layer shard) is a different namespace, so it is never even found. The model part is a
+readable, path-safe abbreviation of the model id followed by SHA-256 of the *exact* id, so
+``run/checkpoint-1000`` and ``run/checkpoint-2000``, or ``acme/llama`` and ``acme_llama``,
+never share a page (the readable part alone would fold them together).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-#: Bumped when the namespace description changes meaning; part of every fingerprint.
-NAMESPACE_VERSION = 1
+#: Bumped when the namespace description changes meaning; part of every fingerprint and every prefix.
+#: 2: the prefix carries SHA-256 of the exact model id (version 1 kept only a folded 80-character prefix).
+NAMESPACE_VERSION = 2
 _LAYOUT_FIELDS = ("split", "split_at", "merge", "merge_slots", "components")
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _token_id(x: Any) -> int:
+    """An integer token id; a float, a string or a bool is refused, never coerced (``1.5`` is not ``1``)."""
+    if isinstance(x, bool):
+        raise TypeError(f"token id {x!r} is a bool, not an integer")
+    try:
+        return operator.index(x)  # int, numpy and torch integer scalars; not float, str, float tensors
+    except TypeError:
+        kind = type(x).__name__
+        raise TypeError(f"token id {x!r} ({kind}) is not an integer (token ids are never coerced)") from None
 
 
 def _token_bytes(tokens: Sequence[Any]) -> bytes:
     flat: list[int] = []
     for t in tokens:
         if isinstance(t, (tuple, list)):
-            flat.extend(int(x) for x in t)
+            flat.extend(_token_id(x) for x in t)
         else:
-            flat.append(int(t))
+            flat.append(_token_id(t))
     try:
         return struct.pack(f"<{len(flat)}I", *flat)
     except struct.error:
@@ -91,6 +107,11 @@ def geometry_description(host_pool: Any) -> dict[str, Any]:
     }
 
 
+def model_digest(model_id: str) -> str:
+    """``m<NAMESPACE_VERSION>-`` and 24 hex digits (96 bits) of SHA-256 over the exact model id's UTF-8 bytes."""
+    return f"m{NAMESPACE_VERSION}-" + hashlib.sha256(model_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
 def fingerprint(description: dict[str, Any]) -> str:
     """16 bytes (32 hex digits) of SHA-256 over a canonical JSON of ``description``."""
     canonical = json.dumps(description, sort_keys=True, separators=(",", ":"))
@@ -101,7 +122,8 @@ def fingerprint(description: dict[str, Any]) -> str:
 class Namespace:
     """Where a host pool's pages live in a store: model id, geometry fingerprint, this rank's share.
 
-    :param model_id: the model's name (any string; it is made path-safe in keys).
+    :param model_id: the model's name, exactly (any string): the prefix holds a path-safe
+        abbreviation of it and SHA-256 of all of it.
     :param fingerprint: :func:`fingerprint` of the pool geometry (32 hex digits).
     :param share: this rank's part of the model, e.g. ``tp1of4`` or ``replicated``, plus a
         layer shard ``-L16-32of61`` where the pool owns only some layers.
@@ -113,8 +135,9 @@ class Namespace:
 
     @property
     def prefix(self) -> str:
+        """``<readable model>.<model digest>.<fingerprint>.<share>``, e.g. ``acme_llama.m2-3f2a....<fp>.tp0of1``."""
         model = _SAFE.sub("_", self.model_id).strip("._") or "model"
-        return f"{model[:80]}.{self.fingerprint}.{self.share}"
+        return f"{model[:48]}.{model_digest(self.model_id)}.{self.fingerprint}.{self.share}"
 
     def key(self, page_hash: str) -> str:
         """The store key of one page hash."""

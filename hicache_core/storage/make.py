@@ -65,7 +65,7 @@ def make_storage(
 
 def _unknown_scheme_message(url: StorageURL, registry: Registry) -> str:
     installed = registry.storage_backends
-    lines = [f"No storage backend serves {url.scheme}:// (URL {url.raw!r})."]
+    lines = [f"No storage backend serves {url.scheme}:// (URL {url.redacted!r})."]
     if installed:
         listed = ", ".join(f"{s}:// ({registry.plugin_of_storage(s)})" for s in sorted(installed))
         lines.append(f"Installed storage backends: {listed}.")

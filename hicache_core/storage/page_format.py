@@ -60,6 +60,10 @@ class HeaderError(ValueError):
     """The bytes are not a hicache page header (bad magic, version or header CRC)."""
 
 
+class HeaderVersionError(HeaderError):
+    """A sound header (magic and CRC check) of another page format version: the page is a ``mismatch``."""
+
+
 def pack_header(
     *, payload_bytes: int, checksum: int, fingerprint: bytes, key_digest: bytes, header_size: int = HEADER_SIZE
 ) -> bytes:
@@ -83,7 +87,7 @@ def unpack_header(data: bytes | bytearray | memoryview) -> PageHeader:
     if crc != zlib.crc32(body):
         raise HeaderError("header CRC mismatch (the header itself is corrupted)")
     if version != FORMAT_VERSION:
-        raise HeaderError(f"page format version {version}, this hicache reads version {FORMAT_VERSION}")
+        raise HeaderVersionError(f"page format version {version}, this hicache reads version {FORMAT_VERSION}")
     if algo != CHECKSUM_XXH3_64:
         raise HeaderError(f"unknown checksum algorithm {algo}")
     if size < HEADER_SIZE:

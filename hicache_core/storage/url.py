@@ -3,36 +3,74 @@
 from __future__ import annotations
 
 import importlib
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 
+#: Query options whose values are secrets: never printed (see :func:`redact_url`).
+SECRET_OPTIONS = frozenset({"password", "passwd", "pass", "token", "secret", "auth"})
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the user-info password and secret query values replaced by ``***`` (for messages)."""
+    if not isinstance(url, str):
+        return type(url).__name__
+    head, sep, rest = url.partition("://")
+    secret = r"(?i)((?:^|[?&])(?:" + "|".join(sorted(SECRET_OPTIONS)) + r")=)[^&#]*"
+    if not sep:
+        return re.sub(secret, r"\1***", url)
+    netloc = re.match(r"[^/?#]*", rest).group(0)
+    tail = rest[len(netloc) :]
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}{':***' if colon else ''}@{hostport}"
+    return head + sep + netloc + re.sub(secret, r"\1***", tail)
+
+
 @dataclass(frozen=True)
 class StorageURL:
-    """A parsed storage URL: ``scheme://[host[:port]]/path?option=value&...``."""
+    """A parsed storage URL: ``scheme://[user[:password]@][host[:port]]/path?option=value&...``.
 
-    raw: str
+    ``repr`` and :attr:`redacted` never show a password (user-info or ``?password=``).
+    """
+
+    raw: str = field(repr=False)
     scheme: str
     host: str | None
     port: int | None
     path: str
-    query: dict[str, str] = field(default_factory=dict)
+    query: dict[str, str] = field(default_factory=dict, repr=False)
+    username: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)
+
+    @property
+    def redacted(self) -> str:
+        """The URL as it may be printed: secrets replaced by ``***``."""
+        return redact_url(self.raw)
+
+    def __repr__(self) -> str:
+        return f"StorageURL({self.redacted!r})"
 
     @classmethod
     def parse(cls, url: str) -> StorageURL:
         if not isinstance(url, str) or "://" not in url:
+            shown = redact_url(url) if isinstance(url, str) else type(url).__name__
             raise ValueError(
-                f"a storage URL looks like file:///path, redis://host:port/db or mooncake://host:port; got {url!r}"
+                f"a storage URL looks like file:///path, redis://host:port/db or mooncake://host:port; got {shown!r}"
             )
         parts = urlsplit(url)
         try:
             port = parts.port
         except ValueError as exc:
-            raise ValueError(f"bad port in storage URL {url!r}: {exc}") from None
+            raise ValueError(f"bad port in storage URL {redact_url(url)!r}: {redact_url(str(exc))}") from None
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
-        return cls(url, parts.scheme.lower(), parts.hostname, port, unquote(parts.path), query)
+        user = unquote(parts.username) if parts.username else None
+        password = unquote(parts.password) if parts.password is not None else None
+        return cls(url, parts.scheme.lower(), parts.hostname, port, unquote(parts.path), query, user, password)
 
 
 def option_bool(value: Any, name: str) -> bool:

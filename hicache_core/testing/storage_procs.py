@@ -201,3 +201,62 @@ def _server(rank: int, world: int, init_file: str, *, url: str, role: str, model
 def server(rank: int, world: int, init_file: str, out_file: str, **kw: Any) -> None:
     """Process body: one rank of a server that backs up or prefetches (:func:`_server`)."""
     _guarded(_server, rank, world, init_file, out_file, **kw)
+
+
+# ---- scenario: ranks either agree or all fail (issue 21, items 2 and 15) ------------------------
+
+
+def _late_rank(rank: int, world: int, init_file: str, *, mode: str, op_timeout: float = 2.0,
+               delay: float = 4.0, url: str = "", outcomes: str = "") -> dict:  # fmt: skip
+    """``mode="delay"``: rank 1's read takes ``delay`` s, past rank 0's agreement bound. ``"extra"``: rank 1
+    submits a prefetch the others do not. Each rank reports what it got, and a second prefetch after.
+
+    With ``url`` the ranks share that store and a pool of :mod:`.explain_kit`'s geometry (what
+    ``hicache explain-miss`` can name), and each writes its outcome memory into the folder ``outcomes``.
+    """
+    from ..storage.controller import StorageController
+    from ..storage.url import make_storage
+
+    group = _init(rank, world, init_file)
+    if url:
+        from . import explain_kit
+
+        page, host = explain_kit.PAGE, explain_kit.host_pool(pages=24)
+    else:
+        page, host = SHAPE[3], make_rank_pool(rank, seed=2, pages=24)
+    storage = make_storage(url or f"memory://late-{os.getpid()}", host, model_id="late", tp_rank=rank,
+                           tp_size=world)  # fmt: skip
+    ctl = StorageController(storage, group=group, tp_rank=rank, prefetch_policy="wait_complete",
+                            op_timeout=op_timeout)  # fmt: skip
+    toks = prefix_tokens(8, page, salt=3)
+    ctl.backup(toks, host.alloc(8 * page)).result(30)
+    if mode == "delay" and rank == 1:
+        real = storage.read_pages
+
+        def slow(keys, slots):
+            time.sleep(delay)
+            return real(keys, slots)
+
+        storage.read_pages = slow
+    if mode == "extra" and rank == 1:
+        ctl.prefetch(prefix_tokens(2, page, salt=99))  # only this rank: the collectives would shift
+    t0 = time.monotonic()
+    first = ctl.prefetch(toks).result(60)
+    took = time.monotonic() - t0
+    second = ctl.prefetch(toks).result(60)
+    stats = ctl.stats()
+    report = ctl.explain_miss(toks)
+    if outcomes:
+        ctl.write_outcomes(Path(outcomes) / f"hicache-outcomes-{os.getpid()}-rank{rank}.json")
+    ctl.close()
+    for res in (first, second):
+        if res.tokens:
+            host.free(res.host_indices)
+    return {"first": [first.completed, first.error], "second": [second.completed, second.error], "took": took,
+            "broken": stats["broken"], "reasons": [p.last_outcome for p in report.pages],
+            "free": host.available_size(), "capacity": host.size - 8 * page}  # fmt: skip
+
+
+def late_rank(rank: int, world: int, init_file: str, out_file: str, **kw: Any) -> None:
+    """Process body: :func:`_late_rank`."""
+    _guarded(_late_rank, rank, world, init_file, out_file, **kw)

@@ -9,10 +9,27 @@ from typing import Any
 import torch
 
 from ..host_pool import make_host_pool
-from ..storage.backend import PageStatus
+from ..storage.backend import PageStatus, StorageError
 from ..storage.keys import page_hashes
 from ..storage.make import make_storage
+from ..storage.url import redact_url
 from ..testing.cases import as_bytes, build_device_pools, fill_random, pages_of
+
+
+def _open(url: str, host: Any = None, **kw: Any) -> Any:
+    """The backend of ``url``, reachable; or ``None`` after printing why not (never a traceback)."""
+    try:
+        backend = make_storage(url, host, **kw)
+    except (StorageError, ValueError, OSError) as exc:
+        print(f"hicache storage: cannot open {redact_url(url)}: {redact_url(str(exc))}")
+        return None
+    try:
+        backend.ping()
+    except StorageError as exc:
+        backend.close()
+        print(f"hicache storage: {redact_url(str(exc))}")
+        return None
+    return backend
 
 
 def _small_pool(page_size: int = 4, pages: int = 16) -> Any:
@@ -29,7 +46,9 @@ def run_check(url: str, as_json: bool = False) -> int:
     host = _small_pool()
     model_id = f"hicache-check-{uuid.uuid4().hex[:12]}"
     steps: list[tuple[str, bool, str]] = []
-    backend = make_storage(url, host, model_id=model_id)
+    backend = _open(url, host, model_id=model_id)
+    if backend is None:
+        return 2
     try:
         p = host.page_size
         keys = page_hashes(list(range(6 * p)), p)
@@ -50,14 +69,19 @@ def run_check(url: str, as_json: bool = False) -> int:
         backend.remove_objects(backend.namespace.keys(keys))
         steps.append(("remove", backend.batch_exists(keys) == 0, ""))
         stats = backend.get_stats().as_dict()
+    except Exception as exc:  # noqa: BLE001 - the store failed mid-check: say so, without a traceback
+        print(f"hicache storage check {redact_url(url)}: the store failed: {type(exc).__name__}: "
+              f"{redact_url(str(exc))}; {backend.server_hint or 'check the store'}")  # fmt: skip
+        return 1
     finally:
         backend.close()
     ok = all(s[1] for s in steps)
     if as_json:
-        print(json.dumps({"url": url, "ok": ok, "steps": [dict(step=s, ok=o, detail=d) for s, o, d in steps],
+        print(json.dumps({"url": redact_url(url), "ok": ok,
+                          "steps": [dict(step=s, ok=o, detail=d) for s, o, d in steps],
                           "stats": stats}, indent=2, default=str))  # fmt: skip
     else:
-        print(f"hicache storage check {url} ({type(backend).__name__}, {backend.capabilities})")
+        print(f"hicache storage check {redact_url(url)} ({type(backend).__name__}, {backend.capabilities})")
         for step, passed, detail in steps:
             print(f"  {'ok  ' if passed else 'FAIL'} {step}{': ' + detail if detail and not passed else ''}")
         print("all checks passed" if ok else "some checks FAILED")
@@ -66,12 +90,16 @@ def run_check(url: str, as_json: bool = False) -> int:
 
 def run_stats(url: str) -> int:
     """Print the store's own figures (and this process's counters, which start at zero) as JSON."""
-    backend = make_storage(url)
+    backend = _open(url)
+    if backend is None:
+        return 2
     try:
         stats = backend.get_stats().as_dict()
     finally:
         backend.close()
-    print(json.dumps({"url": url, "backend_class": type(backend).__name__,
+    if "error" in stats["backend"]:
+        stats["backend"]["error"] = redact_url(stats["backend"]["error"])
+    print(json.dumps({"url": redact_url(url), "backend_class": type(backend).__name__,
                       "capabilities": vars(backend.capabilities), **stats}, indent=2, default=str))  # fmt: skip
     return 0 if "error" not in stats["backend"] else 1
 

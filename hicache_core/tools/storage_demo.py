@@ -112,6 +112,11 @@ def run_storage_demo(url: str, device: str | None = None, tokens: int = 512) -> 
         done = subprocess.run(cmd, timeout=300)
         if done.returncode != 0:
             print(f"hicache demo --storage: the {role} process failed (exit {done.returncode})")
+            if role == "load" and url.lower().startswith("mooncake://"):
+                print("  mooncake:// keeps a page in the segment of the client that stored it, and process 1's "
+                      "segment left with it. Keep pages beyond their writer with a mooncake_client that lends "
+                      "memory to the store: mooncake_client -master_server_address=HOST:PORT "
+                      "-global_segment_size=1GB -protocol=tcp -metadata_server=P2PHANDSHAKE")
             return 1
     print("L3 demo passed: a prefix backed up by one process was found, prefetched and loaded by another")
     return 0

@@ -18,6 +18,7 @@ from typing import Any
 
 import hicache_core as hc
 
+from . import metrics
 from .errors import NotServedError
 from .pool import DeviceView, SGLangHostPool, SGLangMHAHostPool, SGLangMLAHostPool
 
@@ -136,6 +137,7 @@ def build_kv_host_pool(
     validate = os.environ.get(ENV_VALIDATE, "") not in ("", "0")
     core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size, size=tokens,
                              draft_pools=draft_views, validate=validate)  # fmt: skip
+    metrics.start()  # hicache's figures beside SGLang's /metrics, when SGLang's metrics are on
     common = dict(
         view=view,
         draft_views=draft_views,

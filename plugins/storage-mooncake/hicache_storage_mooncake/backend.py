@@ -6,12 +6,21 @@ each page then moves as one object with ``batch_put_from_multi_buffers`` /
 registered scratch arena, then the page's runs). This client also contributes a segment of
 its memory to the store (``segment``), as every Mooncake client does; the default
 transport is TCP (no RDMA needed).
+
+A page lives in the segment of the client that stored it: when that process exits, its
+pages leave the store with it (run a ``mooncake_client`` that lends memory to keep pages
+beyond the processes that wrote them). Before setting up, the master's port is probed for
+``connect_timeout`` seconds, so a missing master fails at once instead of after Mooncake's
+own retries (about 90 s). ``clear()`` removes only hicache's pages: the bound namespace's,
+or, unbound, every key in hicache's key shape.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import math
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -28,12 +37,17 @@ from hicache_core.storage.backend import (
 )
 from hicache_core.storage.page_format import HEADER_SIZE
 from hicache_core.storage.pages import Span
-from hicache_core.storage.url import StorageURL, option_bytes
+from hicache_core.storage.url import StorageURL, option_bytes, option_float
 
 # Mooncake's ErrorCode values that mean "no such object" and "no space".
 OBJECT_NOT_FOUND = -704
 NO_SPACE = {-200, -201, -202}  # NO_AVAILABLE_HANDLE, and the allocation failures around it
 ARENA_SLOTS = 128
+#: Codes batch_get_into_multi_buffers gives for an object that does not fit the targets (-600); other
+#: failures are checked against the object's size (a short object answered -800 here).
+SIZE_CODES = {-600}
+#: Every key hicache writes: ``<model>.<model digest>.<fingerprint>.<share>/<page hash>``.
+_HICACHE_KEY = r"[A-Za-z0-9._-]+\.m[0-9]+-[0-9a-f]{24}\.[0-9a-f]{32}\.[A-Za-z0-9-]+/[0-9A-Za-z_-]+"
 
 
 class _Client:
@@ -118,7 +132,12 @@ class MooncakeStorage(StorageBackend):
         "device": "RDMA device names (default none)",
         "local_hostname": "this client's address as the others see it (default 127.0.0.1)",
         "metadata": "metadata server (default P2PHANDSHAKE: none needed)",
+        "connect_timeout": "seconds to wait for the master's port before giving up (default 5)",
     }
+    server_hint: ClassVar[str] = (
+        "start a master with: mooncake_master -rpc_address=127.0.0.1 -rpc_port=PORT "
+        "(it ships in the mooncake-transfer-engine wheel)"
+    )
 
     def __init__(self, url: StorageURL, **options: Any) -> None:
         super().__init__(url, **options)
@@ -134,6 +153,9 @@ class MooncakeStorage(StorageBackend):
         self.master = f"{url.host}:{url.port}"
         self.segment = option_bytes(options.get("segment", 1 << 30), "segment")
         self.local_buffer = option_bytes(options.get("local_buffer", 64 << 20), "local_buffer")
+        self.connect_timeout = option_float(options.get("connect_timeout", 5.0), "connect_timeout")
+        if not (math.isfinite(self.connect_timeout) and self.connect_timeout > 0):
+            raise ValueError(f"option connect_timeout={options.get('connect_timeout')!r} must be a positive number")
         settings = (
             str(options.get("local_hostname", "127.0.0.1")),
             str(options.get("metadata", "P2PHANDSHAKE")),
@@ -146,18 +168,29 @@ class MooncakeStorage(StorageBackend):
         with _CLIENTS_LOCK:
             client = _CLIENTS.get(settings)
             if client is None:
+                if not _reachable(self.master, self.connect_timeout):
+                    raise StorageError(f"no Mooncake master answers at {self.master} (waited "
+                                       f"{self.connect_timeout:g} s); {self.server_hint}")  # fmt: skip
                 store = MooncakeDistributedStore()
                 rc = store.setup(*settings)
                 if rc != 0:
                     raise StorageError(f"Mooncake Store setup against master {self.master} failed with code {rc}")
                 client = _CLIENTS[settings] = _Client(store)
         self._client = client
-        self.store = client.store
+        self._store = client.store
         self._registered: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         self._local = threading.local()
         self._arenas: list[torch.Tensor] = []
         self._refused = 0
+
+    @property
+    def store(self) -> Any:
+        """The Mooncake client; raises :class:`StorageError` after :meth:`close`."""
+        store = self._store
+        if store is None:
+            raise StorageError(f"this mooncake://{self.master} backend is closed: make a new one with make_storage")
+        return store
 
     # ---- memory --------------------------------------------------------------------------------
 
@@ -234,11 +267,21 @@ class MooncakeStorage(StorageBackend):
                     out.append(None)
                 elif code == OBJECT_NOT_FOUND:
                     out.append(ObjectMissing(ks[i]))
-                elif code >= 0 or code == -600:  # -600: the object does not fit the targets
+                elif code >= 0 or code in SIZE_CODES:  # the object does not fit the targets
                     out.append(SizeMismatch(f"Mooncake object {ks[i]!r} does not match a {total}-byte page ({code})"))
                 else:
-                    out.append(StorageError(f"Mooncake get failed with code {code}"))
+                    out.append(self._sized(ks[i], total, code))
         return out
+
+    def _sized(self, key: str, total: int, code: int) -> BaseException:
+        """A failed read: a :class:`SizeMismatch` when the object is there with another size, else the code."""
+        try:
+            size = int(self.store.get_size(key))
+        except Exception:  # noqa: BLE001 - then the code is all we can tell
+            size = -1
+        if size >= 0 and size != total:
+            return SizeMismatch(f"Mooncake object {key!r} is {size} bytes, a page here is {total} (code {code})")
+        return StorageError(f"Mooncake get failed with code {code}")
 
     def raw_put_from(self, keys: Sequence[str], spans: Sequence[Span]) -> None:
         codes = self.store.batch_put_from(list(keys), [s.ptr for s in spans], [s.nbytes for s in spans])
@@ -255,17 +298,24 @@ class MooncakeStorage(StorageBackend):
             self.store.batch_remove(list(keys), True)
 
     def clear(self) -> None:
-        self.store.remove_all(True)
+        """Remove this namespace's pages (bound), or every hicache-shaped key (unbound); never other objects."""
+        if self.namespace is not None:
+            pattern = "^" + re.escape(self.namespace.prefix + "/") + "[0-9A-Za-z_-]+$"
+        else:
+            pattern = "^" + _HICACHE_KEY + "$"
+        code = self.store.remove_by_regex(pattern, True)
+        if code < 0:
+            raise StorageError(f"Mooncake remove_by_regex failed with code {code}")
 
     def close(self) -> None:
-        store = getattr(self, "store", None)
+        store = getattr(self, "_store", None)
         if store is None:
             return
         with self._lock:
             registered, self._registered = self._registered, []
         for ptr, _ in registered:
             self._client.unregister(ptr)
-        self.store = None
+        self._store = None
 
     def backend_stats(self) -> dict[str, Any]:
         return {
@@ -273,5 +323,5 @@ class MooncakeStorage(StorageBackend):
             "segment_bytes": self.segment,
             "registered_buffers": len(self._registered),
             "refused_full": self._refused,
-            "healthy": self.store.health_check() == 0 if self.store is not None else False,
+            "healthy": self._store.health_check() == 0 if self._store is not None else False,
         }

@@ -1,4 +1,4 @@
-"""hicache-storage-redis: the ``redis://host:port/db`` L3 backend (Redis or Valkey, through redis-py)."""
+"""hicache-storage-redis: the ``redis://host:port/db`` and ``rediss://`` (TLS) L3 backends (Redis, Valkey)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from hicache_core import hookimpl
 
 @hookimpl
 def hicache_register_storage_backends(register):
-    from .backend import RedisStorage
+    from .backend import RedisStorage, RedisTLSStorage
 
     register(RedisStorage)
+    register(RedisTLSStorage)

@@ -8,15 +8,22 @@
   makes), which the core checks and copies into the pool.
 * A refusal for memory (``OOM``, under ``maxmemory`` with ``noeviction``) reports the page
   ``full``; under an eviction policy the server's ``evicted_keys`` show in the stats.
-* Every call has a socket timeout; after a server restart redis-py reconnects on the next call.
+* Every call is bounded by ``timeout``: redis-py's own retries are off (its default retries a
+  timed-out call with backoff, which took about two minutes against a hung server), so a call
+  against a paused or hung server raises within about ``timeout`` and the page reports why.
+  After a server restart redis-py reconnects on the next call.
+* ``rediss://`` is Redis over TLS (``?ca=`` the CA file, ``?cert=``/``?key=`` a client certificate).
+* Credentials: ``redis://user:password@host`` or ``redis://:password@host`` (or ``?password=``);
+  they are never printed (``StorageURL.redacted``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from hicache_core.storage.backend import Capabilities, StorageBackend, StorageError, StorageFull
+from hicache_core.storage.backend import Capabilities, NotAPage, StorageBackend, StorageError, StorageFull
 from hicache_core.storage.pages import Span
 from hicache_core.storage.url import StorageURL, option_bytes, option_float
 
@@ -33,9 +40,17 @@ class RedisStorage(StorageBackend):
     options_help: ClassVar[dict[str, str]] = {
         "prefix": "key prefix (default 'hicache:')",
         "timeout": "socket timeout in seconds for every call (default 10)",
-        "password": "AUTH password",
+        "password": "AUTH password (or in the URL's user-info: redis://:password@host)",
+        "username": "ACL user name (or in the URL's user-info: redis://user:password@host)",
         "pipeline_bytes": "value bytes per pipeline (default 64MiB)",
+        "ca": "rediss:// only: the CA certificate file the server's certificate is checked against",
+        "cert": "rediss:// only: a client certificate file (mutual TLS)",
+        "key": "rediss:// only: the client certificate's private key file",
+        "check_hostname": "rediss:// only: check the certificate names the host (default 1)",
     }
+    server_hint: ClassVar[str] = (
+        "start a server with: redis-server --port PORT --bind 127.0.0.1 (Debian: apt-get install redis-server)"
+    )
 
     def __init__(self, url: StorageURL, **options: Any) -> None:
         super().__init__(url, **options)
@@ -49,17 +64,50 @@ class RedisStorage(StorageBackend):
             raise ValueError(f"redis:// takes a database number as its path (redis://host:port/0), got {url.path!r}")
         self.prefix = str(options.get("prefix", "hicache:"))
         self.timeout = option_float(options.get("timeout", 10.0), "timeout")
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"option timeout={options.get('timeout')!r} must be a positive number of seconds")
         self.pipeline_bytes = option_bytes(options.get("pipeline_bytes", PIPELINE_BYTES), "pipeline_bytes")
+        if self.pipeline_bytes < 1:
+            raise ValueError("option pipeline_bytes must be at least 1 byte")
+        tls = url.scheme == "rediss"
+        tls_options = {"ca", "cert", "key", "check_hostname"} & set(options)
+        if tls_options and not tls:
+            raise ValueError(f"option(s) {', '.join(sorted(tls_options))} need rediss:// (Redis over TLS)")
         self.address = f"{url.host or '127.0.0.1'}:{url.port or 6379}/{db}"
+        password = options.get("password", url.password)
+        username = options.get("username", url.username)
+        extra: dict[str, Any] = {}
+        if tls:
+            from hicache_core.storage.url import option_bool
+
+            check = option_bool(options.get("check_hostname", True), "check_hostname")
+            extra = dict(ssl=True, ssl_ca_certs=options.get("ca"), ssl_certfile=options.get("cert"),
+                         ssl_keyfile=options.get("key"), ssl_check_hostname=check)  # fmt: skip
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
         self.client = redis.Redis(
             host=url.host or "127.0.0.1",
             port=url.port or 6379,
             db=int(db),
-            password=options.get("password"),
+            username=username or None,
+            password=password or None,
             socket_timeout=self.timeout,
             socket_connect_timeout=self.timeout,
+            # No retries: a call is bounded by one timeout (the default retried with backoff for ~2 minutes).
+            retry=Retry(NoBackoff(), 0),
+            retry_on_error=[],
+            **extra,
         )
         self._refused = 0
+
+    def ping(self) -> None:
+        try:
+            self.client.ping()
+        except self._redis.AuthenticationError as exc:
+            raise StorageError(f"redis {self.address}: authentication failed ({exc})") from None
+        except (self._redis.ConnectionError, self._redis.TimeoutError, OSError) as exc:
+            raise StorageError(f"redis {self.address} is not reachable ({exc}); {self.server_hint}") from None
 
     def _k(self, key: str) -> bytes:
         return (self.prefix + key).encode()
@@ -112,14 +160,20 @@ class RedisStorage(StorageBackend):
             self.client.connection_pool.release(conn)
         return out
 
-    def get_objects(self, keys: Sequence[str]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def get_objects(self, keys: Sequence[str]) -> list[bytes | BaseException | None]:
+        out: list[bytes | BaseException | None] = []
         per = max(1, self.pipeline_bytes // max(1, self.page_bytes if self._pages is not None else 1))
         for start in range(0, len(keys), per):
             pipe = self.client.pipeline(transaction=False)
             for k in keys[start : start + per]:
                 pipe.get(self._k(k))
-            out += pipe.execute()
+            # A reply error (a key holding a list, a hash, ...) fails only its own key, not the batch.
+            for value in pipe.execute(raise_on_error=False):
+                if isinstance(value, self._redis.ResponseError):
+                    wrong = "WRONGTYPE" in str(value)
+                    out.append(NotAPage(f"redis value is not a hicache page ({value})") if wrong else value)
+                else:
+                    out.append(value)
         return out
 
     def raw_put_from(self, keys: Sequence[str], spans: Sequence[Span]) -> None:
@@ -144,8 +198,9 @@ class RedisStorage(StorageBackend):
             self.client.delete(*[self._k(k) for k in keys])
 
     def clear(self) -> None:
+        """Delete every key under this backend's prefix (the prefix is matched literally, never as a glob)."""
         batch = []
-        for k in self.client.scan_iter(match=self.prefix.encode() + b"*", count=1000):
+        for k in self.client.scan_iter(match=_glob_literal(self.prefix.encode()) + b"*", count=1000):
             batch.append(k)
             if len(batch) >= 1000:
                 self.client.delete(*batch)
@@ -168,6 +223,23 @@ class RedisStorage(StorageBackend):
             "keys": self.client.dbsize(),
             "refused_full": self._refused,
         }
+
+
+class RedisTLSStorage(RedisStorage):
+    """Pages as Redis strings over TLS (``rediss://``; ``?ca=``, ``?cert=``, ``?key=``)."""
+
+    scheme: ClassVar[str] = "rediss"
+    description: ClassVar[str] = "Redis/Valkey over TLS via redis-py: as redis://, on an encrypted connection"
+
+
+def _glob_literal(text: bytes) -> bytes:
+    """``text`` as a Redis glob pattern that matches only itself (``* ? [ ] \\`` escaped)."""
+    out = bytearray()
+    for byte in text:
+        if byte in b"*?[]\\":
+            out += b"\\"
+        out.append(byte)
+    return bytes(out)
 
 
 def _total(spans: Sequence[Span]) -> int:

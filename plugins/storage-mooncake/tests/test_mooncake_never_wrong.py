@@ -1,0 +1,61 @@
+"""Issue 21 for Mooncake (real mooncake_master): a missing master, close(), clear(), short objects."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from hicache_core.storage import PageStatus, StorageError, make_storage, page_hashes
+from hicache_core.testing.servers import free_port
+from hicache_core.testing.storage_kit import StorageCase, make_pool
+
+CASE = StorageCase("mha", "page_first", "plain", 4)
+
+
+def test_a_missing_master_fails_within_the_connect_timeout(capsys):
+    from mooncake_server import client_problem
+
+    if client_problem():
+        pytest.skip(client_problem())
+    t0 = time.monotonic()
+    with pytest.raises(StorageError, match="no Mooncake master answers.*mooncake_master"):
+        make_storage(f"mooncake://127.0.0.1:{free_port()}?connect_timeout=1")
+    assert time.monotonic() - t0 < 3
+    with pytest.raises(ValueError, match="connect_timeout"):
+        make_storage(f"mooncake://127.0.0.1:{free_port()}?connect_timeout=0")
+
+
+def test_close_clear_and_short_objects(mooncake_url):
+    host = make_pool(CASE, pages=16, seed=5)
+    mine = make_storage(mooncake_url, host, model_id="a/b")
+    other = make_storage(mooncake_url, host, model_id="other")
+    keys = page_hashes(list(range(16)), 4)
+    assert all(r.ok for r in mine.write_pages(keys, host.alloc(16)))
+    assert all(r.ok for r in other.write_pages(keys, host.alloc(16)))
+    full = mine.namespace.key(keys[0])
+    mine.store.remove(full, True)
+    assert mine.store.put(full, b"short") == 0
+    res = mine.read_pages(keys, host.alloc(16))
+    assert res[0].status is PageStatus.MISMATCH and "5 bytes" in res[0].detail
+    assert all(r.ok for r in res[1:])
+    mine.clear()  # this namespace only
+    assert mine.batch_exists(keys) == 0 and other.batch_exists(keys) == 4
+    other.clear()
+    mine.close()
+    with pytest.raises(StorageError, match="closed"):
+        mine.batch_exists(keys)
+    other.close()
+
+
+def test_demo_storage_says_why_a_mooncake_prefix_left_with_its_writer(mooncake_url, capfd):
+    """Item 16: process 1's pages live in its own segment and leave with it; the demo says so and how to keep them."""
+    from hicache_core.cli import main
+
+    assert main(["demo", "--storage", mooncake_url, "--device", "cpu", "--tokens", "64"]) == 1
+    out = capfd.readouterr().out
+    assert "backed up 4 pages (0 failed)" in out  # process 1 wrote the whole prefix
+    assert "found 0 of 4 pages" in out  # ... and it was gone once process 1 exited
+    assert "the load process failed (exit 1)" in out
+    assert "keeps a page in the segment of the client that stored it" in out
+    assert "mooncake_client -master_server_address=HOST:PORT" in out
