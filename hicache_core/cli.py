@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("stats", help="hicache's metrics (transfers, host pool, L3 hits and misses by reason)")
     p.add_argument("snapshots", nargs="*", help="snapshot files or folders (default $HICACHE_METRICS_DIR)")
     p.add_argument("--json", action="store_true")
-    from .explain_miss_tool import add_arguments as explain_miss_arguments
+    from .tools.explain_miss import add_arguments as explain_miss_arguments
 
     explain_miss_arguments(sub.add_parser("explain-miss", help="which pages of a prefix the store holds, and why "
                                           "the rest would miss (reason codes)"))  # fmt: skip
@@ -92,11 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "explain":
         return cmd_explain(get_registry(), args)
     if args.command == "stats":
-        from .stats_tool import run_stats as run_metrics
+        from .tools.stats import run_stats as run_metrics
 
         return run_metrics(args.snapshots, args.json)
     if args.command == "explain-miss":
-        from .explain_miss_tool import run as run_explain_miss
+        from .tools.explain_miss import run as run_explain_miss
 
         return run_explain_miss(args)
     if args.command == "storage":

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-
 #: Query options whose values are secrets: never printed (see :func:`redact_url`).
 SECRET_OPTIONS = frozenset({"password", "passwd", "pass", "token", "secret", "auth"})
 

@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..device_pools import DeclaredDevicePool
 from ..host_pool import make_host_pool
-from ..shapes import SHAPES
+from ..registry import get_registry
 from ..storage import PrefetchTimeout, StorageController, make_storage, page_hashes
 from ..storage.page_format import HEADER_SIZE
 
@@ -63,7 +66,10 @@ class Scenario:
 
 
 def host_pool(layout: str = "page_first", pages: int = 16) -> Any:
-    dev = SHAPES[SHAPE].device_pool(pages * PAGE, page_size=PAGE, device="cpu", layers=LAYERS)
+    # The pool ``--shape llama-8b --layers 2`` names on the command line (hicache_core.tools.shapes), built
+    # here from its declaration: the kit sits below the tools and resolves the kind's name itself.
+    dev = DeclaredDevicePool(get_registry().pool_kinds["mha"], pages * PAGE, PAGE, LAYERS, "cpu",
+                             dtype=torch.bfloat16, rows={"k": (8, 128), "v": (8, 128)}, extras={})  # fmt: skip
     return make_host_pool(dev, layout=layout, io_backend="auto", size=pages * PAGE)
 
 

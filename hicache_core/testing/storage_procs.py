@@ -215,7 +215,7 @@ def _late_rank(rank: int, world: int, init_file: str, *, mode: str, op_timeout: 
     ``hicache explain-miss`` can name), and each writes its outcome memory into the folder ``outcomes``.
     """
     from ..storage.controller import StorageController
-    from ..storage.url import make_storage
+    from ..storage.make import make_storage
 
     group = _init(rank, world, init_file)
     if url:

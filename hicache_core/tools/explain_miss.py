@@ -1,7 +1,7 @@
 """``hicache explain-miss URL``: which pages of a prefix the store holds, and why the rest would miss.
 
 It rebuilds, in this process, the host pool geometry the server's pages were stored under
-(``--shape`` from :data:`hicache_core.shapes.SHAPES`, ``--layers``, ``--page-size``,
+(``--shape`` from :data:`hicache_core.tools.shapes.SHAPES`, ``--layers``, ``--page-size``,
 ``--layout``: the same names as ``hicache bench --shapes`` and ``hicache demo``), binds the
 store's namespace (``--model-id``, ``--rank``, ``--tp-size``) and runs
 :func:`hicache_core.storage.explain.explain_miss`: an existence check and a verification read
@@ -28,6 +28,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..host_pool import make_host_pool
+from ..registry import get_registry
+from ..storage.explain import Outcomes, explain_miss
+from .shapes import SHAPES
+from .storage_check import _open
+
 EPILOG = """reasons from the store: in_store, not_in_store, checksum_failed, layout_mismatch, earlier_page_missing;
 in_host with --host-pages. timed_out, ranks_disagreed, host_pool_full, queue_full and cancelled (and each page's
 last_outcome: loaded, earlier_page_failed, ...) come only from the controller's memory: from the files
@@ -37,7 +43,6 @@ StorageController.explain_miss."""
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command's flags (``hicache explain-miss``)."""
-    from .shapes import SHAPES
 
     p.epilog = EPILOG
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -68,8 +73,6 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"hicache explain-miss: {exc}")
         return 2
-    from .storage.explain import explain_miss
-    from .storage.tools import _open
 
     backend = _open(args.url, pool, model_id=args.model_id, tp_rank=args.rank, tp_size=args.tp_size)
     if backend is None:
@@ -121,9 +124,6 @@ def _token_ids(args: argparse.Namespace) -> list[int]:
 
 def _pool(args: argparse.Namespace) -> Any:
     """A small CPU host pool of the server's geometry (a page's key and namespace do not depend on its size)."""
-    from .host_pool import make_host_pool
-    from .registry import get_registry
-    from .shapes import SHAPES
 
     if args.page_size < 1 or (args.layers is not None and args.layers < 1):
         raise ValueError("--page-size and --layers must be positive")
@@ -136,7 +136,6 @@ def _pool(args: argparse.Namespace) -> Any:
 
 def _outcomes(path: str | None, rank: int) -> tuple[dict[str, Any], dict[str, str]]:
     """Namespace prefix -> the merged outcome memory of ``rank`` (newest entry of a key wins), and broken notes."""
-    from .storage.explain import Outcomes
 
     source = path or os.environ.get("HICACHE_METRICS_DIR")
     if not source:

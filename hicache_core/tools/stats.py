@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from . import metrics
+from .. import metrics
 
 
 def run_stats(paths: list[str], as_json: bool = False) -> int:
