@@ -96,7 +96,9 @@ def checksum_rows(rows: torch.Tensor, layer: int, component: int, tokens_per_pag
     return per_token.view(n // t, g, GROUP_TOKENS).sum(dim=2)
 
 
-def checksum_bytes_reference(data: bytes, layer: int, component: int, row_bytes: int, tokens_per_page: int) -> list[int]:
+def checksum_bytes_reference(
+    data: bytes, layer: int, component: int, row_bytes: int, tokens_per_page: int
+) -> list[int]:
     """The definition in plain Python integers, for one page's bytes (the tests' oracle)."""
     w = row_words(row_bytes)
     s = seed(layer, component) & _MASK64

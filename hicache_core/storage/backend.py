@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .keys import Namespace, fingerprint, geometry_description
-from .page_format import HEADER_SIZE, HeaderError, address_of, checksum_runs, pack_header, unpack_header
+from .page_format import (
+    HEADER_SIZE,
+    HeaderError,
+    VersionError,
+    address_of,
+    checksum_runs,
+    pack_header,
+    unpack_header,
+)
 from .pages import PageMap, Span
 
 if TYPE_CHECKING:
@@ -295,7 +303,19 @@ class StorageBackend:
         hashes = _check_keys(keys)
         pages = self._pages_of(hashes, host_indices)
         pm = self._bound()
-        work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.page_spans(p) for p in pages[a:b]])
+        refused: dict[int, PageResult] = {}
+        if pm.verifier is not None:  # a page that failed host-tier verification never reaches the store
+            pm.verifier.collect()
+            for i, page in enumerate(pages):
+                if page in pm.verifier.quarantine:
+                    refused[i] = PageResult(hashes[i], PageStatus.CORRUPT, f"host page {page} failed host-tier "
+                                            "verification (quarantined until its slots are freed): not written")
+            if refused:
+                keep = [i for i in range(len(pages)) if i not in refused]
+                written = iter(self.write_pages([hashes[i] for i in keep], _page_slots(
+                    [pages[i] for i in keep], pm.page_size)))  # fmt: skip
+                return [refused[i] if i in refused else next(written) for i in range(len(pages))]
+        work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
                 for a, b in self._chunks(len(hashes))]  # fmt: skip
         # Two stages in flight: the next chunk's checksums are taken while the store writes this one.
         return self._pipelined(work, lambda w: (w[0], w[1], self._stage_headers(w[1], w[2])), self._stage_put)
@@ -310,7 +330,7 @@ class StorageBackend:
         hashes = _check_keys(keys)
         pages = self._pages_of(hashes, host_indices)
         pm = self._bound()
-        work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.page_spans(p) for p in pages[a:b]])
+        work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
                 for a, b in self._chunks(len(hashes))]  # fmt: skip
         # Two stages in flight: the store reads the next chunk while this one's checksums are checked.
         return self._pipelined(work, self._stage_fetch, self._stage_check, fetch_first=True)
@@ -431,8 +451,9 @@ class StorageBackend:
         values = []
         for key, spans in zip(full, payloads):
             checksum = checksum_runs([(s.ptr, s.nbytes) for s in spans])
+            words = (sum(s.nbytes for s in spans) - size) // 8  # the checksum row after the payload, if any
             header = bytearray(pack_header(payload_bytes=size, checksum=checksum, fingerprint=self._fingerprint,
-                                           key_digest=self._key_digest(key)))  # fmt: skip
+                                           key_digest=self._key_digest(key), verify_words=words))  # fmt: skip
             values.append([Span(address_of(header), HEADER_SIZE, memoryview(header)), *spans])
         return values
 
@@ -512,12 +533,13 @@ class StorageBackend:
                     results.append(_failed_read(h, ObjectMissing(key) if blob is None else blob))
                     continue
                 view = memoryview(blob).cast("B")
-                if len(view) != HEADER_SIZE + size:
-                    detail = f"object is {len(view)} bytes, a page here is {HEADER_SIZE + size}"
+                total = sum(s.nbytes for s in target)  # the payload, and the checksum row of a verifying pool
+                if len(view) != HEADER_SIZE + total:
+                    detail = f"object is {len(view)} bytes, a page here is {HEADER_SIZE + total}"
                     results.append(PageResult(h, PageStatus.MISMATCH, detail))
                     continue
                 base = address_of(view)
-                result = self._verify(h, key, view[:HEADER_SIZE], [(base + HEADER_SIZE, size)], size)
+                result = self._verify(h, key, view[:HEADER_SIZE], [(base + HEADER_SIZE, total)], size)
                 if result.ok:  # only a verified page reaches the pool
                     offset = base + HEADER_SIZE
                     for s in target:
@@ -539,6 +561,8 @@ class StorageBackend:
     def _verify(self, h: str, key: str, header_bytes: Any, runs: list[tuple[int, int]], size: int) -> PageResult:
         try:
             header = unpack_header(header_bytes)
+        except VersionError as exc:
+            return PageResult(h, PageStatus.MISMATCH, str(exc))
         except HeaderError as exc:
             return PageResult(h, PageStatus.CORRUPT, str(exc))
         if header.fingerprint != self._fingerprint:
@@ -547,6 +571,10 @@ class StorageBackend:
             return PageResult(h, PageStatus.MISMATCH, "the object carries another key")
         if header.payload_bytes != size:
             return PageResult(h, PageStatus.MISMATCH, f"payload is {header.payload_bytes} bytes, a page here is {size}")
+        words = (sum(n for _, n in runs) - size) // 8
+        if header.verify_words != words:
+            return PageResult(h, PageStatus.MISMATCH, f"stored with {header.verify_words} host-tier verification "
+                              f"words, a page here has {words} (written by a pool with verify set differently)")
         if checksum_runs(runs) != header.checksum:
             return PageResult(h, PageStatus.CORRUPT, "payload checksum mismatch")
         return PageResult(h, PageStatus.OK)
@@ -554,6 +582,12 @@ class StorageBackend:
     def __repr__(self) -> str:
         bound = f" namespace={self.namespace.prefix}" if self.namespace else " (unbound)"
         return f"<{type(self).__name__} {self.url.raw}{bound}>"
+
+
+def _page_slots(pages: list[int], page_size: int) -> torch.Tensor:
+    if not pages:
+        return torch.empty(0, dtype=torch.int64)
+    return (torch.tensor(pages, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
 
 
 def _check_keys(keys: Sequence[str]) -> list[str]:
