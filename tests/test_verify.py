@@ -275,3 +275,71 @@ def test_pages_of_another_format_version_or_verify_setting_read_as_mismatch():
     store.put_objects([key], [[Span(address_of(blob), len(blob), memoryview(blob))]])
     old = store.read_pages(["x"], host.alloc(4))[0]
     assert old.status is PageStatus.MISMATCH and "version 1" in old.detail
+
+
+def _rewrite(store, key: str, mutate) -> None:
+    """Replace a stored object by a mutated copy of its bytes (a store that damaged it)."""
+    from hicache_core.storage.page_format import address_of
+    from hicache_core.storage.pages import Span
+
+    blob = bytearray(store.get_objects([key])[0])
+    mutate(blob)
+    store.remove_objects([key])
+    assert store.put_objects([key], [[Span(address_of(blob), len(blob), memoryview(blob))]]) == [None]
+
+
+def test_device_checked_pages_hash_only_the_row_on_the_host_and_are_caught_on_the_device():
+    dp, host = _pool("mla", "page_first")
+    p = host.page_size
+    slots, dev = host.alloc(2 * p), torch.arange(p, 3 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    store = _stored(host, "c")
+    store.clear()
+    assert all(r.ok for r in store.write_pages(["a", "b"], slots))
+    ka, kb = store.namespace.keys(["a", "b"])
+    blob = store.get_objects([ka])[0]
+    assert struct.unpack_from("<HH", blob, 8) == (2, host.verifier.table[0].numel())  # device-checked, row words
+    _rewrite(store, ka, lambda b: b.__setitem__(HEADER_SIZE + 100, b[HEADER_SIZE + 100] ^ 1))  # payload byte
+    row_at = HEADER_SIZE + store.page_bytes + 3
+    _rewrite(store, kb, lambda b: b.__setitem__(row_at, b[row_at] ^ 1))  # checksum-row byte
+    back = host.alloc(2 * p)
+    ra, rb = store.read_pages(["a", "b"], back)
+    assert ra.ok  # the payload is not hashed on the host ...
+    assert rb.status is PageStatus.CORRUPT and "checksum" in rb.detail  # ... the row is
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dp, back[:p], dev[:p], layer, "auto")
+    with pytest.raises(PageVerificationError) as info:  # ... and the device catches the payload
+        host.check_verified()
+    assert info.value.pages == [int(back[0]) // p]
+
+
+def test_l3_host_check_hashes_the_payload_on_the_host_too(monkeypatch):
+    monkeypatch.setenv("HICACHE_L3_HOST_CHECK", "1")
+    dp, host = _pool("mha", "page_first")
+    slots = host.alloc(4)
+    host.backup_from_device_all_layer(dp, slots, torch.arange(4, 8), "auto")
+    store = _stored(host, "d")
+    store.clear()
+    assert store.write_pages(["a"], slots)[0].ok
+    (key,) = store.namespace.keys(["a"])
+    assert struct.unpack_from("<H", store.get_objects([key])[0], 8) == (1,)
+    _rewrite(store, key, lambda b: b.__setitem__(HEADER_SIZE + 5, b[HEADER_SIZE + 5] ^ 1))
+    got = store.read_pages(["a"], host.alloc(4))[0]
+    assert got.status is PageStatus.CORRUPT and "payload checksum" in got.detail
+
+
+def test_parallel_page_checksums_equal_serial_ones(monkeypatch):
+    from hicache_core.storage.backend import parallel_checksums
+    from hicache_core.storage.page_format import address_of, checksum_runs, pack_header
+
+    bufs = [bytearray(os.urandom(4096 + i)) for i in range(9)]
+    runs = [[(address_of(b), 1000), (address_of(b) + 1000, len(b) - 1000)] for b in bufs] + [[]]
+    want = [checksum_runs(r) for r in runs[:-1]] + [0]
+    assert parallel_checksums(runs) == want
+    monkeypatch.setenv("HICACHE_L3_HASH_THREADS", "1")
+    assert parallel_checksums(runs) == want
+    monkeypatch.setenv("HICACHE_L3_HASH_THREADS", "zero")
+    with pytest.raises(ValueError, match="HICACHE_L3_HASH_THREADS"):
+        parallel_checksums(runs)
+    with pytest.raises(ValueError, match="checksum row"):
+        pack_header(payload_bytes=1, checksum=0, fingerprint=bytes(16), key_digest=bytes(32), algorithm=2)

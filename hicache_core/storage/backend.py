@@ -23,12 +23,15 @@ import torch
 
 from .keys import Namespace, fingerprint, geometry_description
 from .page_format import (
+    CHECKSUM_DEVICE,
+    CHECKSUM_XXH3_64,
     HEADER_SIZE,
     HeaderError,
     VersionError,
     address_of,
     checksum_runs,
     pack_header,
+    stored_algorithm,
     unpack_header,
 )
 from .pages import PageMap, Span
@@ -453,11 +456,15 @@ class StorageBackend:
     def _stage_headers(self, full: list[str], payloads: list[list[Span]]) -> list[list[Span]]:
         size = self._bound().page_bytes
         values = []
-        digests = parallel_checksums([[(s.ptr, s.nbytes) for s in spans] for spans in payloads])
-        for key, spans, checksum in zip(full, payloads, digests):
+        device_checked = self._device_checked()
+        hashed = [_hashed_runs(spans, size, device_checked) for spans in payloads]
+        digests = parallel_checksums(hashed)
+        for key, spans, checksum, runs in zip(full, payloads, digests, hashed):
             words = (sum(s.nbytes for s in spans) - size) // 8  # the checksum row after the payload, if any
+            algorithm = CHECKSUM_DEVICE if words and len(runs) == 1 and device_checked else CHECKSUM_XXH3_64
             header = bytearray(pack_header(payload_bytes=size, checksum=checksum, fingerprint=self._fingerprint,
-                                           key_digest=self._key_digest(key), verify_words=words))  # fmt: skip
+                                           key_digest=self._key_digest(key), verify_words=words,
+                                           algorithm=algorithm))  # fmt: skip
             values.append([Span(address_of(header), HEADER_SIZE, memoryview(header)), *spans])
         return values
 
@@ -526,7 +533,11 @@ class StorageBackend:
         results = []
         if self.capabilities.zero_copy:
             arrived = [[(s.ptr, s.nbytes) for s in t] if e is None else [] for t, e in zip(targets, outcome)]
-            digests = parallel_checksums(arrived)
+            # A device-checked page (algorithm 2) is hashed here only in its checksum row: its payload is
+            # checked on the device after load, against that row.
+            digests = parallel_checksums([
+                r[-1:] if r and stored_algorithm(hd) == CHECKSUM_DEVICE else r for r, hd in zip(arrived, headers)
+            ])  # fmt: skip
             for h, key, header, runs, err, digest in zip(hashes, full, headers, arrived, outcome, digests):
                 if err is not None:
                     results.append(_failed_read(h, err))
@@ -544,7 +555,11 @@ class StorageBackend:
                     results.append(PageResult(h, PageStatus.MISMATCH, detail))
                     continue
                 base = address_of(view)
-                result = self._verify(h, key, view[:HEADER_SIZE], [(base + HEADER_SIZE, total)], size)
+                runs = [(base + HEADER_SIZE, total)]
+                digest = None
+                if stored_algorithm(view[:HEADER_SIZE]) == CHECKSUM_DEVICE and total > size:
+                    digest = checksum_runs([(base + HEADER_SIZE + size, total - size)])
+                result = self._verify(h, key, view[:HEADER_SIZE], runs, size, digest)
                 if result.ok:  # only a verified page reaches the pool
                     offset = base + HEADER_SIZE
                     for s in target:
@@ -562,6 +577,12 @@ class StorageBackend:
                     counter = _READ_COUNTER.get(r.status, "read_failed")
                     setattr(self._stats, counter, getattr(self._stats, counter) + 1)
         return results
+
+    def _device_checked(self) -> bool:
+        """Whether pages are written device-checked (algorithm 2): the pool verifies, and no host check was asked."""
+        import os
+
+        return self._bound().verifier is not None and os.environ.get("HICACHE_L3_HOST_CHECK", "") in ("", "0")
 
     def _verify(self, h: str, key: str, header_bytes: Any, runs: list[tuple[int, int]], size: int,
                 digest: int | None = None) -> PageResult:  # fmt: skip
@@ -585,6 +606,8 @@ class StorageBackend:
                 f"stored with {header.verify_words} host-tier verification "
                 f"words, a page here has {words} (written by a pool with verify set differently)",
             )
+        if header.checksum_algorithm == CHECKSUM_DEVICE and digest is None:
+            digest = checksum_runs(_row_of(runs, size))
         if (checksum_runs(runs) if digest is None else digest) != header.checksum:
             return PageResult(h, PageStatus.CORRUPT, "payload checksum mismatch")
         return PageResult(h, PageStatus.OK)
@@ -592,6 +615,26 @@ class StorageBackend:
     def __repr__(self) -> str:
         bound = f" namespace={self.namespace.prefix}" if self.namespace else " (unbound)"
         return f"<{type(self).__name__} {self.url.raw}{bound}>"
+
+
+def _hashed_runs(spans: list[Span], size: int, device_checked: bool) -> list[tuple[int, int]]:
+    """What the store's checksum covers: payload and checksum row, or only the row of a device-checked page."""
+    runs = [(s.ptr, s.nbytes) for s in spans]
+    if device_checked and sum(n for _, n in runs) > size:
+        return runs[-1:]  # the row is the last span (PageMap.object_spans)
+    return runs
+
+
+def _row_of(runs: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The bytes after the first ``size`` bytes of ``runs`` (the checksum row after the payload)."""
+    out, skip = [], size
+    for ptr, n in runs:
+        if skip >= n:
+            skip -= n
+            continue
+        out.append((ptr + skip, n - skip))
+        skip = 0
+    return out
 
 
 _HASHERS: Any = None

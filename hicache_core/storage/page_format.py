@@ -7,7 +7,8 @@ hand back the bytes that were put under a key::
          0    4 magic b"HICP"
          4    2 format version (2)
          6    2 header size (80; a backend may pad, e.g. to 4096 for O_DIRECT, and say so here)
-         8    2 checksum algorithm (1 = XXH3-64, seed 0)
+         8    2 checksum algorithm (1 = XXH3-64, seed 0, of the payload and checksum row;
+                  2 = XXH3-64 of the checksum row only: the payload is checked on the device)
         10    2 verification words after the payload (0, or the pool's checksum table row)
         12    8 payload bytes
         20    8 payload checksum
@@ -20,7 +21,10 @@ All integers little-endian. The payload is the page in the host pool's flat orde
 A pool with host-tier verification (:mod:`hicache_core.verify`) stores after the payload its
 checksum table row for the page (the checksums taken on the device at backup, int64 each), and
 the payload checksum covers payload and row, so a prefetched page is checked on the device
-against the checksums of its original backup. Version 1 (no such field) reads as a mismatch.
+against the checksums of its original backup. Such a pool writes algorithm 2 by default: the host
+hashes only the row, and the payload is verified where it is used, on the device after each load
+(``HICACHE_L3_HOST_CHECK=1`` writes algorithm 1, hashed on the host as well). Version 1 (no such
+field) reads as a mismatch.
 
 XXH3-64 is the payload checksum because it is the one fast enough to sit on the
 I/O path: measured here (2-core AMD EPYC VM) at 15-19 GB/s on a cache-resident 4.5 MB page
@@ -43,6 +47,8 @@ MAGIC = b"HICP"
 FORMAT_VERSION = 2
 HEADER_SIZE = 80
 CHECKSUM_XXH3_64 = 1
+CHECKSUM_DEVICE = 2
+ALGORITHMS = (CHECKSUM_XXH3_64, CHECKSUM_DEVICE)
 _BODY = struct.Struct("<4sHHHHQQ16s32s")  # 76 bytes, then the CRC-32
 assert _BODY.size == HEADER_SIZE - 4
 
@@ -70,15 +76,28 @@ class VersionError(HeaderError):
 
 
 def pack_header(
-    *, payload_bytes: int, checksum: int, fingerprint: bytes, key_digest: bytes, header_size: int = HEADER_SIZE,
+    *,
+    payload_bytes: int,
+    checksum: int,
+    fingerprint: bytes,
+    key_digest: bytes,
+    header_size: int = HEADER_SIZE,
     verify_words: int = 0,
+    algorithm: int = CHECKSUM_XXH3_64,
 ) -> bytes:
     """The 80 header bytes (callers pad to ``header_size`` themselves)."""
+    if algorithm not in ALGORITHMS or (algorithm == CHECKSUM_DEVICE and not verify_words):
+        raise ValueError(f"checksum algorithm {algorithm} (device-checked pages need a checksum row)")
     body = _BODY.pack(
-        MAGIC, FORMAT_VERSION, header_size, CHECKSUM_XXH3_64, verify_words, payload_bytes, checksum, fingerprint,
+        MAGIC, FORMAT_VERSION, header_size, algorithm, verify_words, payload_bytes, checksum, fingerprint,
         key_digest,
     )  # fmt: skip
     return body + struct.pack("<I", zlib.crc32(body))
+
+
+def stored_algorithm(header: bytes | bytearray | memoryview) -> int:
+    """The checksum algorithm field of header bytes, unchecked (to know what to hash before the header is checked)."""
+    return struct.unpack_from("<H", header, 8)[0] if len(header) >= 10 else 0
 
 
 def unpack_header(data: bytes | bytearray | memoryview) -> PageHeader:
@@ -95,7 +114,7 @@ def unpack_header(data: bytes | bytearray | memoryview) -> PageHeader:
         raise HeaderError("header CRC mismatch (the header itself is corrupted)")
     if version != FORMAT_VERSION:
         raise VersionError(f"page format version {version}, this hicache reads version {FORMAT_VERSION}")
-    if algo != CHECKSUM_XXH3_64:
+    if algo not in ALGORITHMS or (algo == CHECKSUM_DEVICE and not words):
         raise HeaderError(f"unknown checksum algorithm {algo}")
     if size < HEADER_SIZE:
         raise HeaderError(f"header size {size} < {HEADER_SIZE}")
