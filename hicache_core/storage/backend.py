@@ -416,7 +416,10 @@ class StorageBackend:
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         """Batches of at most STORAGE_BATCH_SIZE pages and io_chunk_bytes of payload (at least one page)."""
-        per = max(1, min(STORAGE_BATCH_SIZE, self.io_chunk_bytes // max(1, self._bound().page_bytes)))
+        if self._device_checked():  # no payload hashed on the host: nothing to keep cache-hot, one call per batch
+            per = STORAGE_BATCH_SIZE
+        else:
+            per = max(1, min(STORAGE_BATCH_SIZE, self.io_chunk_bytes // max(1, self._bound().page_bytes)))
         return [(start, min(n, start + per)) for start in range(0, n, per)]
 
     def _key_digest(self, full_key: str) -> bytes:
