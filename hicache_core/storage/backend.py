@@ -416,7 +416,8 @@ class StorageBackend:
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         """Batches of at most STORAGE_BATCH_SIZE pages and io_chunk_bytes of payload (at least one page)."""
-        if self._device_checked():  # no payload hashed on the host: nothing to keep cache-hot, one call per batch
+        if self._device_checked() and self.capabilities.zero_copy:
+            # No payload is hashed or copied on the host: nothing to overlap or keep cache-hot, one call per batch.
             per = STORAGE_BATCH_SIZE
         else:
             per = max(1, min(STORAGE_BATCH_SIZE, self.io_chunk_bytes // max(1, self._bound().page_bytes)))
