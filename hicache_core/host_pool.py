@@ -336,6 +336,16 @@ class HostPool(PageAccess):
         self._alive()
         return self.verifier.take_failed() if self.verifier is not None else torch.empty(0, dtype=torch.int64)
 
+    def verify_stats(self) -> dict[str, int]:
+        """Host-tier verification counters (for metrics): pages and calls that failed, pages quarantined now."""
+        self._alive()
+        v = self.verifier
+        if v is None:
+            return {"verify": 0, "failed_pages": 0, "failed_calls": 0, "quarantined_pages": 0}
+        v.collect()
+        return {"verify": 1, "failed_pages": v.failed_pages_total, "failed_calls": v.failed_calls_total,
+                "quarantined_pages": len(v.quarantine)}  # fmt: skip
+
     def quarantined_pages(self) -> set[int]:
         """Host pages that failed verification and whose slots were not freed yet (a copy)."""
         self._alive()

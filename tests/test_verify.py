@@ -140,6 +140,7 @@ def test_a_byte_flipped_in_host_memory_is_caught_naming_pages_layer_and_call(kin
     text = str(err)
     assert f"host pages [{bad_page}]" in text and "layer_id 1" in text and "load_to_device_per_layer" in text
     assert host.quarantined_pages() == {bad_page}
+    assert host.verify_stats() == {"verify": 1, "failed_pages": 1, "failed_calls": 1, "quarantined_pages": 1}
     assert torch.equal(host.take_failed_pages(), err.host_indices)
     assert host.take_failed_pages().numel() == 0  # taken once
     host.load_to_device_per_layer(dp, slots, dev, 2, "auto")  # reported once; the pool goes on
