@@ -159,6 +159,9 @@ class PageVerifier:
         from .page_checksum_kernel import ENTRY_COLUMNS
 
         self._anchor = self.components[0][0]
+        self._device_index = self.device.index if self.device.index is not None else -1
+        if self.cuda and self.device.index is None:
+            self._device_index = torch.cuda.current_device()
         base = self._anchor.data_ptr()
         self._base = base
 
@@ -192,6 +195,9 @@ class PageVerifier:
         d = self._move(didx, self.device)
         pages = h.numel() // self.tokens
         base = self._base
+        if self.cuda and torch._C._cuda_getDevice() != self._device_index:  # Triton launches on the current device
+            with torch.cuda.device(self._device_index):
+                return self._launch(hidx, didx, layer, seq, check)
         launch(self._anchor, entries.data_ptr() - base, h.data_ptr() - base, d.data_ptr() - base, self._table_off,
                self._flag_off, self._failed_off, seq, self.num_pages, self.columns, pages, entries.shape[0],
                self.groups, self.tokens, self._group_tile, self._block_w, check)  # fmt: skip
