@@ -100,6 +100,7 @@ def test_clean_round_trips_raise_nothing_and_checksums_match_the_oracle(kind, la
     slots = host.alloc(3 * p)
     dev = torch.arange(p, 4 * p)
     host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
     tokens = 1 if host.geometry.items_are_pages else p
     for comp, geometry_comp in enumerate(host.geometry.components):
         row = getattr(dp, geometry_comp.attr)[0]
@@ -114,7 +115,14 @@ def test_clean_round_trips_raise_nothing_and_checksums_match_the_oracle(kind, la
     assert host.verifier.failed_pages_total == 0 and host.take_failed_pages().numel() == 0
 
 
+def _sync() -> None:
+    """Wait for the device (on CUDA the backups and their checksums land in pinned memory later)."""
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+
+
 def _flip_host_byte(host, page: int, layer: int, part: int = 0, at: int = 3) -> None:
+    _sync()
     view = host.plan.parts[part].host_layer_view(layer)[page]  # a strided view into the host buffer
     t, h, b = at % view.shape[0], at % view.shape[1], (at * 7) % view.shape[2]
     view[t, h, b] ^= 0x10
@@ -155,6 +163,7 @@ def test_check_verified_raises_at_once_and_swapped_pages_are_caught():
     slots = host.alloc(2 * p)
     dev = torch.arange(p, 3 * p)
     host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
     a, b = (int(x) // p for x in slots[::p])
     views_a, views_b = host._page_views(a), host._page_views(b)
     for va, vb in zip(views_a, views_b):  # the two host pages' bytes exchanged (a transfer that misplaced them)
@@ -187,6 +196,7 @@ def test_a_flat_page_set_by_the_server_gets_its_checksums_from_its_bytes():
     dp, host = _pool("mla", "page_first_kv_split")
     slots, dev = host.alloc(4), torch.arange(4, 8)
     host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
     page = host.get_data_page(int(slots[0]))
     other = host.alloc(4)
     host.set_from_flat_data_page(int(other[0]), page)
@@ -229,6 +239,7 @@ def test_a_failed_page_is_never_written_and_checksums_come_back_from_the_store()
     _flip_host_byte(host, bad_page, layer=0)
     host.load_to_device_per_layer(dp, slots, dev, 0, "auto")
     keys = ["k0", "k1", "k2"]
+    _sync()  # the device's report has landed (a server's L3 write waits for the backup's event likewise)
     results = store.write_pages(keys, slots)  # the failure is collected here, without a sync or a raise
     assert [r.status for r in results] == [PageStatus.OK, PageStatus.OK, PageStatus.CORRUPT]
     assert "failed host-tier verification" in results[2].detail
@@ -257,6 +268,7 @@ def test_pages_of_another_format_version_or_verify_setting_read_as_mismatch():
     plain = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=False)
     slots = host.alloc(4)
     host.backup_from_device_all_layer(dp, slots, torch.arange(4, 8), "auto")
+    _sync()
     store, other = _stored(host, "b"), _stored(plain, "b")
     store.clear()
     assert store.write_pages(["x"], slots)[0].ok
@@ -294,6 +306,7 @@ def test_device_checked_pages_hash_only_the_row_on_the_host_and_are_caught_on_th
     p = host.page_size
     slots, dev = host.alloc(2 * p), torch.arange(p, 3 * p)
     host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
     store = _stored(host, "c")
     store.clear()
     assert all(r.ok for r in store.write_pages(["a", "b"], slots))
@@ -319,6 +332,7 @@ def test_l3_host_check_hashes_the_payload_on_the_host_too(monkeypatch):
     dp, host = _pool("mha", "page_first")
     slots = host.alloc(4)
     host.backup_from_device_all_layer(dp, slots, torch.arange(4, 8), "auto")
+    _sync()
     store = _stored(host, "d")
     store.clear()
     assert store.write_pages(["a"], slots)[0].ok
