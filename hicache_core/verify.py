@@ -243,9 +243,11 @@ class PageVerifier:
         return bool(self._flag.value) or self._pending is not None
 
     def collect(self) -> None:
-        """Move failures the device reported into the quarantine and a pending error (no raise, no sync)."""
-        if not self._flag.value:
-            return
+        """Move failures the device reported into the quarantine and a pending error (no raise, no sync).
+
+        The pages' slots are scanned even when the word is clear: a kernel still running may have set the
+        word before it was cleared here and a page's slot after an earlier scan (two stores, in no set order).
+        """
         self._flag.value = 0
         failed = self._failed.clone()
         pages = torch.nonzero(failed).reshape(-1)
