@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -138,6 +139,8 @@ class PageVerifier:
         self._describe = describe
         self._move = move
         self._pending: PageVerificationError | None = None
+        # The L3 worker collects (before a write) while the server's thread may raise: one at a time.
+        self._lock = threading.RLock()
         #: Host pages that failed, held until their slots are freed (never written to L3 meanwhile).
         self.quarantine: set[int] = set()
         self._untaken: set[int] = set()
@@ -248,6 +251,10 @@ class PageVerifier:
         The pages' slots are scanned even when the word is clear: a kernel still running may have set the
         word before it was cleared here and a page's slot after an earlier scan (two stores, in no set order).
         """
+        with self._lock:
+            self._collect()
+
+    def _collect(self) -> None:
         self._flag.value = 0
         failed = self._failed.clone()
         pages = torch.nonzero(failed).reshape(-1)
@@ -287,16 +294,18 @@ class PageVerifier:
 
     def raise_if_failed(self) -> None:
         """Raise :class:`PageVerificationError` for failures reported since the last raise."""
-        self.collect()
-        pending, self._pending = self._pending, None
+        with self._lock:
+            self._collect()
+            pending, self._pending = self._pending, None
         if pending is not None:
             raise pending
 
     def take_failed(self) -> torch.Tensor:
         """Token slots of the pages that failed and were not taken yet (whole pages, int64); marks them taken."""
-        self.collect()
-        pages = sorted(self._untaken)
-        self._untaken.clear()
+        with self._lock:
+            self._collect()
+            pages = sorted(self._untaken)
+            self._untaken.clear()
         return self.slots_of(pages)
 
     def release(self, slots: torch.Tensor) -> None:
@@ -304,8 +313,9 @@ class PageVerifier:
         if not self.quarantine:
             return
         pages = set((slots.to("cpu", torch.int64).reshape(-1)[:: self.page_size] // self.page_size).tolist())
-        self.quarantine -= pages
-        self._untaken -= pages
+        with self._lock:
+            self.quarantine -= pages
+            self._untaken -= pages
 
     def slots_of(self, pages: list[int]) -> torch.Tensor:
         if not pages:
