@@ -358,3 +358,38 @@ def test_parallel_page_checksums_equal_serial_ones(monkeypatch):
         parallel_checksums(runs)
     with pytest.raises(ValueError, match="checksum row"):
         pack_header(payload_bytes=1, checksum=0, fingerprint=bytes(16), key_digest=bytes(32), algorithm=2)
+
+
+def _registered_cases():
+    from hicache_core.registry import get_registry
+
+    reg = get_registry()
+    return [(k, lay, v) for k in reg.pool_kinds for lay in reg.layouts for v in ("plain", "sharded", "draft")]
+
+
+@pytest.mark.parametrize("kind,layout,variant", _registered_cases())
+def test_every_registered_kind_layout_and_variant_round_trips_and_catches_a_flip(kind, layout, variant):
+    from hicache_core.testing import cases as C
+
+    dp, drafts = C.build_device_pools(kind, variant, 4, DEVICE)
+    try:
+        host = hc.make_host_pool(dp, layout=layout, io_backend="auto", verify=True, draft_pools=drafts)
+    except (hc.UnsupportedCombinationError, ValueError) as exc:
+        pytest.skip(f"not served: {str(exc).splitlines()[0]}")
+    fill_random(list(C.device_tensors(dp, drafts).values()), seed=9)
+    p = host.page_size
+    slots, dev = host.alloc(2 * p), torch.arange(p, 3 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    calls = [(dp, layer, False) for layer in range(dp.start_layer, dp.end_layer)]
+    calls += [(d, dp.layer_num + i, True) for i, d in enumerate(drafts)]
+    for pool, layer, draft in calls:
+        host.load_to_device_per_layer(pool, slots, dev, layer, "auto", is_draft=draft)
+    host.check_verified()
+    bad = int(slots[p]) // p
+    last = host.layer_num - 1  # the last host layer: the draft layer where there is one
+    _flip_host_byte(host, bad, layer=last, part=len(host.plan.parts) - 1)
+    pool, layer, draft = calls[-1]
+    host.load_to_device_per_layer(pool, slots, dev, layer, "auto", is_draft=draft)
+    with pytest.raises(PageVerificationError) as info:
+        host.check_verified()
+    assert info.value.pages == [bad] and info.value.layer_ids == [layer]
