@@ -393,3 +393,20 @@ def test_every_registered_kind_layout_and_variant_round_trips_and_catches_a_flip
     with pytest.raises(PageVerificationError) as info:
         host.check_verified()
     assert info.value.pages == [bad] and info.value.layer_ids == [layer]
+
+
+def test_the_flat_page_path_reads_pages_with_and_without_a_checksum_row():
+    dp, host = _pool("mha", "layer_first")
+    slots = host.alloc(8)
+    host.backup_from_device_all_layer(dp, slots, torch.arange(4, 12), "auto")
+    _sync()
+    store = _stored(host, "e")
+    store.clear()
+    assert store.write_pages(["a"], slots[:4])[0].ok  # with its checksum row
+    flat = store.get("a")
+    assert flat is not None and torch.equal(flat, host.get_data_page(int(slots[0])))
+    assert store.set("b", host.get_data_page(int(slots[4])))  # a flat page: no row
+    again = store.get("b")
+    assert again is not None and torch.equal(again, host.get_data_page(int(slots[4])))
+    got = store.read_pages(["b"], host.alloc(4))[0]  # a verifying pool cannot check a page without its row
+    assert got.status is PageStatus.MISMATCH and "verification words" in got.detail

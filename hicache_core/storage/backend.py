@@ -362,7 +362,17 @@ class StorageBackend:
         target = target_location if target_location is not None else self.host_pool.get_dummy_flat_data_page()
         flat = _flat_bytes(target, pages.page_bytes)
         span = Span(flat.data_ptr(), pages.page_bytes, memoryview(flat.numpy()).cast("B"))
-        result = self._get([h], [self.namespace.key(h)], [[span]])[0]
+        full = self.namespace.key(h)
+        if pages.trailer_bytes:
+            # A verifying pool's pages carry their checksum row; a flat page has no place for it (the caller's
+            # set_from_flat_data_page takes the checksums from the bytes): read it into scratch. A page stored
+            # by set() has none: read again without.
+            scratch = bytearray(pages.trailer_bytes)
+            result = self._get([h], [full], [[span, Span(address_of(scratch), len(scratch), memoryview(scratch))]])[0]
+            if result.status is PageStatus.MISMATCH:
+                result = self._get([h], [full], [[span]])[0]
+        else:
+            result = self._get([h], [full], [[span]])[0]
         return target if result.ok else None
 
     def batch_set(self, keys: Sequence[str], values: Sequence[torch.Tensor] | None = None, **_: Any) -> bool:
