@@ -100,8 +100,8 @@ class PageVerifier:
                 self.words.append(row_words(layers[0].shape[1]))
             except ValueError as exc:
                 raise ValueError(
-                    f"verify=True cannot verify pool kind {geometry.kind!r}: component {comp.name!r} has {exc} "
-                    "(the page checksum reads 32-bit words)"
+                    f"verify=True cannot verify pool kind {geometry.kind!r}: in component {comp.name!r}, {exc} "
+                    "(the page checksum reads 32-bit words); pass verify=False for this pool"
                 ) from None
         self.groups = groups_per_page(self.tokens)
         self.columns = self.num_layers * len(self.components) * self.groups
