@@ -60,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "(default: $HICACHE_BENCH_ANCHOR, else sgl_kernel.kvcacheio; skipped where it does not import)")
     p.add_argument("--storage", metavar="URL", help="benchmark L3 backup and prefetch through this store instead")
     p.add_argument("--storage-tokens", default="4096,32768", help="prefix lengths for --storage (tokens)")
+    p.add_argument("--storage-verify", action="store_true",
+                   help="--storage with a verifying host pool (its L3 pages are checked on the device after load)")
 
     p = sub.add_parser("calibrate", help="measure the implementations on this GPU and write the profile auto uses")
     p.add_argument("--shapes", default="llama-8b,deepseek-mla", help="comma-separated shape names")
@@ -110,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench" and args.storage:
         from .tools.bench.storage import run_storage_bench
 
-        return run_storage_bench(args.storage, out=args.out, tokens=[int(t) for t in args.storage_tokens.split(",")])
+        return run_storage_bench(args.storage, out=args.out, tokens=[int(t) for t in args.storage_tokens.split(",")],
+                                 verify=args.storage_verify)
     if args.command == "demo":
         from .tools.demo import run_demo
 

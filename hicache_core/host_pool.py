@@ -33,6 +33,7 @@ from .plan import TransferPlan
 from .pool_kinds import PoolKind
 from .registry import Registry, get_registry
 from .validation import positive_int, strict_int
+from .verify import PageVerifier, verify_default
 
 ENV_VALIDATE = "HICACHE_VALIDATE"
 DEFAULT_HOST_TO_DEVICE_RATIO = 2.0
@@ -51,6 +52,7 @@ def make_host_pool(
     operations: Iterable[str] | None = None,
     implementation: str | Mapping[str, str] | None = None,
     validate: bool | None = None,
+    verify: bool | None = None,
     registry: Registry | None = None,
 ) -> HostPool:
     """Build a host pool mirroring ``device_pool`` and resolve its transfers.
@@ -66,6 +68,9 @@ def make_host_pool(
         all-layer backup, plus per-layer backup for layer-sharded pools.
     :param implementation: force one implementation by name (or a mapping operation -> name).
     :param validate: check index bounds and page structure on every call (default: ``HICACHE_VALIDATE``).
+    :param verify: host-tier verification (:mod:`hicache_core.verify`): checksums taken on the device at
+        backup and checked on the device after every load (default: ``HICACHE_VERIFY``; ``HICACHE_VALIDATE``
+        does not imply it). A pool it cannot verify is refused here.
     :raises UnsupportedCombinationError: no installed implementation claims an operation.
     :raises ValueError, TypeError: an argument that would otherwise be coerced silently.
     """
@@ -136,9 +141,16 @@ def make_host_pool(
     plan = TransferPlan(geometry, spec, buffers, device_layers, DropReport(pinned))
     if validate is None:
         validate = os.environ.get(ENV_VALIDATE, "") not in ("", "0")
-    return HostPool(
+    if verify is None:
+        verify = verify_default()
+    elif not isinstance(verify, bool):
+        raise TypeError(f"verify must be True, False or None (HICACHE_VERIFY), got {verify!r}")
+    pool = HostPool(
         device_pool, tuple(draft_pools), geometry, spec, plan, resolved, deferred, io_backend, bool(validate), registry
     )
+    if verify:
+        pool._enable_verify()
+    return pool
 
 
 def geometry_of(
@@ -278,6 +290,28 @@ class HostPool(PageAccess):
         host_bytes = sum(t.numel() * t.element_size() for t in plan.host_buffers.values())
         self._layer_page_bytes = host_bytes // max(1, spec.num_pages) // max(1, self.layer_num)
         _metrics.track_host_pool(self)
+        #: Host-tier verification (:mod:`hicache_core.verify`), or ``None`` when the pool does not verify.
+        self.verifier: PageVerifier | None = None
+        self.verify = False
+
+    def _enable_verify(self) -> None:
+        try:
+            self.verifier = PageVerifier(self.plan, self.page_size, self._drops._call, self._verify_indices)
+        except ValueError as exc:
+            raise ValueError(f"host pool ({self.geometry.kind}, layout {self.layout}): {exc}") from None
+        self.verify = True
+
+    def _verify_indices(self, indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Indices as int64 on the pool's device for the checksum kernel: once per index tensor, never a sync."""
+        key = ("verify", device)
+        hit = self._cache.lookup(indices, key)
+        if hit is not None:
+            return hit
+        if device.type != "cuda":
+            return self._cache.store(indices, key, indices.to(device, torch.int64).contiguous())
+        # Pageable memory would make the copy wait for the stream: stage it in pinned memory first.
+        src = indices if indices.is_cuda or indices.is_pinned() else indices.to(torch.int64).pin_memory()
+        return self._cache.store(indices, key, src.to(device, torch.int64, non_blocking=True))
 
     def _alias_view(self, alias) -> torch.Tensor:
         buffer = getattr(self, alias.buffer)
@@ -308,6 +342,47 @@ class HostPool(PageAccess):
             torch.cuda.synchronize(self.plan.device)
         self._drops.raise_if_dropped()
 
+    def check_verified(self, synchronize: bool = True) -> None:
+        """Raise :class:`~hicache_core.verify.PageVerificationError` if a load's pages failed their checksums.
+
+        Every transfer call checks this itself, without waiting for the GPU; this waits for the
+        device first (``synchronize=True``). A pool made without ``verify`` has nothing to report.
+        """
+        self._alive()
+        if self.verifier is None:
+            return
+        if synchronize and self.plan.device.type == "cuda":
+            torch.cuda.synchronize(self.plan.device)
+        self.verifier.raise_if_failed()
+
+    def take_failed_pages(self) -> torch.Tensor:
+        """Token slots (whole pages, int64) of host pages that failed verification and were not taken yet.
+
+        For the server's radix tree: evict the nodes holding them and free the slots (freeing lifts their
+        quarantine; until then the storage controller never writes them to L3). Reads what the device
+        reported so far without waiting for it; empty for a pool that does not verify.
+        """
+        self._alive()
+        return self.verifier.take_failed() if self.verifier is not None else torch.empty(0, dtype=torch.int64)
+
+    def verify_stats(self) -> dict[str, int]:
+        """Host-tier verification counters (for metrics): pages and calls that failed, pages quarantined now."""
+        self._alive()
+        v = self.verifier
+        if v is None:
+            return {"verify": 0, "failed_pages": 0, "failed_calls": 0, "quarantined_pages": 0}
+        v.collect()
+        return {"verify": 1, "failed_pages": v.failed_pages_total, "failed_calls": v.failed_calls_total,
+                "quarantined_pages": len(v.quarantine)}  # fmt: skip
+
+    def quarantined_pages(self) -> set[int]:
+        """Host pages that failed verification and whose slots were not freed yet (a copy)."""
+        self._alive()
+        if self.verifier is None:
+            return set()
+        self.verifier.collect()
+        return set(self.verifier.quarantine)
+
     # ---- allocator ---------------------------------------------------------------------------
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -318,7 +393,10 @@ class HostPool(PageAccess):
     def free(self, indices: torch.Tensor) -> int:
         """Give slots back (whole pages); a slot never allocated, or freed twice, raises."""
         self._alive()
-        return self.allocator.free(indices)
+        freed = self.allocator.free(indices)
+        if self.verifier is not None:
+            self.verifier.release(indices)
+        return freed
 
     def available_size(self) -> int:
         """Free host slots, in tokens (always whole pages)."""
@@ -371,6 +449,8 @@ class HostPool(PageAccess):
         h, d = self._indices(BACKUP_ALL, None, host_indices, device_indices, entry, None)
         if h is not None:
             self._call(entry[0], BACKUP_ALL, h, d)
+            if self.verifier is not None:
+                self.verifier.backup(h, d, None, self._drops.seq)
 
     def _per_layer(self, op, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft) -> None:
         entry = self._impls.get((op, io_backend)) or self._impl(op, io_backend)
@@ -394,6 +474,12 @@ class HostPool(PageAccess):
         except Exception as exc:
             _refuse_meta(h, d)
             raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
+        verifier = self.verifier
+        if verifier is not None:
+            if op == LOAD:
+                verifier.check(h, d, layer, self._drops.seq)
+            else:
+                verifier.backup(h, d, layer, self._drops.seq)
 
     def _call(self, impl: Implementation, op: str, *args) -> None:
         """Run the implementation; whatever it raises names it (input errors keep their type)."""
@@ -491,6 +577,8 @@ class HostPool(PageAccess):
         drops = self._drops
         if self._drop_word.value or (self._malformed_on_device is not None and drops._malformed.value):
             drops.raise_if_dropped()
+        if self.verifier is not None and self.verifier.flagged():
+            self.verifier.raise_if_failed()
         seq = drops.seq = drops.seq + 1  # DropReport.begin, inline: this is the hot path
         self._drop_calls[seq & HISTORY_MASK] = (op, layer_id, n)
         if self._items_are_pages:
@@ -548,6 +636,7 @@ class HostPool(PageAccess):
         self._impls.clear()
         self._cache.clear()
         self._malformed_on_device = None
+        self.verifier = None
         self.implementations = {}
         for attr in [b.attr for b in self.spec.buffers] + [a.attr for a in self.spec.aliases]:
             setattr(self, attr, None)

@@ -84,7 +84,8 @@ class PageAccess:
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         """Write a flat page (as :meth:`get_data_page` returns it) into the page starting at slot ``index``."""
-        views = self._page_views(self._page_of(index))
+        page = self._page_of(index)
+        views = self._page_views(page)
         total = sum(v.numel() for v in views)
         if not isinstance(data_page, torch.Tensor) or data_page.numel() != total or data_page.dtype != self.dtype:
             got = f"{data_page.numel()} of {data_page.dtype}" if isinstance(data_page, torch.Tensor) else data_page
@@ -94,6 +95,11 @@ class PageAccess:
         for v in views:
             v.copy_(flat[offset : offset + v.numel()].view(v.shape))
             offset += v.numel()
+        verifier = getattr(self, "verifier", None)
+        if verifier is not None:  # bytes that did not come through a backup: their checksums from the host copy
+            from .verify import host_rows
+
+            verifier.rehash_host_page(page, host_rows(self.plan, page))
 
     # ---- pages as raw runs ----------------------------------------------------------------------
 

@@ -81,7 +81,7 @@ def test_page_header_round_trip_and_damage():
     raw = pack_header(payload_bytes=1234, checksum=0xDEADBEEF, fingerprint=fp, key_digest=kd)
     assert len(raw) == HEADER_SIZE and raw[:4] == b"HICP"
     h = unpack_header(raw)
-    assert (h.payload_bytes, h.checksum, h.fingerprint, h.key_digest, h.version) == (1234, 0xDEADBEEF, fp, kd, 1)
+    assert (h.payload_bytes, h.checksum, h.fingerprint, h.key_digest, h.version) == (1234, 0xDEADBEEF, fp, kd, 2)
     for offset, words in ((0, "magic"), (20, "CRC"), (78, "CRC")):
         bad = bytearray(raw)
         bad[offset] ^= 1

@@ -25,12 +25,15 @@ import torch
 from .. import metrics as _metrics
 from .keys import Namespace, fingerprint, geometry_description
 from .page_format import (
+    CHECKSUM_DEVICE,
+    CHECKSUM_XXH3_64,
     HEADER_SIZE,
     HeaderError,
-    HeaderVersionError,
+    VersionError,
     address_of,
     checksum_runs,
     pack_header,
+    stored_algorithm,
     unpack_header,
 )
 from .pages import PageMap, Span
@@ -333,7 +336,23 @@ class StorageBackend:
         hashes = _check_keys(keys)
         pages = self._pages_of(hashes, host_indices)
         pm = self._bound()
-        work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.page_spans(p) for p in pages[a:b]])
+        refused: dict[int, PageResult] = {}
+        if pm.verifier is not None:  # a page that failed host-tier verification never reaches the store
+            pm.verifier.collect()
+            for i, page in enumerate(pages):
+                if page in pm.verifier.quarantine:
+                    refused[i] = PageResult(
+                        hashes[i],
+                        PageStatus.CORRUPT,
+                        f"host page {page} failed host-tier "
+                        "verification (quarantined until its slots are freed): not written",
+                    )
+            if refused:
+                keep = [i for i in range(len(pages)) if i not in refused]
+                written = iter(self.write_pages([hashes[i] for i in keep], _page_slots(
+                    [pages[i] for i in keep], pm.page_size)))  # fmt: skip
+                return [refused[i] if i in refused else next(written) for i in range(len(pages))]
+        work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
                 for a, b in self._chunks(len(hashes))]  # fmt: skip
         # Two stages in flight: the next chunk's checksums are taken while the store writes this one.
         return self._pipelined(work, lambda w: (w[0], w[1], self._stage_headers(w[1], w[2])), self._stage_put)
@@ -348,7 +367,7 @@ class StorageBackend:
         hashes = _check_keys(keys)
         pages = self._pages_of(hashes, host_indices)
         pm = self._bound()
-        work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.page_spans(p) for p in pages[a:b]])
+        work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
                 for a, b in self._chunks(len(hashes))]  # fmt: skip
         # Two stages in flight: the store reads the next chunk while this one's checksums are checked.
         return self._pipelined(work, self._stage_fetch, self._stage_check, fetch_first=True)
@@ -373,7 +392,17 @@ class StorageBackend:
         target = target_location if target_location is not None else self.host_pool.get_dummy_flat_data_page()
         flat = _flat_bytes(target, pages.page_bytes)
         span = Span(flat.data_ptr(), pages.page_bytes, memoryview(flat.numpy()).cast("B"))
-        result = self._get([h], [self.namespace.key(h)], [[span]])[0]
+        full = self.namespace.key(h)
+        if pages.trailer_bytes:
+            # A verifying pool's pages carry their checksum row; a flat page has no place for it (the caller's
+            # set_from_flat_data_page takes the checksums from the bytes): read it into scratch. A page stored
+            # by set() has none: read again without.
+            scratch = bytearray(pages.trailer_bytes)
+            result = self._get([h], [full], [[span, Span(address_of(scratch), len(scratch), memoryview(scratch))]])[0]
+            if result.status is PageStatus.MISMATCH:
+                result = self._get([h], [full], [[span]])[0]
+        else:
+            result = self._get([h], [full], [[span]])[0]
         return target if result.ok else None
 
     def batch_set(self, keys: Sequence[str], values: Sequence[torch.Tensor] | None = None, **_: Any) -> bool:
@@ -450,7 +479,11 @@ class StorageBackend:
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
         """Batches of at most STORAGE_BATCH_SIZE pages and io_chunk_bytes of payload (at least one page)."""
-        per = max(1, min(STORAGE_BATCH_SIZE, self.io_chunk_bytes // max(1, self._bound().page_bytes)))
+        if self._device_checked() and self.capabilities.zero_copy:
+            # No payload is hashed or copied on the host: nothing to overlap or keep cache-hot, one call per batch.
+            per = STORAGE_BATCH_SIZE
+        else:
+            per = max(1, min(STORAGE_BATCH_SIZE, self.io_chunk_bytes // max(1, self._bound().page_bytes)))
         return [(start, min(n, start + per)) for start in range(0, n, per)]
 
     def _key_digest(self, full_key: str) -> bytes:
@@ -490,10 +523,15 @@ class StorageBackend:
     def _stage_headers(self, full: list[str], payloads: list[list[Span]]) -> list[list[Span]]:
         size = self._bound().page_bytes
         values = []
-        for key, spans in zip(full, payloads):
-            checksum = checksum_runs([(s.ptr, s.nbytes) for s in spans])
+        device_checked = self._device_checked()
+        hashed = [_hashed_runs(spans, size, device_checked) for spans in payloads]
+        digests = parallel_checksums(hashed)
+        for key, spans, checksum, runs in zip(full, payloads, digests, hashed):
+            words = (sum(s.nbytes for s in spans) - size) // 8  # the checksum row after the payload, if any
+            algorithm = CHECKSUM_DEVICE if words and len(runs) == 1 and device_checked else CHECKSUM_XXH3_64
             header = bytearray(pack_header(payload_bytes=size, checksum=checksum, fingerprint=self._fingerprint,
-                                           key_digest=self._key_digest(key)))  # fmt: skip
+                                           key_digest=self._key_digest(key), verify_words=words,
+                                           algorithm=algorithm))  # fmt: skip
             values.append([Span(address_of(header), HEADER_SIZE, memoryview(header)), *spans])
         return values
 
@@ -562,24 +600,34 @@ class StorageBackend:
         t0 = time.perf_counter()
         results = []
         if self.capabilities.zero_copy:
-            for h, key, header, target, err in zip(hashes, full, headers, targets, outcome):
+            arrived = [[(s.ptr, s.nbytes) for s in t] if e is None else [] for t, e in zip(targets, outcome)]
+            # A device-checked page (algorithm 2) is hashed here only in its checksum row: its payload is
+            # checked on the device after load, against that row.
+            digests = parallel_checksums([
+                r[-1:] if r and stored_algorithm(hd) == CHECKSUM_DEVICE else r for r, hd in zip(arrived, headers)
+            ])  # fmt: skip
+            for h, key, header, runs, err, digest in zip(hashes, full, headers, arrived, outcome, digests):
                 if err is not None:
                     results.append(_failed_read(h, err))
                     continue
-                runs = [(s.ptr, s.nbytes) for s in target]
-                results.append(self._verify(h, key, header, runs, size))
+                results.append(self._verify(h, key, header, runs, size, digest))
         else:
             for h, key, target, blob in zip(hashes, full, targets, outcome):
                 if blob is None or isinstance(blob, BaseException):
                     results.append(_failed_read(h, ObjectMissing(key) if blob is None else blob))
                     continue
                 view = memoryview(blob).cast("B")
-                if len(view) != HEADER_SIZE + size:
-                    detail = f"object is {len(view)} bytes, a page here is {HEADER_SIZE + size}"
+                total = sum(s.nbytes for s in target)  # the payload, and the checksum row of a verifying pool
+                if len(view) != HEADER_SIZE + total:
+                    detail = f"object is {len(view)} bytes, a page here is {HEADER_SIZE + total}"
                     results.append(PageResult(h, PageStatus.MISMATCH, detail))
                     continue
                 base = address_of(view)
-                result = self._verify(h, key, view[:HEADER_SIZE], [(base + HEADER_SIZE, size)], size)
+                runs = [(base + HEADER_SIZE, total)]
+                digest = None
+                if stored_algorithm(view[:HEADER_SIZE]) == CHECKSUM_DEVICE and total > size:
+                    digest = checksum_runs([(base + HEADER_SIZE + size, total - size)])
+                result = self._verify(h, key, view[:HEADER_SIZE], runs, size, digest)
                 if result.ok:  # only a verified page reaches the pool
                     offset = base + HEADER_SIZE
                     for s in target:
@@ -599,10 +647,17 @@ class StorageBackend:
         _record_l3("read", results, size + HEADER_SIZE)
         return results
 
-    def _verify(self, h: str, key: str, header_bytes: Any, runs: list[tuple[int, int]], size: int) -> PageResult:
+    def _device_checked(self) -> bool:
+        """Whether pages are written device-checked (algorithm 2): the pool verifies, and no host check was asked."""
+        import os
+
+        return self._bound().verifier is not None and os.environ.get("HICACHE_L3_HOST_CHECK", "") in ("", "0")
+
+    def _verify(self, h: str, key: str, header_bytes: Any, runs: list[tuple[int, int]], size: int,
+                digest: int | None = None) -> PageResult:  # fmt: skip
         try:
             header = unpack_header(header_bytes)
-        except HeaderVersionError as exc:  # a sound page of another format: not damage
+        except VersionError as exc:
             return PageResult(h, PageStatus.MISMATCH, str(exc))
         except HeaderError as exc:
             return PageResult(h, PageStatus.CORRUPT, str(exc))
@@ -612,7 +667,17 @@ class StorageBackend:
             return PageResult(h, PageStatus.MISMATCH, "the object carries another key")
         if header.payload_bytes != size:
             return PageResult(h, PageStatus.MISMATCH, f"payload is {header.payload_bytes} bytes, a page here is {size}")
-        if checksum_runs(runs) != header.checksum:
+        words = (sum(n for _, n in runs) - size) // 8
+        if header.verify_words != words:
+            return PageResult(
+                h,
+                PageStatus.MISMATCH,
+                f"stored with {header.verify_words} host-tier verification "
+                f"words, a page here has {words} (written by a pool with verify set differently)",
+            )
+        if header.checksum_algorithm == CHECKSUM_DEVICE and digest is None:
+            digest = checksum_runs(_row_of(runs, size))
+        if (checksum_runs(runs) if digest is None else digest) != header.checksum:
             return PageResult(h, PageStatus.CORRUPT, "payload checksum mismatch")
         return PageResult(h, PageStatus.OK)
 
@@ -636,6 +701,66 @@ def _record_l3(op: str, results: list[PageResult], object_bytes: int) -> None:
         _metrics.L3_BYTES.labels(op=op).inc(by["ok"] * object_bytes)
     if by.get("corrupt"):
         _metrics.record_checksum_failure("l3", by["corrupt"])
+
+
+def _hashed_runs(spans: list[Span], size: int, device_checked: bool) -> list[tuple[int, int]]:
+    """What the store's checksum covers: payload and checksum row, or only the row of a device-checked page."""
+    runs = [(s.ptr, s.nbytes) for s in spans]
+    if device_checked and sum(n for _, n in runs) > size:
+        return runs[-1:]  # the row is the last span (PageMap.object_spans)
+    return runs
+
+
+def _row_of(runs: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The bytes after the first ``size`` bytes of ``runs`` (the checksum row after the payload)."""
+    out, skip = [], size
+    for ptr, n in runs:
+        if skip >= n:
+            skip -= n
+            continue
+        out.append((ptr + skip, n - skip))
+        skip = 0
+    return out
+
+
+_HASHERS: Any = None
+_HASHERS_LOCK = threading.Lock()
+
+
+def _hash_workers() -> int:
+    """Threads that checksum a batch's pages at once (``HICACHE_L3_HASH_THREADS``; default the cores, at most 8)."""
+    import os
+
+    raw = os.environ.get("HICACHE_L3_HASH_THREADS", "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"HICACHE_L3_HASH_THREADS={raw!r} must be an integer >= 1")
+        return int(raw)
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def parallel_checksums(pages: list[list[tuple[int, int]]]) -> list[int]:
+    """The payload checksum of each page (its runs), pages spread over threads.
+
+    XXH3 releases the GIL while it hashes, so the pages of a batch are checksummed on several
+    cores at once instead of one: that second pass over the bytes was what held the tier below its
+    store's own client. An empty run list gives 0 (nothing to check).
+    """
+    global _HASHERS
+    if len(pages) < 2 or _hash_workers() == 1:
+        return [checksum_runs(r) if r else 0 for r in pages]
+    with _HASHERS_LOCK:
+        if _HASHERS is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _HASHERS = ThreadPoolExecutor(max_workers=_hash_workers(), thread_name_prefix="hicache-l3-hash")
+    return list(_HASHERS.map(lambda r: checksum_runs(r) if r else 0, pages))
+
+
+def _page_slots(pages: list[int], page_size: int) -> torch.Tensor:
+    if not pages:
+        return torch.empty(0, dtype=torch.int64)
+    return (torch.tensor(pages, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
 
 
 def _check_keys(keys: Sequence[str]) -> list[str]:

@@ -5,10 +5,11 @@ hand back the bytes that were put under a key::
 
     offset size field
          0    4 magic b"HICP"
-         4    2 format version (1)
+         4    2 format version (2)
          6    2 header size (80; a backend may pad, e.g. to 4096 for O_DIRECT, and say so here)
-         8    2 checksum algorithm (1 = XXH3-64, seed 0)
-        10    2 reserved, zero
+         8    2 checksum algorithm (1 = XXH3-64, seed 0, of the payload and checksum row;
+                  2 = XXH3-64 of the checksum row only: the payload is checked on the device)
+        10    2 verification words after the payload (0, or the pool's checksum table row)
         12    8 payload bytes
         20    8 payload checksum
         28   16 geometry fingerprint (the namespace's, raw bytes)
@@ -17,6 +18,13 @@ hand back the bytes that were put under a key::
 
 All integers little-endian. The payload is the page in the host pool's flat order
 (``get_data_page(i, flat=True)``): host buffer by buffer, each page view in memory order.
+A pool with host-tier verification (:mod:`hicache_core.verify`) stores after the payload its
+checksum table row for the page (the checksums taken on the device at backup, int64 each), and
+the payload checksum covers payload and row, so a prefetched page is checked on the device
+against the checksums of its original backup. Such a pool writes algorithm 2 by default: the host
+hashes only the row, and the payload is verified where it is used, on the device after each load
+(``HICACHE_L3_HOST_CHECK=1`` writes algorithm 1, hashed on the host as well). Version 1 (no such
+field) reads as a mismatch.
 
 XXH3-64 is the payload checksum because it is the one fast enough to sit on the
 I/O path: measured here (2-core AMD EPYC VM) at 15-19 GB/s on a cache-resident 4.5 MB page
@@ -36,9 +44,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 MAGIC = b"HICP"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_SIZE = 80
 CHECKSUM_XXH3_64 = 1
+CHECKSUM_DEVICE = 2
+ALGORITHMS = (CHECKSUM_XXH3_64, CHECKSUM_DEVICE)
 _BODY = struct.Struct("<4sHHHHQQ16s32s")  # 76 bytes, then the CRC-32
 assert _BODY.size == HEADER_SIZE - 4
 
@@ -54,24 +64,40 @@ class PageHeader:
     checksum: int
     fingerprint: bytes
     key_digest: bytes
+    verify_words: int = 0
 
 
 class HeaderError(ValueError):
     """The bytes are not a hicache page header (bad magic, version or header CRC)."""
 
 
-class HeaderVersionError(HeaderError):
-    """A sound header (magic and CRC check) of another page format version: the page is a ``mismatch``."""
+class VersionError(HeaderError):
+    """A sound hicache header of another format version (a mismatch, not corruption)."""
 
 
 def pack_header(
-    *, payload_bytes: int, checksum: int, fingerprint: bytes, key_digest: bytes, header_size: int = HEADER_SIZE
+    *,
+    payload_bytes: int,
+    checksum: int,
+    fingerprint: bytes,
+    key_digest: bytes,
+    header_size: int = HEADER_SIZE,
+    verify_words: int = 0,
+    algorithm: int = CHECKSUM_XXH3_64,
 ) -> bytes:
     """The 80 header bytes (callers pad to ``header_size`` themselves)."""
+    if algorithm not in ALGORITHMS or (algorithm == CHECKSUM_DEVICE and not verify_words):
+        raise ValueError(f"checksum algorithm {algorithm} (device-checked pages need a checksum row)")
     body = _BODY.pack(
-        MAGIC, FORMAT_VERSION, header_size, CHECKSUM_XXH3_64, 0, payload_bytes, checksum, fingerprint, key_digest
-    )
+        MAGIC, FORMAT_VERSION, header_size, algorithm, verify_words, payload_bytes, checksum, fingerprint,
+        key_digest,
+    )  # fmt: skip
     return body + struct.pack("<I", zlib.crc32(body))
+
+
+def stored_algorithm(header: bytes | bytearray | memoryview) -> int:
+    """The checksum algorithm field of header bytes, unchecked (to know what to hash before the header is checked)."""
+    return struct.unpack_from("<H", header, 8)[0] if len(header) >= 10 else 0
 
 
 def unpack_header(data: bytes | bytearray | memoryview) -> PageHeader:
@@ -80,19 +106,19 @@ def unpack_header(data: bytes | bytearray | memoryview) -> PageHeader:
     if len(data) < HEADER_SIZE:
         raise HeaderError(f"object is {len(data)} bytes, shorter than a {HEADER_SIZE}-byte page header")
     body = bytes(data[: HEADER_SIZE - 4])
-    magic, version, size, algo, _, payload, checksum, fp, key_digest = _BODY.unpack(body)
+    magic, version, size, algo, words, payload, checksum, fp, key_digest = _BODY.unpack(body)
     if magic != MAGIC:
         raise HeaderError(f"bad magic {magic!r} (not a hicache page)")
     (crc,) = struct.unpack("<I", data[HEADER_SIZE - 4 : HEADER_SIZE])
     if crc != zlib.crc32(body):
         raise HeaderError("header CRC mismatch (the header itself is corrupted)")
     if version != FORMAT_VERSION:
-        raise HeaderVersionError(f"page format version {version}, this hicache reads version {FORMAT_VERSION}")
-    if algo != CHECKSUM_XXH3_64:
+        raise VersionError(f"page format version {version}, this hicache reads version {FORMAT_VERSION}")
+    if algo not in ALGORITHMS or (algo == CHECKSUM_DEVICE and not words):
         raise HeaderError(f"unknown checksum algorithm {algo}")
     if size < HEADER_SIZE:
         raise HeaderError(f"header size {size} < {HEADER_SIZE}")
-    return PageHeader(version, size, algo, payload, checksum, fp, key_digest)
+    return PageHeader(version, size, algo, payload, checksum, fp, key_digest, words)
 
 
 # ---- XXH3-64 over a list of memory runs --------------------------------------------------------

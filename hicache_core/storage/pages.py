@@ -51,6 +51,14 @@ class PageMap:
         self.page_bytes = sum(n for _, _, n in self._runs)
         for tensor in host_pool.plan.host_buffers.values():
             self._buffers.append(tensor)
+        verifier = getattr(host_pool, "verifier", None)
+        #: The pool's checksum table (host-tier verification), stored after each page's payload; else ``None``.
+        self.table = verifier.table if verifier is not None else None
+        self.verifier = verifier
+        self.trailer_bytes = 0
+        if self.table is not None:
+            self.trailer_bytes = self.table[0].numel() * 8
+            self._buffers.append(self.table)
         self._memory = [_byte_view(t) for t in self._buffers]
 
     @property
@@ -70,6 +78,23 @@ class PageMap:
             spans.append(Span(ptr, n, self._view_at(ptr, n)))
         return spans
 
+    @property
+    def verify_words(self) -> int:
+        """Checksum words stored after each page's payload (0 when the pool does not verify)."""
+        return self.trailer_bytes // 8
+
+    def trailer_span(self, page: int) -> Span:
+        """The page's row of the checksum table (verifying pools only), written and read beside the payload."""
+        row = self.table[page]
+        return Span(row.data_ptr(), self.trailer_bytes, self._view_at(row.data_ptr(), self.trailer_bytes))
+
+    def object_spans(self, page: int) -> list[Span]:
+        """What a stored page holds after its header: the payload's runs, then the checksum row if the pool verifies."""
+        spans = self.page_spans(page)
+        if self.table is not None:
+            spans.append(self.trailer_span(page))
+        return spans
+
     def _view_at(self, ptr: int, nbytes: int) -> memoryview:
         for tensor, view in zip(self._buffers, self._memory):
             start = tensor.data_ptr()
@@ -78,7 +103,7 @@ class PageMap:
         raise IndexError(f"run at {ptr:#x} (+{nbytes}) is outside every host buffer")
 
     def buffer_spans(self) -> list[Span]:
-        """Every host buffer whole (what a zero-copy backend registers once)."""
+        """Every host buffer whole, and the checksum table (what a zero-copy backend registers once)."""
         return [Span(t.data_ptr(), len(v), v) for t, v in zip(self._buffers, self._memory)]
 
 

@@ -79,18 +79,21 @@ def _versions(backend) -> dict[str, Any]:
 
 
 def run_storage_bench(url: str, out: str = "benchmarks/results", tokens: list[int] | None = None,
-                      repeats: int = 5) -> int:  # fmt: skip
+                      repeats: int = 5, verify: bool = False) -> int:  # fmt: skip
+    """``verify``: a host pool with host-tier verification, whose pages are device-checked in L3 (page format 2)."""
     tokens = tokens or [4096, 32768]
     shape = SHAPES[SHAPE]
     dev = shape.device_pool(2 * PAGE, page_size=PAGE, device="cpu", layers=shape.layers)
-    host = make_host_pool(dev, layout="page_first", io_backend="reference", operations=[], size=max(tokens) + PAGE)
+    host = make_host_pool(dev, layout="page_first", io_backend="reference", operations=[], size=max(tokens) + PAGE,
+                          verify=verify)  # fmt: skip
     _fill(host.plan.host_buffers.values())
     backend = make_storage(url, host, model_id=f"hicache-bench-{uuid.uuid4().hex[:8]}")
     pages_map = backend._bound()
     assert pages_map.runs_per_page == 1, "the bench shape keeps each page in one run"
     rows = []
     print(f"hicache bench --storage {url}: {SHAPE}, layout page_first, {PAGE}-token pages of "
-          f"{backend.page_bytes / 1e6:.2f} MB; raw = the store's own client on the same bytes")  # fmt: skip
+          f"{backend.page_bytes / 1e6:.2f} MB{', verify' if verify else ''}; raw = the store's own client on the "
+          "same bytes")  # fmt: skip
     try:
         for n_tokens in tokens:
             n = n_tokens // PAGE
@@ -136,17 +139,26 @@ def run_storage_bench(url: str, out: str = "benchmarks/results", tokens: list[in
                       f"raw {row['raw_gbps_median']:7.2f} GB/s (best {row['raw_gbps_best']:.2f})  "
                       f"fraction {ratio:.2f} {'ok' if ratio >= BAR else 'BELOW ' + str(BAR)}")  # fmt: skip
         record = {"benchmark": "storage", "url": url, "scheme": backend.scheme, "shape": SHAPE, "layout": "page_first",
-                  "page_size": PAGE, "page_bytes": backend.page_bytes, "machine": _machine(),
+                  "page_size": PAGE, "page_bytes": backend.page_bytes, "machine": _machine(), "verify": verify,
+                  "loadavg": _loadavg(), "hash_threads": os.environ.get("HICACHE_L3_HASH_THREADS", "default"),
                   "versions": _versions(backend), "capabilities": vars(backend.capabilities),
                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}  # fmt: skip
     finally:
         backend.close()
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"storage-{backend.scheme}-cpu.json"
+    path = folder / f"storage-{backend.scheme}{'-verify' if verify else ''}-cpu.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
     return 0 if all(r["meets_bar"] for r in rows) else 1
+
+
+def _loadavg() -> list[str]:
+    """The machine's load while the bench ran (a shared machine reads lower)."""
+    try:
+        return open("/proc/loadavg").read().split()[:3]
+    except OSError:
+        return []
 
 
 def _time(fn) -> float:

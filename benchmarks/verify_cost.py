@@ -1,0 +1,149 @@
+"""What host-tier verification costs: verified against unverified loads and backups, beside the copy ceiling.
+
+Run on the GPU machine (one process, every figure from the same run)::
+
+    pip install --no-deps --no-build-isolation --no-index -e . -e plugins/*
+    python benchmarks/verify_cost.py --out $OUT/verify-cost-h200.json [--tokens 4096] [--repeats 30]
+
+Pools: llama-8b-like MHA (32 layers, 8 KV heads, head_dim 128, bf16, page 64, ``page_first`` and
+``layer_first``) and an MLA pool (61 layers, 576 x bf16, page 64, ``page_first``), at ``--tokens``
+cached tokens. Per pool, io backend and verify setting: a 32-layer (61 for MLA) per-layer load of
+the tokens on one stream, and an all-layer backup, timed with CUDA events (median of
+``--repeats``), after warm-up. The ceiling is ``cudaMemcpyAsync`` of the same bytes between one
+pinned buffer and one device buffer, in the same run. ``overhead`` is verified / unverified - 1;
+the goal is <= 0.03 at 4096 tokens. The verified runs end with ``check_verified()`` (nothing may
+be reported: every page is clean). Also reported: the host time of one verified and one
+unverified per-layer load call (``time.perf_counter`` around the call, the GPU kept busy so it
+measures submission only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+import hicache_core as hc
+
+
+def _median_ms(fn, repeats: int) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _pools(kind: str, tokens: int, page: int):
+    size = tokens + 4 * page
+    if kind == "mha":
+        return hc.MHADevicePool(size, page, torch.bfloat16, 8, 128, 32, "cuda")
+    return hc.MLADevicePool(size, page, torch.bfloat16, 512, 64, 61, "cuda")
+
+
+def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int) -> dict:
+    dp = _pools(kind, tokens, page)
+    for t in (dp.k_buffer + dp.v_buffer) if kind == "mha" else dp.kv_buffer:
+        t.copy_(torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int16, device="cuda").view(t.dtype))
+    layers = dp.layer_num
+    row = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens, "layers": layers}
+    for verify in (False, True):
+        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (tokens + 4 * page))
+        slots = host.alloc(tokens)
+        dev = torch.arange(page, page + tokens, device="cuda")
+        hc_slots = slots.cuda() if io != "direct" else slots
+
+        def backup(host=host, hc_slots=hc_slots, dev=dev):
+            host.backup_from_device_all_layer(dp, hc_slots, dev, io)
+
+        def load(host=host, hc_slots=hc_slots, dev=dev):
+            for layer in range(layers):
+                host.load_to_device_per_layer(dp, hc_slots, dev, layer, io)
+
+        for _ in range(3):
+            backup()
+            load()
+        torch.cuda.synchronize()
+        tag = "verified" if verify else "plain"
+        row[f"backup_ms_{tag}"] = _median_ms(backup, repeats)
+        row[f"load_ms_{tag}"] = _median_ms(load, repeats)
+        # Host time of one per-layer load call, with the GPU busy (submission only).
+        torch.cuda._sleep(50_000_000)
+        t0 = time.perf_counter()
+        for layer in range(layers):
+            host.load_to_device_per_layer(dp, hc_slots, dev, layer, io)
+        row[f"load_host_us_per_call_{tag}"] = (time.perf_counter() - t0) / layers * 1e6
+        torch.cuda.synchronize()
+        host.check_dropped()
+        if verify:
+            host.check_verified()  # every page clean: nothing may be reported
+            row["implementations"] = dict(host.implementations)
+        nbytes = host.get_size_per_token() * tokens
+        host.destroy()
+    row["bytes"] = nbytes
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dbuf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    row["ceiling_h2d_ms"] = _median_ms(lambda: dbuf.copy_(pinned, non_blocking=True), repeats)
+    row["ceiling_d2h_ms"] = _median_ms(lambda: pinned.copy_(dbuf, non_blocking=True), repeats)
+    row["load_overhead"] = row["load_ms_verified"] / row["load_ms_plain"] - 1
+    row["backup_overhead"] = row["backup_ms_verified"] / row["backup_ms_plain"] - 1
+    row["load_of_ceiling_plain"] = row["ceiling_h2d_ms"] / row["load_ms_plain"]
+    row["load_of_ceiling_verified"] = row["ceiling_h2d_ms"] / row["load_ms_verified"]
+    row["backup_of_ceiling_verified"] = row["ceiling_d2h_ms"] / row["backup_ms_verified"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--io", default="kernel,direct", help="io backends, comma-separated")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("verify_cost.py measures the GPU: run it on the GPU machine")
+    rows = []
+    cases = [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first")]
+    for kind, layout in cases:
+        for io in args.io.split(","):
+            try:
+                rows.append(_case(kind, layout, io, args.tokens, args.page, args.repeats))
+            except hc.UnsupportedCombinationError as exc:
+                rows.append({"pool": kind, "layout": layout, "io_backend": io, "refused": str(exc).splitlines()[0]})
+            r = rows[-1]
+            if "refused" in r:
+                print(f"{kind:4} {layout:12} {io:7} refused")
+                continue
+            print(f"{kind:4} {layout:12} {io:7} load {r['load_ms_plain']:.3f} -> {r['load_ms_verified']:.3f} ms "
+                  f"({r['load_overhead']:+.1%}), backup {r['backup_ms_plain']:.3f} -> {r['backup_ms_verified']:.3f} "
+                  f"ms ({r['backup_overhead']:+.1%}); ceiling h2d {r['ceiling_h2d_ms']:.3f} ms")  # fmt: skip
+    import triton
+
+    out = {
+        "what": "host-tier verification cost: verified vs unverified, same run; goal overhead <= 0.03 at 4096 tokens",
+        "machine": {
+            "gpu": torch.cuda.get_device_name(),
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "loadavg": open("/proc/loadavg").read().split()[:3],
+        },  # fmt: skip
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""Host-tier verification: every page's checksum taken on the device at backup, checked on the device after load.
+
+Opt-in per host pool (``make_host_pool(..., verify=True)``, or ``HICACHE_VERIFY=1`` for every
+pool). ``HICACHE_VALIDATE`` does not imply it: validation checks a call's arguments on the
+host, verification checks the bytes, and costs a table and a pass of device time per transfer.
+
+* **At backup** (all-layer or per-layer), after the copy is submitted on the caller's stream, a
+  kernel reads the *device pool's* rows of the pages it backs up and stores their checksums
+  (:mod:`hicache_core.page_checksum`: one 64-bit word per page, host layer, component and group
+  of 8 items) in the pool's checksum table, indexed by host page. The table is host memory,
+  pinned on CUDA, next to the host buffers, reached by the kernel through UVA.
+* **After a load** (per layer), a kernel on the caller's stream checksums the device rows that
+  were just loaded and compares them with the table. A mismatch stores the call's number in a
+  pinned failure word and in the failing host pages' slots, as a kernel that masks indices
+  reports them (:mod:`hicache_core.drops`): no host sync, no host hashing, nothing on the link
+  when every page is good.
+* **Reporting.** The pool's next transfer call reads the word (a plain host load) and raises
+  :class:`PageVerificationError` before any byte of the new call moves, naming the failing host
+  pages (``.pages``, and their token slots, ``.host_indices``), the call, its operation and layer.
+  ``HostPool.check_verified()`` waits for the device and raises at once.
+* **Quarantine.** A page that failed is dropped from the host tier: its pages are held in the
+  pool's quarantine until their slots are freed, and the storage controller never writes a
+  quarantined page to L3. The server's radix tree learns them from the error's ``host_indices``,
+  or at any time from ``HostPool.take_failed_pages()`` (the slots of pages that failed and were
+  not yet taken): it evicts the nodes holding those slots and frees them, as for any eviction.
+* **L3.** The table row of a page travels with it to the store (after the payload, covered by the
+  store's own checksum) and lands back in the table when the page is prefetched, so the load after
+  a prefetch is checked against the checksum taken on the device at the original backup: device,
+  host, store, host, device.
+
+CPU pools compute the same checksum in torch (:func:`hicache_core.page_checksum.checksum_rows`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import metrics as _metrics
+from .page_checksum import GROUP_TOKENS, checksum_rows, groups_per_page, row_words, seed
+
+ENV_VERIFY = "HICACHE_VERIFY"
+
+
+def verify_default() -> bool:
+    """Whether ``HICACHE_VERIFY`` asks for verification (unset, empty or ``0``: no)."""
+    return os.environ.get(ENV_VERIFY, "") not in ("", "0")
+
+
+class PageVerificationError(RuntimeError):
+    """Pages loaded by an earlier call did not match the checksums taken when they were backed up.
+
+    The device now holds wrong KV for them. ``pages`` are the host pages (sorted), ``host_indices``
+    their token slots (whole pages, int64): evict the radix-tree nodes that hold them. ``calls``
+    lists ``(call number, operation, layer_id)`` of the failing calls (``None`` where older than the
+    pool's memory of calls); ``layer_ids`` the layers named.
+    """
+
+    def __init__(self, message: str, pages: list[int], host_indices: torch.Tensor,
+                 calls: list[tuple[int, str | None, int | None]]) -> None:  # fmt: skip
+        super().__init__(message)
+        self.pages = pages
+        self.host_indices = host_indices
+        self.calls = calls
+        self.layer_ids = sorted({c[2] for c in calls if c[2] is not None})
+
+
+class PageVerifier:
+    """One host pool's checksum table, failure words and quarantine (see the module doc).
+
+    :param plan: the pool's transfer plan (host buffers and the device pool's layers).
+    :param page_size: tokens per page.
+    :param describe: ``seq -> (operation, layer_id, items)`` of a remembered call, or ``(None, None, 0)``.
+    :param move: ``(tensor, device) -> int64 tensor on that device`` (the pool's cached index move).
+    :param kernel: use the Triton kernel (default: on CUDA pools; on CPU pools only under ``TRITON_INTERPRET=1``,
+        which is how the tests hold the kernel to the torch definition).
+    :raises ValueError: a pool this cannot verify (rows not whole 32-bit words, CUDA without triton,
+        CUDA under the Triton interpreter, unpinned host memory on CUDA).
+    """
+
+    def __init__(self, plan: Any, page_size: int, describe: Callable[[int], tuple],
+                 move: Callable[[torch.Tensor, torch.device], torch.Tensor], *,
+                 kernel: bool | None = None) -> None:  # fmt: skip
+        geometry = plan.geometry
+        self.tokens = plan.tokens_per_page
+        self.page_size = page_size
+        self.num_pages = plan.spec.num_pages
+        self.num_layers = plan.num_layers
+        by_component: dict[int, tuple[torch.Tensor, ...]] = {}
+        for part in plan.parts:
+            by_component.setdefault(part.spec.component, part.device_layers)
+        self.components = [by_component[c] for c in sorted(by_component)]
+        self.words = []
+        for comp, layers in zip(geometry.components, self.components):
+            try:
+                self.words.append(row_words(layers[0].shape[1]))
+            except ValueError as exc:
+                raise ValueError(
+                    f"verify=True cannot verify pool kind {geometry.kind!r}: in component {comp.name!r}, {exc} "
+                    "(the page checksum reads 32-bit words); pass verify=False for this pool"
+                ) from None
+        self.groups = groups_per_page(self.tokens)
+        self.columns = self.num_layers * len(self.components) * self.groups
+        self.device = plan.device
+        self.cuda = self.device.type == "cuda"
+        pinned = False
+        if self.cuda:
+            from .triton_support import interpreting, triton_available
+
+            if not triton_available():
+                raise ValueError("verify=True on a CUDA pool needs triton (the checksum kernel); pip install triton")
+            if interpreting():
+                raise ValueError(
+                    "verify=True cannot check CUDA pools while TRITON_INTERPRET=1 (the interpreter runs kernels on "
+                    "host copies of CUDA tensors); unset it, or verify CPU pools"
+                )
+            unpinned = [a for a, t in plan.host_buffers.items() if not t.is_pinned()]
+            if unpinned:
+                raise ValueError(
+                    "verify=True on a CUDA pool needs pinned host memory (the kernel reaches the checksum table "
+                    f"through UVA); pin_memory=False left {', '.join(unpinned)} unpinned"
+                )
+            misaligned = [i for layers in self.components for i, t in enumerate(layers) if t.data_ptr() % 4]
+            if misaligned:
+                raise ValueError("verify=True needs device layers aligned to 4 bytes")
+            pinned = True
+        #: ``(pages, layers, components, groups)`` int64: the checksum words, indexed by host page.
+        self.table = torch.zeros(
+            (self.num_pages, self.num_layers, len(self.components), self.groups), dtype=torch.int64, pin_memory=pinned
+        )
+        # Word 0: a call whose check failed; then one word per host page (the number of the call that failed it).
+        self._words = torch.zeros(1 + self.num_pages, dtype=torch.int64, pin_memory=pinned)
+        self._flag = ctypes.c_int64.from_address(self._words.data_ptr())
+        self._failed = self._words[1:]
+        self._describe = describe
+        self._move = move
+        self._pending: PageVerificationError | None = None
+        # The L3 worker collects (before a write) while the server's thread may raise: one at a time.
+        self._lock = threading.RLock()
+        #: Host pages that failed, held until their slots are freed (never written to L3 meanwhile).
+        self.quarantine: set[int] = set()
+        self._untaken: set[int] = set()
+        #: Pages that failed a check, and checks that failed, since the pool was made (the metrics read these).
+        self.failed_pages_total = 0
+        self.failed_calls_total = 0
+        if kernel and not self.cuda:
+            from .triton_support import interpreting
+
+            if not interpreting():
+                raise ValueError("the checksum kernel runs CPU pools only under TRITON_INTERPRET=1")
+        self.kernel = self.cuda if kernel is None else bool(kernel)
+        if self.kernel:
+            self._bind_kernel()
+
+    # ---- the device side --------------------------------------------------------------------
+
+    def _bind_kernel(self) -> None:
+        from .page_checksum_kernel import ENTRY_COLUMNS
+
+        self._anchor = self.components[0][0]
+        self._device_index = self.device.index if self.device.index is not None else -1
+        if self.cuda and self.device.index is None:
+            self._device_index = torch.cuda.current_device()
+        base = self._anchor.data_ptr()
+        self._base = base
+
+        def entries(layers: range) -> torch.Tensor:
+            rows = []
+            for layer in layers:
+                for c, comp_layers in enumerate(self.components):
+                    t = comp_layers[layer]
+                    column = ((layer * len(self.components)) + c) * self.groups
+                    rows.append([t.data_ptr() - base, t.stride(0), self.words[c], seed(layer, c), column, t.shape[0]])
+            out = torch.tensor(rows, dtype=torch.int64).to(self.device)
+            assert out.shape[1] == ENTRY_COLUMNS
+            return out
+
+        self._entries_all = entries(range(self.num_layers))
+        self._entries_layer = [entries(range(layer, layer + 1)) for layer in range(self.num_layers)]
+        self._table_off = self.table.data_ptr() - base
+        self._flag_off = self._words.data_ptr() - base
+        self._failed_off = self._flag_off + 8
+        width = max(self.words)
+        self._block_w = min(1024, 1 << max(4, (width - 1).bit_length()))
+        self._group_tile = GROUP_TOKENS if self.tokens > GROUP_TOKENS else 1 << (self.tokens - 1).bit_length()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # the entry tables are on the device before the first launch
+
+    def _launch(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int | None, seq: int, check: bool) -> None:
+        from .page_checksum_kernel import launch
+
+        entries = self._entries_all if layer is None else self._entries_layer[layer]
+        h = self._move(hidx, self.device)
+        d = self._move(didx, self.device)
+        pages = h.numel() // self.tokens
+        base = self._base
+        if self.cuda and torch._C._cuda_getDevice() != self._device_index:  # Triton launches on the current device
+            with torch.cuda.device(self._device_index):
+                return self._launch(hidx, didx, layer, seq, check)
+        launch(self._anchor, entries.data_ptr() - base, h.data_ptr() - base, d.data_ptr() - base, self._table_off,
+               self._flag_off, self._failed_off, seq, self.num_pages, self.columns, pages, entries.shape[0],
+               self.groups, self.tokens, self._group_tile, self._block_w, check)  # fmt: skip
+
+    # ---- the torch side (CPU pools) ---------------------------------------------------------
+
+    def _sums(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, comp: int):
+        """``(host pages, their checksums (pages, groups))`` of the pages whose indices are all in range."""
+        t = self.tokens
+        h = hidx.to("cpu", torch.int64).view(-1, t)
+        d = didx.to("cpu", torch.int64).view(-1, t)
+        rows = self.components[comp][layer]
+        hp = h[:, 0] // t
+        ok = ((d >= 0) & (d < rows.shape[0])).all(dim=1) & (h[:, 0] >= 0) & (hp < self.num_pages)
+        hp, d = hp[ok], d[ok]
+        return hp, checksum_rows(rows[d.reshape(-1)], layer, comp, t)
+
+    def _torch(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int | None, seq: int, check: bool) -> None:
+        layers = range(self.num_layers) if layer is None else (layer,)
+        for lyr in layers:
+            for c in range(len(self.components)):
+                hp, sums = self._sums(hidx, didx, lyr, c)
+                if not check:
+                    self.table[hp, lyr, c] = sums
+                    continue
+                bad = (self.table[hp, lyr, c] != sums).any(dim=1)
+                if bool(bad.any()):
+                    self._failed[hp[bad]] = seq
+                    self._flag.value = seq
+
+    # ---- the pool's calls -------------------------------------------------------------------
+
+    def backup(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int | None, seq: int) -> None:
+        """Take the checksums of the backed-up pages (``layer=None``: every host layer) into the table."""
+        (self._launch if self.kernel else self._torch)(hidx, didx, layer, seq, False)
+
+    def check(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, seq: int) -> None:
+        """Compare the loaded pages of ``layer`` with the table; a mismatch is reported (see the module doc)."""
+        (self._launch if self.kernel else self._torch)(hidx, didx, layer, seq, True)
+
+    def flagged(self) -> bool:
+        """Whether a failure is to be reported (a plain host load; the pool's hot path calls this)."""
+        return bool(self._flag.value) or self._pending is not None
+
+    def collect(self) -> None:
+        """Move failures the device reported into the quarantine and a pending error (no raise, no sync).
+
+        The pages' slots are scanned even when the word is clear: a kernel still running may have set the
+        word before it was cleared here and a page's slot after an earlier scan (two stores, in no set order).
+        """
+        with self._lock:
+            self._collect()
+
+    def _collect(self) -> None:
+        self._flag.value = 0
+        failed = self._failed.clone()
+        pages = torch.nonzero(failed).reshape(-1)
+        seqs = failed[pages]
+        self._failed[pages] = 0
+        page_list = pages.tolist()
+        if not page_list:
+            return
+        by_call: dict[int, list[int]] = {}
+        for page, s in zip(page_list, seqs.tolist()):
+            by_call.setdefault(s, []).append(page)
+        calls, parts = [], []
+        for s in sorted(by_call):
+            op, layer_id, items = self._describe(s)
+            calls.append((s, op, layer_id))
+            where = f"call #{s} on this host pool" + (
+                f" ({op}{f', layer_id {layer_id}' if layer_id is not None else ''}, {items} indices)" if op else ""
+            )
+            parts.append(f"{where}: host pages {_pages_text(by_call[s])}")
+        self.quarantine.update(page_list)
+        self._untaken.update(page_list)
+        self.failed_pages_total += len(page_list)
+        _metrics.record_checksum_failure("host", len(page_list))
+        self.failed_calls_total += len(by_call)
+        if self._pending is not None:  # not yet raised: one error names everything so far
+            pages_all = sorted(set(self._pending.pages) | set(page_list))
+            calls = self._pending.calls + calls
+            parts = [str(self._pending).split("\n", 1)[0]] + parts
+        else:
+            pages_all = sorted(page_list)
+        message = (
+            "host-tier verification failed: " + "; ".join(parts) + ". These pages' bytes on the device do not match "
+            "the checksums taken on the device when they were backed up: the device holds wrong KV for them.\n"
+            "They are dropped from the host tier (quarantined until their slots are freed, never written to L3): "
+            "evict the radix-tree nodes holding error.host_indices (or host.take_failed_pages()) and free them."
+        )
+        self._pending = PageVerificationError(message, pages_all, self.slots_of(pages_all), calls)
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`PageVerificationError` for failures reported since the last raise."""
+        with self._lock:
+            self._collect()
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            raise pending
+
+    def take_failed(self) -> torch.Tensor:
+        """Token slots of the pages that failed and were not taken yet (whole pages, int64); marks them taken."""
+        with self._lock:
+            self._collect()
+            pages = sorted(self._untaken)
+            self._untaken.clear()
+        return self.slots_of(pages)
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Freed slots leave the quarantine (a new backup will checksum whatever is written there)."""
+        if not self.quarantine:
+            return
+        pages = set((slots.to("cpu", torch.int64).reshape(-1)[:: self.page_size] // self.page_size).tolist())
+        with self._lock:
+            self.quarantine -= pages
+            self._untaken -= pages
+
+    def slots_of(self, pages: list[int]) -> torch.Tensor:
+        if not pages:
+            return torch.empty(0, dtype=torch.int64)
+        starts = torch.tensor(pages, dtype=torch.int64) * self.page_size
+        return (starts[:, None] + torch.arange(self.page_size)).reshape(-1)
+
+    def rehash_host_page(self, page: int, host_views: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Recompute a page's table row from host bytes written by other means (a flat page set by a server).
+
+        ``host_views``: per (layer, component), ``(layer, component, (tokens, row_bytes) uint8)`` in device-row order.
+        """
+        for layer, comp, rows in host_views:
+            self.table[page, layer, comp] = checksum_rows(rows, layer, comp, self.tokens)[0]
+
+
+def _pages_text(pages: list[int], limit: int = 16) -> str:
+    shown = ", ".join(str(p) for p in pages[:limit])
+    return f"[{shown}{', ...' if len(pages) > limit else ''}] ({len(pages)} page{'s' if len(pages) != 1 else ''})"
+
+
+def host_rows(plan: Any, page: int) -> list[tuple[int, int, torch.Tensor]]:
+    """A host page's bytes per (host layer, component), in device-row order: ``(tokens, row_bytes)`` uint8.
+
+    Built from the layout's declared parts, so it holds for every layout (a component split
+    across buffers is joined back along each head, as the device row holds it).
+    """
+    out = []
+    for layer in range(plan.num_layers):
+        by_comp: dict[int, list] = {}
+        for part in plan.parts:
+            by_comp.setdefault(part.spec.component, []).append(part)
+        for comp, parts in sorted(by_comp.items()):
+            views = [p.host_layer_view(layer)[page] for p in sorted(parts, key=lambda p: p.spec.dim_start)]
+            joined = views[0] if len(views) == 1 else torch.cat(views, dim=-1)
+            out.append((layer, comp, joined.reshape(joined.shape[0], -1)))
+    return out

@@ -1,0 +1,412 @@
+"""Host-tier verification: the checksum's definition and guarantees, the kernel against it, detection, L3 carriage."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import torch
+from core_helpers import DEVICE, device_pool, fill_random
+
+import hicache_core as hc
+from hicache_core.page_checksum import GROUP_TOKENS, M2, checksum_bytes_reference, checksum_rows, seed
+from hicache_core.storage import PageStatus, make_storage
+from hicache_core.storage.page_format import HEADER_SIZE
+from hicache_core.verify import PageVerificationError, PageVerifier
+
+LAYERS = 3
+CASES = [("mha", "page_first"), ("mha", "layer_first"), ("mha_asym", "page_first_direct"), ("mla", "page_first"),
+         ("mla", "page_first_kv_split"), ("mla", "layer_first"), ("page_rows", "page_first")]  # fmt: skip
+
+
+def _pool(kind: str, layout: str, page_size: int = 4, **kw):
+    dp = device_pool(kind, page_size, pages=6)
+    fill_random([t for c in hc.geometry.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=3)
+    host = hc.make_host_pool(dp, layout=layout, io_backend="auto", verify=True, **kw)
+    return dp, host
+
+
+def _device_page_bytes(dp, kind: str, layer: int, comp: int, device_rows: torch.Tensor) -> bytes:
+    """The oracle's bytes of one page: the server's device rows, in page order (SGLang's shapes)."""
+    attr = hc.geometry.pool_kind_of(dp).components[comp].device_attr
+    rows = getattr(dp, attr)[layer][device_rows.to(DEVICE)]
+    return rows.contiguous().cpu().view(torch.uint8).reshape(-1).numpy().tobytes()
+
+
+# ---- the definition -----------------------------------------------------------------------------
+
+
+def test_torch_checksum_is_the_definition():
+    gen = torch.Generator().manual_seed(1)
+    for tokens, row_bytes in ((4, 32), (64, 2048), (1, 8448), (12, 1152)):
+        rows = torch.randint(0, 256, (2 * tokens, row_bytes), dtype=torch.uint8, generator=gen)
+        got = checksum_rows(rows, 5, 1, tokens)
+        for page in range(2):
+            data = rows[page * tokens : (page + 1) * tokens].numpy().tobytes()
+            assert got[page].tolist() == checksum_bytes_reference(data, 5, 1, row_bytes, tokens)
+    # By hand, for two words of one row: w0 * s + w1 * (s + M2), mod 2**64.
+    rows = torch.tensor([[1, 0, 0, 0, 2, 0, 0, 0]], dtype=torch.uint8)
+    s = seed(0, 0) % (1 << 64)
+    want = (1 * s + 2 * ((s + M2) % (1 << 64))) % (1 << 64)
+    assert checksum_rows(rows, 0, 0, 1)[0, 0].item() % (1 << 64) == want
+
+
+def test_every_flipped_bit_swapped_words_components_and_layers_change_the_checksum():
+    gen = torch.Generator().manual_seed(2)
+    tokens, row_bytes = 8, 64
+    rows = torch.randint(0, 256, (tokens, row_bytes), dtype=torch.uint8, generator=gen)
+    base = checksum_rows(rows, 2, 0, tokens)
+    for byte in range(tokens * row_bytes):  # every bit of the page
+        for bit in range(8):
+            bad = rows.clone().reshape(-1)
+            bad[byte] ^= 1 << bit
+            assert not torch.equal(checksum_rows(bad.view(tokens, row_bytes), 2, 0, tokens), base)
+    swapped = rows.clone()
+    swapped[[1, 6]] = rows[[6, 1]]  # two tokens exchanged
+    assert not torch.equal(checksum_rows(swapped, 2, 0, tokens), base)
+    assert not torch.equal(checksum_rows(rows, 2, 1, tokens), base)  # the same bytes as another component
+    assert not torch.equal(checksum_rows(rows, 3, 0, tokens), base)  # ... or another layer
+    assert GROUP_TOKENS == 8 and checksum_rows(torch.zeros(64, 8, dtype=torch.uint8), 0, 0, 64).shape == (1, 8)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu", reason="the kernel on CPU pools")
+@pytest.mark.parametrize("kind,layout", CASES[:1] + CASES[3:5] + CASES[6:])
+def test_kernel_matches_the_torch_definition(kind, layout):
+    pytest.importorskip("triton")
+    dp, host = _pool(kind, layout)
+    kernel = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+    slots = host.alloc(12)
+    dev = torch.arange(host.page_size, host.page_size + 12)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")  # the torch path fills host.verifier.table
+    h, d = (
+        (slots, dev)
+        if not host.geometry.items_are_pages
+        else (slots[:: host.page_size] // host.page_size, dev[:: host.page_size] // host.page_size)
+    )
+    kernel.backup(h, d, None, 1)
+    assert torch.equal(kernel.table, host.verifier.table) and host.verifier.table.any()
+    kernel.check(h, d, 1, 2)
+    assert not kernel.flagged()
+
+
+# ---- detection ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,layout", CASES)
+def test_clean_round_trips_raise_nothing_and_checksums_match_the_oracle(kind, layout):
+    dp, host = _pool(kind, layout)
+    p = host.page_size
+    slots = host.alloc(3 * p)
+    dev = torch.arange(p, 4 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
+    tokens = 1 if host.geometry.items_are_pages else p
+    for comp, geometry_comp in enumerate(host.geometry.components):
+        row = getattr(dp, geometry_comp.attr)[0]
+        row_bytes = row[0].numel() * row.element_size()
+        for q in range(3):
+            rows = dev[q * p : (q + 1) * p] if tokens > 1 else dev[q * p : q * p + 1] // p
+            want = checksum_bytes_reference(_device_page_bytes(dp, kind, 1, comp, rows), 1, comp, row_bytes, tokens)
+            assert host.verifier.table[int(slots[q * p]) // p, 1, comp].tolist() == want
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
+    host.check_verified()
+    assert host.verifier.failed_pages_total == 0 and host.take_failed_pages().numel() == 0
+
+
+def _sync() -> None:
+    """Wait for the device (on CUDA the backups and their checksums land in pinned memory later)."""
+    if DEVICE != "cpu":
+        torch.cuda.synchronize()
+
+
+def _flip_host_byte(host, page: int, layer: int, part: int = 0, at: int = 3) -> None:
+    _sync()
+    view = host.plan.parts[part].host_layer_view(layer)[page]  # a strided view into the host buffer
+    t, h, b = at % view.shape[0], at % view.shape[1], (at * 7) % view.shape[2]
+    view[t, h, b] ^= 0x10
+
+
+@pytest.mark.parametrize("kind,layout", CASES)
+def test_a_byte_flipped_in_host_memory_is_caught_naming_pages_layer_and_call(kind, layout):
+    dp, host = _pool(kind, layout)
+    p = host.page_size
+    slots = host.alloc(3 * p)
+    dev = torch.arange(p, 4 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    bad_page = int(slots[p]) // p  # the second page of the call
+    _flip_host_byte(host, bad_page, layer=1, part=len(host.plan.parts) - 1)
+    host.load_to_device_per_layer(dp, slots, dev, 0, "auto")  # layer 0 is clean
+    host.load_to_device_per_layer(dp, slots, dev, 1, "auto")  # the bad layer: reported, not raised here
+    with pytest.raises(PageVerificationError) as info:
+        host.load_to_device_per_layer(dp, slots, dev, 2, "auto")  # the next call raises, before moving a byte
+    err = info.value
+    assert err.pages == [bad_page] and err.layer_ids == [1]
+    assert err.calls[0][1:] == ("load_to_device_per_layer", 1)
+    assert torch.equal(err.host_indices, torch.arange(bad_page * p, (bad_page + 1) * p))
+    text = str(err)
+    assert f"host pages [{bad_page}]" in text and "layer_id 1" in text and "load_to_device_per_layer" in text
+    assert host.quarantined_pages() == {bad_page}
+    assert host.verify_stats() == {"verify": 1, "failed_pages": 1, "failed_calls": 1, "quarantined_pages": 1}
+    assert torch.equal(host.take_failed_pages(), err.host_indices)
+    assert host.take_failed_pages().numel() == 0  # taken once
+    host.load_to_device_per_layer(dp, slots, dev, 2, "auto")  # reported once; the pool goes on
+    host.check_verified()
+    host.free(slots)  # freeing the slots lifts the quarantine
+    assert host.quarantined_pages() == set()
+
+
+def test_check_verified_raises_at_once_and_swapped_pages_are_caught():
+    dp, host = _pool("mha", "page_first")
+    p = host.page_size
+    slots = host.alloc(2 * p)
+    dev = torch.arange(p, 3 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
+    a, b = (int(x) // p for x in slots[::p])
+    views_a, views_b = host._page_views(a), host._page_views(b)
+    for va, vb in zip(views_a, views_b):  # the two host pages' bytes exchanged (a transfer that misplaced them)
+        saved = va.clone()
+        va.copy_(vb)
+        vb.copy_(saved)
+    host.load_to_device_per_layer(dp, slots, dev, 0, "auto")
+    with pytest.raises(PageVerificationError) as info:
+        host.check_verified()
+    assert info.value.pages == sorted((slots[::p] // p).tolist())
+
+
+def test_per_layer_backups_are_verified_layer_by_layer():
+    dp = device_pool("mha", 4, pages=6, sharded=True)
+    fill_random(dp.k_buffer + dp.v_buffer, seed=4)
+    host = hc.make_host_pool(dp, layout="layer_first", io_backend="auto", verify=True)
+    slots, dev = host.alloc(8), torch.arange(4, 12)
+    for layer in (1, 2):
+        host.backup_from_device_per_layer(dp, slots, dev, layer, "auto")
+    for layer in (1, 2):
+        host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
+    host.check_verified()
+    _flip_host_byte(host, int(slots[4]) // 4, layer=1)  # host layer 1 = model layer 2
+    host.load_to_device_per_layer(dp, slots, dev, 2, "auto")
+    with pytest.raises(PageVerificationError, match="layer_id 2"):
+        host.check_verified()
+
+
+def test_a_flat_page_set_by_the_server_gets_its_checksums_from_its_bytes():
+    dp, host = _pool("mla", "page_first_kv_split")
+    slots, dev = host.alloc(4), torch.arange(4, 8)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
+    page = host.get_data_page(int(slots[0]))
+    other = host.alloc(4)
+    host.set_from_flat_data_page(int(other[0]), page)
+    assert torch.equal(host.verifier.table[int(other[0]) // 4], host.verifier.table[int(slots[0]) // 4])
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+def test_verify_refuses_what_it_cannot_verify_at_construction(monkeypatch):
+    dp = hc.PageRowsDevicePool(6, 4, 6, LAYERS, DEVICE)  # rows of 6 bytes: not whole 32-bit words
+    with pytest.raises(ValueError, match="not a whole number of 32-bit words"):
+        hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True)
+    hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=False)  # fine without
+    good = device_pool("mha", 4)
+    with pytest.raises(TypeError, match="verify must be True, False or None"):
+        hc.make_host_pool(good, layout="page_first", io_backend="auto", verify="yes")
+    monkeypatch.setenv("HICACHE_VERIFY", "1")
+    assert hc.make_host_pool(good, layout="page_first", io_backend="auto").verify
+    monkeypatch.setenv("HICACHE_VERIFY", "0")
+    monkeypatch.setenv("HICACHE_VALIDATE", "1")  # validation does not imply verification
+    assert not hc.make_host_pool(good, layout="page_first", io_backend="auto").verify
+
+
+# ---- L3: the checksums travel with the page -----------------------------------------------------
+
+
+def _stored(host, name: str):
+    return make_storage(f"memory://verify-{name}-{os.getpid()}", host, model_id="m")
+
+
+def test_a_failed_page_is_never_written_and_checksums_come_back_from_the_store():
+    dp, host = _pool("mha", "page_first")
+    p = host.page_size
+    slots, dev = host.alloc(3 * p), torch.arange(p, 4 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    store = _stored(host, "a")
+    store.clear()
+    bad_page = int(slots[2 * p]) // p
+    _flip_host_byte(host, bad_page, layer=0)
+    host.load_to_device_per_layer(dp, slots, dev, 0, "auto")
+    keys = ["k0", "k1", "k2"]
+    _sync()  # the device's report has landed (a server's L3 write waits for the backup's event likewise)
+    results = store.write_pages(keys, slots)  # the failure is collected here, without a sync or a raise
+    assert [r.status for r in results] == [PageStatus.OK, PageStatus.OK, PageStatus.CORRUPT]
+    assert "failed host-tier verification" in results[2].detail
+    assert store.exists_objects(store.namespace.keys(keys)) == [True, True, False]
+    with pytest.raises(PageVerificationError):
+        host.check_verified()
+    # Prefetch the good pages into other slots: their checksum rows land in the table with them.
+    back = host.alloc(2 * p)
+    rows_before = host.verifier.table[slots[: 2 * p : p] // p].clone()
+    host.verifier.table[back[::p] // p] = 0
+    assert all(r.ok for r in store.read_pages(keys[:2], back))
+    assert torch.equal(host.verifier.table[back[::p] // p], rows_before)
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dp, back, dev[: 2 * p], layer, "auto")
+    host.check_verified()  # device, host, store, host, device: clean
+    # Bytes damaged after the prefetch are caught on the device against the original backup's checksums.
+    _flip_host_byte(host, int(back[p]) // p, layer=2)
+    host.load_to_device_per_layer(dp, back, dev[: 2 * p], 2, "auto")
+    with pytest.raises(PageVerificationError) as info:
+        host.check_verified()
+    assert info.value.pages == [int(back[p]) // p] and info.value.layer_ids == [2]
+
+
+def test_pages_of_another_format_version_or_verify_setting_read_as_mismatch():
+    dp, host = _pool("mha", "page_first")
+    plain = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=False)
+    slots = host.alloc(4)
+    host.backup_from_device_all_layer(dp, slots, torch.arange(4, 8), "auto")
+    _sync()
+    store, other = _stored(host, "b"), _stored(plain, "b")
+    store.clear()
+    assert store.write_pages(["x"], slots)[0].ok
+    got = other.read_pages(["x"], plain.alloc(4))[0]
+    assert got.status is PageStatus.MISMATCH and "bytes" in got.detail  # another object size
+    # A version-1 page (today's readers' format) is a mismatch, not corruption.
+    key = store.namespace.key("x")
+    blob = bytearray(store.get_objects([key])[0])
+    blob[4:6] = struct.pack("<H", 1)
+    import zlib
+
+    blob[HEADER_SIZE - 4 : HEADER_SIZE] = struct.pack("<I", zlib.crc32(bytes(blob[: HEADER_SIZE - 4])))
+    store.remove_objects([key])
+    from hicache_core.storage.page_format import address_of
+    from hicache_core.storage.pages import Span
+
+    store.put_objects([key], [[Span(address_of(blob), len(blob), memoryview(blob))]])
+    old = store.read_pages(["x"], host.alloc(4))[0]
+    assert old.status is PageStatus.MISMATCH and "version 1" in old.detail
+
+
+def _rewrite(store, key: str, mutate) -> None:
+    """Replace a stored object by a mutated copy of its bytes (a store that damaged it)."""
+    from hicache_core.storage.page_format import address_of
+    from hicache_core.storage.pages import Span
+
+    blob = bytearray(store.get_objects([key])[0])
+    mutate(blob)
+    store.remove_objects([key])
+    assert store.put_objects([key], [[Span(address_of(blob), len(blob), memoryview(blob))]]) == [None]
+
+
+def test_device_checked_pages_hash_only_the_row_on_the_host_and_are_caught_on_the_device():
+    dp, host = _pool("mla", "page_first")
+    p = host.page_size
+    slots, dev = host.alloc(2 * p), torch.arange(p, 3 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
+    store = _stored(host, "c")
+    store.clear()
+    assert all(r.ok for r in store.write_pages(["a", "b"], slots))
+    ka, kb = store.namespace.keys(["a", "b"])
+    blob = store.get_objects([ka])[0]
+    assert struct.unpack_from("<HH", blob, 8) == (2, host.verifier.table[0].numel())  # device-checked, row words
+    _rewrite(store, ka, lambda b: b.__setitem__(HEADER_SIZE + 100, b[HEADER_SIZE + 100] ^ 1))  # payload byte
+    row_at = HEADER_SIZE + store.page_bytes + 3
+    _rewrite(store, kb, lambda b: b.__setitem__(row_at, b[row_at] ^ 1))  # checksum-row byte
+    back = host.alloc(2 * p)
+    ra, rb = store.read_pages(["a", "b"], back)
+    assert ra.ok  # the payload is not hashed on the host ...
+    assert rb.status is PageStatus.CORRUPT and "checksum" in rb.detail  # ... the row is
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dp, back[:p], dev[:p], layer, "auto")
+    with pytest.raises(PageVerificationError) as info:  # ... and the device catches the payload
+        host.check_verified()
+    assert info.value.pages == [int(back[0]) // p]
+
+
+def test_l3_host_check_hashes_the_payload_on_the_host_too(monkeypatch):
+    monkeypatch.setenv("HICACHE_L3_HOST_CHECK", "1")
+    dp, host = _pool("mha", "page_first")
+    slots = host.alloc(4)
+    host.backup_from_device_all_layer(dp, slots, torch.arange(4, 8), "auto")
+    _sync()
+    store = _stored(host, "d")
+    store.clear()
+    assert store.write_pages(["a"], slots)[0].ok
+    (key,) = store.namespace.keys(["a"])
+    assert struct.unpack_from("<H", store.get_objects([key])[0], 8) == (1,)
+    _rewrite(store, key, lambda b: b.__setitem__(HEADER_SIZE + 5, b[HEADER_SIZE + 5] ^ 1))
+    got = store.read_pages(["a"], host.alloc(4))[0]
+    assert got.status is PageStatus.CORRUPT and "payload checksum" in got.detail
+
+
+def test_parallel_page_checksums_equal_serial_ones(monkeypatch):
+    from hicache_core.storage.backend import parallel_checksums
+    from hicache_core.storage.page_format import address_of, checksum_runs, pack_header
+
+    bufs = [bytearray(os.urandom(4096 + i)) for i in range(9)]
+    runs = [[(address_of(b), 1000), (address_of(b) + 1000, len(b) - 1000)] for b in bufs] + [[]]
+    want = [checksum_runs(r) for r in runs[:-1]] + [0]
+    assert parallel_checksums(runs) == want
+    monkeypatch.setenv("HICACHE_L3_HASH_THREADS", "1")
+    assert parallel_checksums(runs) == want
+    monkeypatch.setenv("HICACHE_L3_HASH_THREADS", "zero")
+    with pytest.raises(ValueError, match="HICACHE_L3_HASH_THREADS"):
+        parallel_checksums(runs)
+    with pytest.raises(ValueError, match="checksum row"):
+        pack_header(payload_bytes=1, checksum=0, fingerprint=bytes(16), key_digest=bytes(32), algorithm=2)
+
+
+def _registered_cases():
+    from hicache_core.registry import get_registry
+
+    reg = get_registry()
+    return [(k, lay, v) for k in reg.pool_kinds for lay in reg.layouts for v in ("plain", "sharded", "draft")]
+
+
+@pytest.mark.parametrize("kind,layout,variant", _registered_cases())
+def test_every_registered_kind_layout_and_variant_round_trips_and_catches_a_flip(kind, layout, variant):
+    from hicache_core.testing import cases as C
+
+    dp, drafts = C.build_device_pools(kind, variant, 4, DEVICE)
+    try:
+        host = hc.make_host_pool(dp, layout=layout, io_backend="auto", verify=True, draft_pools=drafts)
+    except (hc.UnsupportedCombinationError, ValueError) as exc:
+        pytest.skip(f"not served: {str(exc).splitlines()[0]}")
+    fill_random(list(C.device_tensors(dp, drafts).values()), seed=9)
+    p = host.page_size
+    slots, dev = host.alloc(2 * p), torch.arange(p, 3 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    calls = [(dp, layer, False) for layer in range(dp.start_layer, dp.end_layer)]
+    calls += [(d, dp.layer_num + i, True) for i, d in enumerate(drafts)]
+    for pool, layer, draft in calls:
+        host.load_to_device_per_layer(pool, slots, dev, layer, "auto", is_draft=draft)
+    host.check_verified()
+    bad = int(slots[p]) // p
+    last = host.layer_num - 1  # the last host layer: the draft layer where there is one
+    _flip_host_byte(host, bad, layer=last, part=len(host.plan.parts) - 1)
+    pool, layer, draft = calls[-1]
+    host.load_to_device_per_layer(pool, slots, dev, layer, "auto", is_draft=draft)
+    with pytest.raises(PageVerificationError) as info:
+        host.check_verified()
+    assert info.value.pages == [bad] and info.value.layer_ids == [layer]
+
+
+def test_the_flat_page_path_reads_pages_with_and_without_a_checksum_row():
+    dp, host = _pool("mha", "layer_first")
+    slots = host.alloc(8)
+    host.backup_from_device_all_layer(dp, slots, torch.arange(4, 12), "auto")
+    _sync()
+    store = _stored(host, "e")
+    store.clear()
+    assert store.write_pages(["a"], slots[:4])[0].ok  # with its checksum row
+    flat = store.get("a")
+    assert flat is not None and torch.equal(flat, host.get_data_page(int(slots[0])))
+    assert store.set("b", host.get_data_page(int(slots[4])))  # a flat page: no row
+    again = store.get("b")
+    assert again is not None and torch.equal(again, host.get_data_page(int(slots[4])))
+    got = store.read_pages(["b"], host.alloc(4))[0]  # a verifying pool cannot check a page without its row
+    assert got.status is PageStatus.MISMATCH and "bytes" in got.detail  # (zero-copy: the object size differs)
