@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import urlparse
 
-from hicache_core.storage.bench import run_storage_bench
+from hicache_core.tools.bench.storage import run_storage_bench
 
 
 def main() -> None:

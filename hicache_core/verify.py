@@ -110,7 +110,7 @@ class PageVerifier:
         self.cuda = self.device.type == "cuda"
         pinned = False
         if self.cuda:
-            from .triton_support import interpreting, triton_available
+            from .gpu.device import interpreting, triton_available
 
             if not triton_available():
                 raise ValueError("verify=True on a CUDA pool needs triton (the checksum kernel); pip install triton")
@@ -149,7 +149,7 @@ class PageVerifier:
         self.failed_pages_total = 0
         self.failed_calls_total = 0
         if kernel and not self.cuda:
-            from .triton_support import interpreting
+            from .gpu.device import interpreting
 
             if not interpreting():
                 raise ValueError("the checksum kernel runs CPU pools only under TRITON_INTERPRET=1")
@@ -160,7 +160,7 @@ class PageVerifier:
     # ---- the device side --------------------------------------------------------------------
 
     def _bind_kernel(self) -> None:
-        from .page_checksum_kernel import ENTRY_COLUMNS
+        from .gpu.page_checksum_kernel import ENTRY_COLUMNS
 
         self._anchor = self.components[0][0]
         self._device_index = self.device.index if self.device.index is not None else -1
@@ -192,7 +192,7 @@ class PageVerifier:
             torch.cuda.synchronize(self.device)  # the entry tables are on the device before the first launch
 
     def _launch(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int | None, seq: int, check: bool) -> None:
-        from .page_checksum_kernel import launch
+        from .gpu.page_checksum_kernel import launch
 
         entries = self._entries_all if layer is None else self._entries_layer[layer]
         h = self._move(hidx, self.device)

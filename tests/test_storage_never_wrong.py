@@ -263,9 +263,8 @@ def test_metrics_count_transfers_l3_and_reasons():
 
 
 def test_metrics_transfers_from_the_host_pool():
-    from hicache_core.tools.shapes import SHAPES
-
     from hicache_core.host_pool import make_host_pool
+    from hicache_core.tools.shapes import SHAPES
 
     metrics.reset()
     dev = SHAPES["llama-8b"].device_pool(64, page_size=16, device="cpu", layers=2)

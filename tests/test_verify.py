@@ -22,14 +22,14 @@ CASES = [("mha", "page_first"), ("mha", "layer_first"), ("mha_asym", "page_first
 
 def _pool(kind: str, layout: str, page_size: int = 4, **kw):
     dp = device_pool(kind, page_size, pages=6)
-    fill_random([t for c in hc.geometry.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=3)
+    fill_random([t for c in hc.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=3)
     host = hc.make_host_pool(dp, layout=layout, io_backend="auto", verify=True, **kw)
     return dp, host
 
 
 def _device_page_bytes(dp, kind: str, layer: int, comp: int, device_rows: torch.Tensor) -> bytes:
     """The oracle's bytes of one page: the server's device rows, in page order (SGLang's shapes)."""
-    attr = hc.geometry.pool_kind_of(dp).components[comp].device_attr
+    attr = hc.host_pool.pool_kind_of(dp).components[comp].device_attr
     rows = getattr(dp, attr)[layer][device_rows.to(DEVICE)]
     return rows.contiguous().cpu().view(torch.uint8).reshape(-1).numpy().tobytes()
 

@@ -1,6 +1,6 @@
 """A plain streaming copy through UVA, the most an SM-driven copy of contiguous bytes reaches (imports triton).
 
-Used only by ``hicache bench`` (:mod:`hicache_core.bench_ceilings`) to measure the ceiling of
+Used only by ``hicache bench`` (:mod:`hicache_core.tools.bench.ceilings`) to measure the ceiling of
 copies made by GPU threads rather than by the copy engine: no indices, no per-item address
 arithmetic, every load independent. Offsets are in ``int64`` words from an anchor tensor, as
 in hicache's kernels, so host and device buffers are reached alike.

@@ -8,7 +8,7 @@
   indices and no address arithmetic. hicache's kernels and SGLang's are SM-driven copies, so this,
   not the copy engine, bounds them; with 8 CTAs and with one CTA per SM or more.
 
-All are timed on the queued clock (:func:`hicache_core.bench_clock.queued_seconds`).
+All are timed on the queued clock (:func:`hicache_core.tools.bench.clock.queued_seconds`).
 """
 
 from __future__ import annotations

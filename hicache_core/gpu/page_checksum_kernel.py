@@ -1,6 +1,5 @@
-"""The page checksum on the device, in Triton (imports triton: only :mod:`hicache_core.verify` imports it, lazily).
-
-(Belongs in the gpu wing: ``hicache_core/gpu/page_checksum_kernel.py``.)
+"""The page checksum on the device, in Triton (imports triton: only :mod:`hicache_core.verify` imports it, lazily,
+for a verifying pool on CUDA).
 
 One program per (page of the call, entry, group of :data:`~hicache_core.page_checksum.GROUP_TOKENS`
 items): an entry is one (host layer, component) with its device layer's address, row stride, row
@@ -21,7 +20,7 @@ Out-of-range indices are skipped (the transfer that received them reports them).
 import triton
 import triton.language as tl
 
-from .page_checksum import M2
+from ..page_checksum import M2
 
 _M2 = tl.constexpr(M2)
 #: int64 columns of an entry: device layer offset, row stride (bytes), row words, seed, table column, rows.
