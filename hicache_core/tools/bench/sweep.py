@@ -294,7 +294,7 @@ def _pool_host_time_us(case: Case, impl: Implementation, h: torch.Tensor, d: tor
 
 
 def _time_anchor(case: Case, anchor, token_counts, ceiling: dict, timer: Timer) -> list[dict]:
-    """SGLang's transfer functions on this pool, checked byte for byte first (see hicache_core.tools.bench.sglang_kernels)."""
+    """SGLang's transfer functions on this pool, checked byte for byte first (see .sglang_kernels)."""
     from .sglang_kernels import BLOCK_QUOTAS, AnchorCalls
 
     if not AnchorCalls.supports(case.host) or case.page_size != 64:
