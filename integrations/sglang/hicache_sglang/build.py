@@ -70,13 +70,15 @@ def build_kv_host_pool(
             "ranks and SGLang wraps the host pool in a placement-aware PageInterleaveHostPool. Run without page "
             "interleaving, or without hicache_sglang.install()."
         )
-    if getattr(kv_pool, "layer_shard_enabled", False):
-        raise NotServedError(
-            f"hicache-sglang does not serve layer-sharded (context-parallel LayerSplit) device pools yet ({label}). "
-            "Run without hicache_sglang.install() for this model."
-        )
     if use_mla is None:
         use_mla = is_mla_pool(kv_pool)
+    layer_shard = bool(getattr(kv_pool, "layer_shard_enabled", False))
+    if layer_shard and not use_mla:
+        raise NotServedError(
+            f"hicache-sglang serves layer-sharded (context-parallel LayerSplit) device pools for MLA rows only; the "
+            f"{label} is not MLA. SGLang builds LayerSplit pools only for DSA MLA models "
+            "(--enable-dsa-cache-layer-split)."
+        )
     drafts = tuple(mtp_draft_device_pools)
     check_packed_kv_rows(kv_pool=kv_pool, drafts=drafts, use_mla=use_mla)  # SGLang's own check, same message
 
@@ -146,6 +148,7 @@ def build_kv_host_pool(
         sglang_end_layer=kv_pool.end_layer,
         device_capacity_tokens=capacity,
         pool_label=pool_label,
+        layer_shard=layer_shard,
     )
     if use_mla:
         return SGLangMLAHostPool(core, kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim,
