@@ -63,13 +63,16 @@ TAKEOVERS: tuple[Takeover, ...] = (
     Takeover("dsa_indexer", f"{_HOST}.dsa", "DSAIndexerPoolHost", ".dsa:build_dsa_indexer_host_pool",
              ".dsa:SGLangDSAIndexerHostPool", "page_rows",
              "DSA models (DeepSeek-V3.2, GLM-5): index keys beside the MLA anchor, and the separate draft indexer"),
+    Takeover("deepseek_v4_logical", _ASSEMBLER, "LogicalHostPool", ".dsv4:SGLangLogicalHostPool",
+             ".dsv4:SGLangLogicalHostPool", "(slots only)", "DeepSeek-V4: the FULL anchor (slots, no bytes)"),
+    Takeover("deepseek_v4_paged", _ASSEMBLER, "DeepSeekV4PagedHostPool", ".dsv4:SGLangDeepSeekV4PagedHostPool",
+             ".dsv4:SGLangDeepSeekV4PagedHostPool", "dsv4_paged",
+             "DeepSeek-V4: SWA, C4 and C128 KV, C4 indexer sub-pools, and the MTP draft SWA pool"),
+    Takeover("deepseek_v4_state", _ASSEMBLER, "DeepSeekV4StateHostPool", ".dsv4:SGLangDeepSeekV4StateHostPool",
+             ".dsv4:SGLangDeepSeekV4StateHostPool", "dsv4_state", "DeepSeek-V4: C4 and C4-indexer compress states"),
 )  # fmt: skip
 
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal("deepseek_v4", _ASSEMBLER, "build_deepseek_v4_hicache_stack",
-            "LogicalHostPool, DeepSeekV4PagedHostPool, DeepSeekV4StateHostPool", "a DeepSeek-V4 model"),
-    Refusal("deepseek_v4_swa_draft", _ASSEMBLER, "build_swa_draft_pools", "DeepSeekV4PagedHostPool (SWA draft)",
-            "a DeepSeek-V4 or SWA model with MTP speculative decoding"),
     Refusal("mamba", _ASSEMBLER, "build_mamba_host_pool", "MambaPoolHost",
             "a hybrid Mamba / linear-attention model (Qwen3-Next, Nemotron-H, ...)"),
     Refusal("mtp_draft", _ASSEMBLER, "_build_mha_mla_host_pool", "MHATokenToKVPoolHost / MLATokenToKVPoolHost",
@@ -114,7 +117,8 @@ def install() -> None:
     for takeover in TAKEOVERS:
         module = importlib.import_module(takeover.module)
         original = getattr(module, takeover.attr)
-        original.register(resolve(takeover.pool_class))  # SGLang's isinstance checks answer yes
+        if hasattr(original, "register"):  # an ABC: SGLang's isinstance checks elsewhere answer yes
+            original.register(resolve(takeover.pool_class))
         setattr(module, takeover.attr, resolve(takeover.builder))
         _patched.append((module, takeover.attr, original))
     for refusal in REFUSALS:
