@@ -37,8 +37,12 @@ def build_kv_host_pool(
     host_size: float | None = None,
     mtp_draft_device_pools: tuple[Any, ...] = (),
     pool_label: str = "kv",
+    host_token_capacity: int | None = None,
 ) -> SGLangHostPool:
     """Build the hicache host pool SGLang asked for (same arguments as SGLang's function).
+
+    ``host_token_capacity`` (not SGLang's argument; the draft builder's) sizes the pool to
+    exactly that many slots, as SGLang's ``HostKVCache`` does for a pool on another's slots.
 
     :raises NotServedError: a pool or setting this adapter does not serve.
     :raises hicache_core.UnsupportedCombinationError: no installed hicache plugin serves the
@@ -132,7 +136,10 @@ def build_kv_host_pool(
         for b in draft_buffers
     ]
     bytes_per_token = _bytes_per_token(buffers, len(owned) + len(drafts))
-    tokens = _host_tokens(memory, host_size, capacity, page_size, bytes_per_token)
+    if host_token_capacity is None:
+        tokens = _host_tokens(memory, host_size, capacity, page_size, bytes_per_token)
+    else:  # a sidecar on another pool's slots (SGLang's non-packed drafts): exactly that many, no padding page
+        tokens = _exact_tokens(host_token_capacity, page_size, label)
     _check_host_memory(tokens * bytes_per_token, label)
     validate = os.environ.get(ENV_VALIDATE, "") not in ("", "0")
     core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size, size=tokens,
@@ -239,6 +246,14 @@ def _host_tokens(memory: Any, host_size: float | None, capacity: int, page_size:
     else:
         tokens = int(capacity * memory.hicache_ratio)
     return (tokens // page_size + 1) * page_size
+
+
+def _exact_tokens(tokens: int, page_size: int, label: str) -> int:
+    if tokens <= 0 or tokens % page_size:
+        raise ValueError(
+            f"Host token capacity must be positive and page-aligned, got {tokens} for page_size={page_size} ({label})"
+        )
+    return tokens
 
 
 def _check_host_memory(requested: int, label: str) -> None:

@@ -70,13 +70,15 @@ TAKEOVERS: tuple[Takeover, ...] = (
              "DeepSeek-V4: SWA, C4 and C128 KV, C4 indexer sub-pools, and the MTP draft SWA pool"),
     Takeover("deepseek_v4_state", _ASSEMBLER, "DeepSeekV4StateHostPool", ".dsv4:SGLangDeepSeekV4StateHostPool",
              ".dsv4:SGLangDeepSeekV4StateHostPool", "dsv4_state", "DeepSeek-V4: C4 and C4-indexer compress states"),
+    Takeover("mtp_draft", _ASSEMBLER, "_build_mha_mla_host_pool", ".drafts:build_mha_mla_host_pool",
+             "..pool:SGLangHostPool", "mha / mla",
+             "speculative decoding with a separate (non-packed) draft KV pool: build_full_draft_pools, "
+             "build_swa_draft_pools"),
 )  # fmt: skip
 
 REFUSALS: tuple[Refusal, ...] = (
     Refusal("mamba", _ASSEMBLER, "build_mamba_host_pool", "MambaPoolHost",
             "a hybrid Mamba / linear-attention model (Qwen3-Next, Nemotron-H, ...)"),
-    Refusal("mtp_draft", _ASSEMBLER, "_build_mha_mla_host_pool", "MHATokenToKVPoolHost / MLATokenToKVPoolHost",
-            "speculative decoding with a separate (non-packed) MTP draft KV pool"),
     Refusal("qsa_indexer", _HOST + ".qsa", "QSAIndexerPoolHost", "QSAIndexerPoolHost", "a QSA sparse-attention model"),
     Refusal("hisparse", "sglang.srt.managers.hisparse_coordinator", "DeepSeekV4PagedHostPool",
             "DeepSeekV4PagedHostPool (HiSparse)", "--enable-hisparse"),
