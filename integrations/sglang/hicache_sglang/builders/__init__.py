@@ -27,6 +27,8 @@ class Takeover:
     :param pool_class: ``".module:Class"`` of the hicache pool it returns.
     :param kind: the hicache pool kind the family's pools are made of.
     :param how: what SGLang configuration builds it.
+    :param virtual_base: ``"module:Class"`` of SGLang's host pool class the pool stands for, when the
+        replaced attribute is a function (so SGLang's ``isinstance`` checks still answer yes).
     """
 
     family: str
@@ -36,6 +38,7 @@ class Takeover:
     pool_class: str
     kind: str
     how: str
+    virtual_base: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,15 @@ TAKEOVERS: tuple[Takeover, ...] = (
              "..pool:SGLangHostPool", "mha / mla",
              "speculative decoding with a separate (non-packed) draft KV pool: build_full_draft_pools, "
              "build_swa_draft_pools"),
+    Takeover("mamba", _ASSEMBLER, "build_mamba_host_pool", ".mamba:build_mamba_host_pool",
+             ".mamba:SGLangMambaHostPool", "mamba",
+             "hybrid Mamba / linear-attention models (Qwen3-Next, Nemotron-H, ...): build_hybrid_mamba_stack",
+             virtual_base=f"{_HOST}.mamba:MambaPoolHost"),
 )  # fmt: skip
 
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal("mamba", _ASSEMBLER, "build_mamba_host_pool", "MambaPoolHost",
-            "a hybrid Mamba / linear-attention model (Qwen3-Next, Nemotron-H, ...)"),
-    Refusal("qsa_indexer", _HOST + ".qsa", "QSAIndexerPoolHost", "QSAIndexerPoolHost", "a QSA sparse-attention model"),
+    # The assembler imported the class by name: its own reference is the one it calls.
+    Refusal("qsa_indexer", _ASSEMBLER, "QSAIndexerPoolHost", "QSAIndexerPoolHost", "a QSA sparse-attention model"),
     Refusal("hisparse", "sglang.srt.managers.hisparse_coordinator", "DeepSeekV4PagedHostPool",
             "DeepSeekV4PagedHostPool (HiSparse)", "--enable-hisparse"),
     Refusal("minimax_m3_nvfp4", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4MainKVPoolHost",
@@ -95,6 +101,12 @@ def resolve(ref: str) -> Any:
     """``".module:name"`` (relative to this package) -> the object."""
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module, __name__), name)
+
+
+def _import_ref(ref: str) -> Any:
+    """``"module:name"`` (absolute) -> the object."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _refuser(refusal: Refusal):
@@ -119,8 +131,9 @@ def install() -> None:
     for takeover in TAKEOVERS:
         module = importlib.import_module(takeover.module)
         original = getattr(module, takeover.attr)
-        if hasattr(original, "register"):  # an ABC: SGLang's isinstance checks elsewhere answer yes
-            original.register(resolve(takeover.pool_class))
+        base = _import_ref(takeover.virtual_base) if takeover.virtual_base else original
+        if hasattr(base, "register"):  # an ABC: SGLang's isinstance checks elsewhere answer yes
+            base.register(resolve(takeover.pool_class))
         setattr(module, takeover.attr, resolve(takeover.builder))
         _patched.append((module, takeover.attr, original))
     for refusal in REFUSALS:
