@@ -150,3 +150,55 @@ def test_v4_state_indices_must_be_swa_page_aligned():
         state.backup_from_device_all_layer(None, idx, idx, "kernel")
     with pytest.raises(NotImplementedError, match="reuses SWA transfer indices and has no allocator"):
         state.alloc(SWA_PAGE)
+
+
+def located(ptrs: list[int], buffers: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """Each pointer as (buffer number, offset in it): SGLang's layer_first buffers are separate allocations."""
+    out = []
+    for p in ptrs:
+        i = next(i for i, b in enumerate(buffers) if b.data_ptr() <= p < b.data_ptr() + b.nbytes)
+        out.append((i, p - buffers[i].data_ptr()))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_members_match_sglangs_v4_pools(layout):
+    """Shapes, sizes, flat pages and page pointers agree with SGLang's own V4 paged and state pools."""
+    from sglang.srt.mem_cache import memory_pool_host  # SGLang's module: its classes are not replaced there
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    publish_settings(layout=layout, io_backend="kernel" if layout != "page_first_direct" else "direct",
+                     page_size=PAGE)  # fmt: skip
+    pool = v4_pool()
+    group, _, _ = v4_stack(pool)
+    c4, state = group.get_pool(PoolName.DEEPSEEK_V4_C4), group.get_pool(PoolName.DEEPSEEK_V4_C4_STATE)
+    theirs_c4 = memory_pool_host.DeepSeekV4PagedHostPool(
+        pool_name=c4.pool_name, device_buffers=c4.device_buffers, item_bytes=c4.item_bytes,
+        num_host_pages=c4.num_host_pages, slot_page_size=c4.slot_page_size, layout=layout,
+        pin_memory=False)  # fmt: skip
+    theirs_state = memory_pool_host.DeepSeekV4StateHostPool(
+        pool_name=state.pool_name, state_pools=state.state_pools, num_host_pages=state.num_host_pages,
+        swa_page_size=state.swa_page_size, layout=layout, pin_memory=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(33)
+    for ours, theirs in ((c4, theirs_c4), (state, theirs_state)):
+        for name in ["layout", "page_size", "size", "layer_num", "start_layer", "end_layer", "dtype", "size_per_token",
+                     "num_host_pages"]:  # fmt: skip
+            assert getattr(ours, name) == getattr(theirs, name), name
+        assert ours.get_size_per_token() == theirs.get_size_per_token()
+        mine, sglangs = ours.get_hybrid_pool_buffer(), theirs.get_hybrid_pool_buffer()
+        assert [t.shape for t in mine] == [t.shape for t in sglangs]
+        for a, b in zip(mine, sglangs):
+            a.copy_(torch.randint(0, 256, a.shape, dtype=torch.uint8, generator=gen))
+            b.copy_(a)
+        for page in (0, 3, ours.num_host_pages - 1):
+            slot = page * ours.page_size
+            assert torch.equal(ours.get_data_page(slot), theirs.get_data_page(slot)), page
+        assert ours.get_dummy_flat_data_page().shape == theirs.get_dummy_flat_data_page().shape
+        slots = torch.cat([torch.arange(ours.page_size) + ours.page_size * p for p in (1, 4)])
+        (ptrs, sizes), (their_ptrs, their_sizes) = ours.get_page_buffer_meta(slots), theirs.get_page_buffer_meta(slots)
+        assert located(ptrs, mine) == located(their_ptrs, sglangs)
+        assert list(sizes) == list(their_sizes)
+        page = theirs.get_data_page(2 * ours.page_size).clone()
+        ours.set_from_flat_data_page(5 * ours.page_size, page)
+        theirs.set_from_flat_data_page(5 * ours.page_size, page)
+        assert all(torch.equal(a, b) for a, b in zip(mine, sglangs))
