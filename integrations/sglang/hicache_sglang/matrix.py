@@ -55,6 +55,8 @@ FAMILIES: tuple[Family, ...] = (
            ("layer_first", "page_first", "page_first_direct"), sharded=True),
     Family("DeepSeek-V4 paged (SWA, C4, C128, C4 indexer, draft SWA)", "DeepSeekV4PagedHostPool", "dsv4_paged",
            ("layer_first", "page_first", "page_first_direct")),
+    Family("QSA indexer (compressed keys)", "QSAIndexerPoolHost", "dsv4_paged",
+           ("layer_first", "page_first", "page_first_direct")),
     Family("Mamba / linear-attention state", "MambaPoolHost", "mamba", ("page_first", "page_first_direct")),
     Family("DeepSeek-V4 compress state", "DeepSeekV4StateHostPool", "dsv4_state",
            ("layer_first", "page_first", "page_first_direct")),

@@ -1,4 +1,4 @@
-"""Hybrid Mamba / linear-attention models inside SGLang: the KV and the Mamba state host pools are both hicache's.
+"""Hybrid Mamba / linear-attention models inside SGLang: KV, Mamba state (and QSA indexer) host pools are hicache's.
 
 SGLang's ``HybridReqToTokenPool`` (its ``MambaPool`` of conv and SSM states per request slot)
 and ``HybridLinearKVPool`` on ``DEVICE``; SGLang's ``build_hybrid_mamba_stack`` builds the
@@ -17,13 +17,15 @@ from sglang_setup import DEVICE, allocator_for, fill_random, publish_settings, s
 
 PAIRS = [("page_first", "kernel"), ("page_first_direct", "direct"), ("page_first_direct", "kernel")]
 MAMBA_LAYERS = [0, 2]
+QSA_PAGE = 4
 
 
-def mamba_stack():
+def mamba_stack(qsa: bool = False):
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+    from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool
 
     shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=64, n_groups=1, num_heads=4, head_dim=16,
                                     state_size=8, conv_kernel=4)  # fmt: skip
@@ -32,13 +34,20 @@ def mamba_stack():
     req = HybridReqToTokenPool(size=4, mamba_size=6, mamba_spec_state_size=0, max_context_len=64, device=DEVICE,
                                enable_memory_saver=False, cache_params=params, mamba_layer_ids=MAMBA_LAYERS,
                                enable_mamba_extra_buffer=False)  # fmt: skip
-    kv = HybridLinearKVPool(size=64, dtype=torch.bfloat16, page_size=1, head_num=2, head_dim=16,
-                            full_attention_layer_ids=[1, 3], device=DEVICE, mamba_pool=req.mamba_pool)  # fmt: skip
+    page = QSA_PAGE if qsa else 1
+    common = dict(size=64, dtype=torch.bfloat16, page_size=page, head_num=2, head_dim=16,
+                  full_attention_layer_ids=[1, 3], device=DEVICE, mamba_pool=req.mamba_pool)  # fmt: skip
+    if qsa:  # QSA sparse attention: compressed keys, one group per qsa_compress_ratio tokens
+        kv = QSATokenToKVPool(**common, qsa_index_kv_heads=1, qsa_index_head_dim=32, qsa_compress_ratio=QSA_PAGE,
+                              qsa_token_topk=8, num_request_slots=5)  # fmt: skip
+    else:
+        kv = HybridLinearKVPool(**common)
     allocator = allocator_for(kv)
-    init = CacheInitParams(disable=False, req_to_token_pool=req, token_to_kv_pool_allocator=allocator, page_size=1)
+    init = CacheInitParams(disable=False, req_to_token_pool=req, token_to_kv_pool_allocator=allocator, page_size=page)
     group, controller, _ = hybrid_pool_assembler.build_hybrid_mamba_stack(
         params=init, decls=kv.host_pool_decls(), mamba_pool=req.mamba_pool, full_layer_mapping={1: 0, 3: 1},
         start_layer=0, load_cache_event=threading.Event(), storage_backend=None, use_mla=False,
+        qsa_pool=kv if qsa else None,
     )  # fmt: skip
     return req, kv, allocator, group, controller
 
@@ -126,3 +135,38 @@ def test_members_match_sglangs_mamba_pool():
     their_bases = [theirs.temporal_buffer.data_ptr(), theirs.conv_buffer[0].data_ptr()] * 2
     assert [p - b for p, b in zip(got[0], bases)] == [p - b for p, b in zip(want[0], their_bases)]
     assert list(got[1]) == list(want[1])
+
+
+@pytest.mark.parametrize("layout, io_backend", [("page_first", "kernel"), ("page_first_direct", "direct")],
+                         ids=["page_first-kernel", "page_first_direct-direct"])  # fmt: skip
+def test_qsa_indexer_stack(layout, io_backend):
+    """QSA (QSATokenToKVPool): the compressed-key indexer rides on the KV pages, as SGLang's QSAIndexerPoolHost."""
+    from hicache_sglang.builders.qsa import SGLangQSAIndexerHostPool
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from sglang.srt.mem_cache.pool_host.qsa import QSAIndexerPoolHost
+
+    publish_settings(layout=layout, io_backend=io_backend, page_size=QSA_PAGE)
+    req, kv, allocator, group, controller = mamba_stack(qsa=True)
+    index_host = group.get_pool(PoolName.INDEXER)
+    assert isinstance(index_host, SGLangQSAIndexerHostPool) and isinstance(index_host, QSAIndexerPoolHost)
+    rows = index_host.device_buffers  # SGLang's packing: one full-KV page of compressed groups per row
+    fill_random(rows + states(req.mamba_pool), seed=75)
+    kv_device = allocator.alloc(2 * QSA_PAGE)
+    pages = kv_device[::QSA_PAGE] // QSA_PAGE
+    written = [r[pages.to(r.device)].cpu().clone() for r in rows]
+    sidecar = [PoolTransfer(name=PoolName.INDEXER, indices_from_pool=PoolName.KV)]
+    kv_host = controller.write(kv_device, node_id=1, extra_pools=sidecar)
+    controller.ack_write_queue.pop().finish_event.synchronize()
+    synchronize()
+    host_pages = kv_host[::QSA_PAGE] // QSA_PAGE
+    for layer, want in enumerate(written):  # SGLang's V4 paged shapes: (pages, L, row) / (pages, L, 1, row)
+        got = index_host.kv_buffer[host_pages, layer]
+        assert torch.equal(got.reshape(want.shape), want), layer
+    fill_random(rows, seed=76)
+    again = [PoolTransfer(name=PoolName.INDEXER, indices_from_pool=PoolName.KV)]
+    controller.load(kv_host, node_id=2, extra_pools=again, device_indices=kv_device)
+    controller.start_loading()
+    controller.ack_load_queue.pop().finish_event.synchronize()
+    synchronize()
+    for r, want in zip(rows, written):
+        assert torch.equal(r[pages.to(r.device)].cpu(), want)

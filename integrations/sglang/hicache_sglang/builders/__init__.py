@@ -81,11 +81,13 @@ TAKEOVERS: tuple[Takeover, ...] = (
              ".mamba:SGLangMambaHostPool", "mamba",
              "hybrid Mamba / linear-attention models (Qwen3-Next, Nemotron-H, ...): build_hybrid_mamba_stack",
              virtual_base=f"{_HOST}.mamba:MambaPoolHost"),
+    # The assembler imported the class by name: its own reference is the one it calls.
+    Takeover("qsa_indexer", _ASSEMBLER, "QSAIndexerPoolHost", ".qsa:SGLangQSAIndexerHostPool",
+             ".qsa:SGLangQSAIndexerHostPool", "dsv4_paged",
+             "QSA sparse-attention models (QSATokenToKVPool): compressed keys beside the KV anchor, and the draft's"),
 )  # fmt: skip
 
 REFUSALS: tuple[Refusal, ...] = (
-    # The assembler imported the class by name: its own reference is the one it calls.
-    Refusal("qsa_indexer", _ASSEMBLER, "QSAIndexerPoolHost", "QSAIndexerPoolHost", "a QSA sparse-attention model"),
     Refusal("hisparse", "sglang.srt.managers.hisparse_coordinator", "DeepSeekV4PagedHostPool",
             "DeepSeekV4PagedHostPool (HiSparse)", "--enable-hisparse"),
     Refusal("minimax_m3_nvfp4", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4MainKVPoolHost",
