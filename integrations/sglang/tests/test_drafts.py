@@ -27,8 +27,8 @@ from sglang_setup import (
 
 DRAFT_LAYERS = 2
 #: One pair per kind and io backend (the sizing and layer map are what is new here; test_controller covers the rest).
-PAIRS = [("mha", "page_first", "kernel"), ("mha", "page_first_direct", "direct"), ("mla", "page_first_kv_split", "kernel"),
-         ("mla", "layer_first", "direct")]  # fmt: skip
+PAIRS = [("mha", "page_first", "kernel"), ("mha", "page_first_direct", "direct"),
+         ("mla", "page_first_kv_split", "kernel"), ("mla", "layer_first", "direct")]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind, layout, io_backend", PAIRS, ids=["-".join(p) for p in PAIRS])
