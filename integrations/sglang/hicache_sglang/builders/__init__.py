@@ -87,9 +87,15 @@ TAKEOVERS: tuple[Takeover, ...] = (
              "QSA sparse-attention models (QSATokenToKVPool): compressed keys beside the KV anchor, and the draft's"),
 )  # fmt: skip
 
+_HISPARSE = "sglang.srt.managers.hisparse_coordinator"
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal("hisparse", "sglang.srt.managers.hisparse_coordinator", "DeepSeekV4PagedHostPool",
-            "DeepSeekV4PagedHostPool (HiSparse)", "--enable-hisparse"),
+    # The HiSparse coordinator builds its host pool itself, from these three names (none is used in a check there).
+    Refusal("hisparse", _HISPARSE, "DeepSeekV4PagedHostPool", "DeepSeekV4PagedHostPool (HiSparse)",
+            "--enable-hisparse (DeepSeek-V4)"),
+    Refusal("hisparse_mha", _HISPARSE, "HiSparseMHATokenToKVPoolHost", "HiSparseMHATokenToKVPoolHost",
+            "--enable-hisparse (MHA models)"),
+    Refusal("hisparse_mla", _HISPARSE, "MLATokenToKVPoolHost", "MLATokenToKVPoolHost (HiSparse)",
+            "--enable-hisparse (MLA models)"),
     Refusal("minimax_m3_nvfp4", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4MainKVPoolHost",
             "MiniMaxM3Nvfp4MainKVPoolHost", "MiniMax-M3 with an NVFP4 KV cache"),
     Refusal("minimax_m3_nvfp4_index_k", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4IndexKPoolHost",
