@@ -30,7 +30,7 @@ import hicache_core as hc
 from hicache_core.host_pool import SlotAllocator
 
 from ..errors import NotServedError
-from ..sidecar import SGLangSidecarHostPool, SidecarView
+from ..sidecar import SGLangSidecarHostPool, SidecarView, check_host_memory
 
 
 class SGLangLogicalHostPool:
@@ -146,6 +146,7 @@ def _make_core(kind: str, attr: str, buffers: list[torch.Tensor], *, pages: int,
     from sglang.srt.runtime_context import get_memory
 
     io_backend = get_memory().hicache_io_backend
+    check_host_memory(len(buffers) * pages * buffers[0][0].nbytes, label)
     view = SidecarView(kind=kind, attr=attr, buffers=buffers, page_size=page_size, size=pages * page_size)
     validate = os.environ.get("HICACHE_VALIDATE", "") not in ("", "0")
     try:

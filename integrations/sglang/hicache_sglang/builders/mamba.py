@@ -24,7 +24,7 @@ import torch
 import hicache_core as hc
 
 from ..errors import NotServedError
-from ..sidecar import SGLangSidecarHostPool, SidecarView
+from ..sidecar import SGLangSidecarHostPool, SidecarView, check_host_memory
 
 
 class _MambaView(SidecarView):
@@ -117,7 +117,7 @@ def build_mamba_host_pool(mamba_pool: Any, pool_info: Any, *, host_size: float, 
     :raises NotServedError: a Mamba state this pool does not carry (see the module docstring).
     :raises hicache_core.UnsupportedCombinationError: no installed plugin serves the layout and io backend.
     """
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_bytes, sync_fixed_hicache_size
+    from sglang.srt.mem_cache.pool_host.base import sync_fixed_hicache_size
     from sglang.srt.runtime_context import get_memory
 
     info = pool_info.buffer_info
@@ -147,9 +147,7 @@ def build_mamba_host_pool(mamba_pool: Any, pool_info: Any, *, host_size: float, 
     else:
         size = int(capacity * get_memory().hicache_ratio)
     size += 1  # SGLang's padding slot (page size 1)
-    requested = size * per_slot
-    if requested > host_memory_budget_bytes(requested):
-        raise ValueError(f"Not enough host memory available for the {label}: requesting {requested / 1e9:.2f} GB")
+    check_host_memory(size * per_slot, label)
     view = _MambaView(temporal, conv, size)
     validate = os.environ.get("HICACHE_VALIDATE", "") not in ("", "0")
     core = hc.make_host_pool(view, layout=layout, io_backend=get_memory().hicache_io_backend, page_size=1, size=size,
