@@ -262,7 +262,22 @@ DSV4_STATE = PoolKind(
     description="DeepSeek-V4 compress-state ring: one state page (ring_size slots) per SWA page",
 )
 
-BUILTIN_POOL_KINDS: tuple[PoolKind, ...] = (MHA, MHA_ASYM, MHA_K_ONLY, MLA, PAGE_ROWS, DSV4_PAGED, DSV4_STATE)
+MAMBA = PoolKind(
+    "mamba",
+    (
+        ComponentDecl("temporal", "temporal_layers", "temporal_buffer", (64,)),
+        ComponentDecl("conv", "conv_layers", "conv_buffer", (32,)),
+    ),
+    item="page",
+    detect=has_layers("temporal_layers", "conv_layers"),
+    # SGLang's MambaPoolHost: page size 1 (an item is one request slot), page-first layouts only,
+    # both with the shape (slots, layers, 1, *state).
+    layouts=frozenset({"page_first", "page_first_direct"}),
+    shape_as=(("page_first", "page_first_direct"),),
+    description="Mamba / linear-attention state per request slot: SSM (temporal) and conv state rows, page size 1",
+)
+
+BUILTIN_POOL_KINDS: tuple[PoolKind, ...] = (MHA, MHA_ASYM, MHA_K_ONLY, MLA, PAGE_ROWS, DSV4_PAGED, DSV4_STATE, MAMBA)
 
 #: The names of the built-in pool kinds (plugins may register more: ``get_registry().pool_kinds``).
 POOL_KINDS: tuple[str, ...] = tuple(k.name for k in BUILTIN_POOL_KINDS)

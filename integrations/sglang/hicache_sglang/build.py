@@ -38,8 +38,12 @@ def build_kv_host_pool(
     host_size: float | None = None,
     mtp_draft_device_pools: tuple[Any, ...] = (),
     pool_label: str = "kv",
+    host_token_capacity: int | None = None,
 ) -> SGLangHostPool:
     """Build the hicache host pool SGLang asked for (same arguments as SGLang's function).
+
+    ``host_token_capacity`` (not SGLang's argument; the draft builder's) sizes the pool to
+    exactly that many slots, as SGLang's ``HostKVCache`` does for a pool on another's slots.
 
     :raises NotServedError: a pool or setting this adapter does not serve.
     :raises hicache_core.UnsupportedCombinationError: no installed hicache plugin serves the
@@ -71,13 +75,15 @@ def build_kv_host_pool(
             "ranks and SGLang wraps the host pool in a placement-aware PageInterleaveHostPool. Run without page "
             "interleaving, or without hicache_sglang.install()."
         )
-    if getattr(kv_pool, "layer_shard_enabled", False):
-        raise NotServedError(
-            f"hicache-sglang does not serve layer-sharded (context-parallel LayerSplit) device pools yet ({label}). "
-            "Run without hicache_sglang.install() for this model."
-        )
     if use_mla is None:
         use_mla = is_mla_pool(kv_pool)
+    layer_shard = bool(getattr(kv_pool, "layer_shard_enabled", False))
+    if layer_shard and not use_mla:
+        raise NotServedError(
+            f"hicache-sglang serves layer-sharded (context-parallel LayerSplit) device pools for MLA rows only; the "
+            f"{label} is not MLA. SGLang builds LayerSplit pools only for DSA MLA models "
+            "(--enable-dsa-cache-layer-split)."
+        )
     drafts = tuple(mtp_draft_device_pools)
     check_packed_kv_rows(kv_pool=kv_pool, drafts=drafts, use_mla=use_mla)  # SGLang's own check, same message
 
@@ -132,7 +138,10 @@ def build_kv_host_pool(
         for b in draft_buffers
     ]
     bytes_per_token = _bytes_per_token(buffers, len(owned) + len(drafts))
-    tokens = _host_tokens(memory, host_size, capacity, page_size, bytes_per_token)
+    if host_token_capacity is None:
+        tokens = _host_tokens(memory, host_size, capacity, page_size, bytes_per_token)
+    else:  # a sidecar on another pool's slots (SGLang's non-packed drafts): exactly that many, no padding page
+        tokens = _exact_tokens(host_token_capacity, page_size, label)
     _check_host_memory(tokens * bytes_per_token, label)
     validate = os.environ.get(ENV_VALIDATE, "") not in ("", "0")
     core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size, size=tokens,
@@ -149,6 +158,7 @@ def build_kv_host_pool(
         sglang_end_layer=kv_pool.end_layer,
         device_capacity_tokens=capacity,
         pool_label=pool_label,
+        layer_shard=layer_shard,
     )
     if use_mla:
         return SGLangMLAHostPool(core, kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim,
@@ -239,6 +249,14 @@ def _host_tokens(memory: Any, host_size: float | None, capacity: int, page_size:
     else:
         tokens = int(capacity * memory.hicache_ratio)
     return (tokens // page_size + 1) * page_size
+
+
+def _exact_tokens(tokens: int, page_size: int, label: str) -> int:
+    if tokens <= 0 or tokens % page_size:
+        raise ValueError(
+            f"Host token capacity must be positive and page-aligned, got {tokens} for page_size={page_size} ({label})"
+        )
+    return tokens
 
 
 def _check_host_memory(requested: int, label: str) -> None:

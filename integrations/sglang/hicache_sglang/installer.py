@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import logging
 import sys
 import threading
 from typing import Any
@@ -26,6 +27,7 @@ _PARAMETERS = (
     "pool_label",
 )
 _lock = threading.Lock()
+_log = logging.getLogger("hicache_sglang")
 _original: Any = None
 _patched: list[tuple[Any, str]] = []
 
@@ -85,6 +87,11 @@ def install() -> None:
             if getattr(module, "build_kv_host_pool", None) is original:
                 module.build_kv_host_pool = build_kv_host_pool
                 _patched.append((module, "build_kv_host_pool"))
+        # The other host-pool families: hicache's where it serves them, refused at start-up where not.
+        from . import builders
+
+        builders.install()
+        _log.info(builders.not_served_line())
         _original = original
 
 
@@ -92,6 +99,9 @@ def uninstall() -> None:
     """Give SGLang its own ``build_kv_host_pool`` back (pools already built stay hicache's)."""
     global _original
     with _lock:
+        from . import builders
+
+        builders.uninstall()
         for module, name in _patched:
             setattr(module, name, _original)
         _patched.clear()

@@ -82,8 +82,13 @@ class SGLangHostPool:
         sglang_end_layer: int,
         device_capacity_tokens: int,
         pool_label: str,
+        layer_shard: bool = False,
     ) -> None:
         self.core = core
+        # Context-parallel LayerSplit pools: this rank owns view.start_layer..end_layer of the device
+        # pool's layers; the host keeps only those, and a backup runs per owned layer, as SGLang's does.
+        self.layer_shard_enabled = bool(layer_shard)
+        self._owned_local = range(view.start_layer - first_layer, view.end_layer - first_layer)
         self._view = view
         self._draft_views = tuple(draft_views)
         self._device_pool = device_pool
@@ -183,13 +188,26 @@ class SGLangHostPool:
     def backup_from_device_all_layer(
         self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
     ) -> None:
-        """Copy every owned layer and every packed draft layer device -> host."""
+        """Copy every owned layer and every packed draft layer device -> host.
+
+        A layer-split pool loops over its owned layers, then its drafts, one layer per call
+        (SGLang's order); any other pool moves all of them in one call.
+        """
         if device_pool is not self._device_pool:
             raise ValueError(
                 f"device_pool {type(device_pool).__name__} is not the device pool this {self.pool_label!r} host "
                 "pool was built for"
             )
-        self.core.backup_from_device_all_layer(self._view, host_indices, device_indices, io_backend)
+        if not self.layer_shard_enabled:
+            self.core.backup_from_device_all_layer(self._view, host_indices, device_indices, io_backend)
+            return
+        for local in self._owned_local:
+            self.core.backup_from_device_per_layer(self._view, host_indices, device_indices,
+                                                   self._first_layer + local, io_backend)  # fmt: skip
+        for depth, view in enumerate(self._draft_views):
+            self.core.backup_from_device_per_layer(view, host_indices, device_indices,
+                                                   self._first_layer + self._device_layer_num + depth, io_backend,
+                                                   is_draft=True)  # fmt: skip
 
     def load_to_device_per_layer_physical(
         self,
@@ -238,6 +256,9 @@ class SGLangHostPool:
                     f"layer_id {local} is outside this device pool's local layers [0, {self._device_layer_num}); "
                     f"the call would do nothing. Reported because {ENV_VALIDATE} is set."
                 )
+            return None
+        if self.layer_shard_enabled and local not in self._owned_local:
+            # Another context-parallel rank owns this layer and broadcasts it: SGLang's pools skip it.
             return None
         return self._view, self._first_layer + local
 

@@ -67,14 +67,15 @@ def test_page_interleaved_pool():
         build(pool)
 
 
-def test_layer_sharded_pool():
+def test_layer_sharded_mha_pool():
+    """SGLang makes LayerSplit pools for DSA MLA models only (test_dsa.py serves them); an MHA one is refused."""
     from hicache_sglang import NotServedError
 
     publish_settings(layout="layer_first", io_backend="kernel", page_size=4)
-    pool = mla_pool(4)
+    pool = mha_pool(4)
     pool.layer_shard_enabled = True  # what SGLang's context-parallel LayerSplit pools set
-    with pytest.raises(NotServedError, match="does not serve layer-sharded"):
-        build(pool, mla=True)
+    with pytest.raises(NotServedError, match="serves layer-sharded .* device pools for MLA rows only"):
+        build(pool)
 
 
 @pytest.mark.parametrize("name, match", [("MHATokenToKVPoolFP4", r"keeps KV scales beside its K/V \(token\)"),
