@@ -1,0 +1,72 @@
+"""Tiny randomly initialised models for SGLang's real server, made offline (no hub, no download).
+
+The weights are random but fixed by a seed, and drawn with a large initialiser range so that
+a token's logits depend strongly on the attention over the cached prefix: a KV cache that
+comes back wrong changes the greedy output (the negative control checks that it does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+VOCAB = 512
+#: Token ids the prompts use (ids below are the tokenizer's special tokens).
+FIRST_WORD = 4
+
+
+def _tokenizer(path: str) -> None:
+    """A word-level tokenizer over ``w0 .. w{VOCAB - FIRST_WORD - 1}``, built with ``tokenizers`` offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
+    vocab.update({f"w{i}": FIRST_WORD + i for i in range(VOCAB - FIRST_WORD)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")  # fmt: skip
+    fast.save_pretrained(path)
+
+
+def make_llama(path: str, *, seed: int = 0) -> str:
+    """A 2-layer LlamaForCausalLM (hidden 64, 4 query heads over 2 KV heads of 16) saved under ``path``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        initializer_range=0.5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    return _save(LlamaForCausalLM, config, path, seed)
+
+
+def _save(cls, config, path: str, seed: int) -> str:
+    import torch
+
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}, f)
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(make_llama(sys.argv[1]))
