@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import workload
-from server import Server, start_all
+from server import RedisServer, Server, start_all
 from tiny_model import make_llama
 
 PARALLEL = int(os.environ.get("HICACHE_E2E_PARALLEL", "3"))
@@ -32,7 +32,9 @@ class Case:
     io_backend: str
     page_size: int
     write_policy: str
-    storage: str | None = None  # SGLang's --hicache-storage-backend
+    #: L3: "file" (SGLang's own backend), "hicache-file" / "hicache-redis" (hicache's tier through
+    #: SGLang's dynamic backend, hicache_sglang.storage)
+    storage: str | None = None
     resolved: tuple[str, str] | None = None  # (layout, io backend) after SGLang's resolution, when it rewrites
     extra: tuple[str, ...] = field(default=())
 
@@ -40,12 +42,19 @@ class Case:
     def expected(self) -> tuple[str, str]:
         return self.resolved or (self.layout, self.io_backend)
 
-    def args(self) -> list[str]:
+    def args(self, storage_url: str | None = None) -> list[str]:
         out = ["--page-size", str(self.page_size), "--enable-hierarchical-cache",
                "--hicache-mem-layout", self.layout, "--hicache-io-backend", self.io_backend,
                "--hicache-write-policy", self.write_policy, "--hicache-ratio", "4", *self.extra]  # fmt: skip
+        if self.storage == "file":
+            out += ["--hicache-storage-backend", "file"]
+        elif self.storage:
+            from hicache_sglang.storage import extra_config
+
+            out += ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
+                    extra_config(storage_url)]  # fmt: skip
         if self.storage:
-            out += ["--hicache-storage-backend", self.storage, "--hicache-storage-prefetch-policy", "wait_complete"]
+            out += ["--hicache-storage-prefetch-policy", "wait_complete"]
         return out
 
 
@@ -55,10 +64,10 @@ class Case:
 #: page_first_direct+kernel are SGLang's rewrites onto two of these (checked in test_e2e_refusals).
 CASES = [
     Case("lf-direct-p1-wt", "layer_first", "direct", 1, "write_through"),
-    Case("pfd-direct-p16-wb", "page_first_direct", "direct", 16, "write_back"),
+    Case("pfd-direct-p16-wb-hfile", "page_first_direct", "direct", 16, "write_back", storage="hicache-file"),
     Case("lf-kernel-p16-wb", "layer_first", "kernel", 16, "write_back"),
     Case("pf-kernel-p1-wt-file", "page_first", "kernel", 1, "write_through", storage="file"),
-    Case("ph-kernel-p16-wt", "page_head", "kernel", 16, "write_through"),
+    Case("ph-kernel-p16-wt-redis", "page_head", "kernel", 16, "write_through", storage="hicache-redis"),
 ]
 CASE_IDS = [c.name for c in CASES]
 BY_NAME = {c.name: c for c in CASES}
@@ -73,6 +82,7 @@ class Fleet:
     servers: dict[str, Server]
     outcomes: dict[str, workload.Outcome] = field(default_factory=dict)
     prompts: workload.Prompts = field(default_factory=workload.Prompts.make)
+    redis: RedisServer | None = None
 
     def server(self, name: str) -> Server:
         srv = self.servers[name]
@@ -93,12 +103,19 @@ class Fleet:
     def storage_dir(self, name: str) -> str:
         return os.path.join(self.root, f"{name}.l3")
 
+    def storage_url(self, case: Case) -> str | None:
+        if case.storage == "hicache-file":
+            return f"file://{self.storage_dir(case.name)}"
+        if case.storage == "hicache-redis":
+            return f"redis://127.0.0.1:{self.redis.port}/0"
+        return None
+
     def new_server(self, name: str, case: Case) -> Server:
         """A server for ``case`` (same environment as the fleet's), not started."""
         env = {"HICACHE_E2E_CORRUPT_FLAG": self.corrupt_flag(name)}
         if case.storage == "file":
             env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = self.storage_dir(case.name)
-        return Server(name, self.model, case.args(), self.log_dir, env=env)
+        return Server(name, self.model, case.args(self.storage_url(case)), self.log_dir, env=env)
 
     @property
     def log_dir(self) -> str:
@@ -118,6 +135,8 @@ def fleet():
         os.makedirs(log_dir, exist_ok=True)
     model = make_llama(os.path.join(root, "tiny-llama"))
     f = Fleet(root, model, {})
+    if any(c.storage == "hicache-redis" for c in CASES if c.name in _selected([c.name for c in CASES])):
+        f.redis = RedisServer(os.path.join(root, "redis")).start()
     for page_size in (1, 16):
         name = f"base-p{page_size}"
         f.servers[name] = Server(name, model, ["--page-size", str(page_size)], f.log_dir)
@@ -131,6 +150,8 @@ def fleet():
     finally:
         for srv in f.servers.values():
             srv.stop()
+        if f.redis is not None:
+            f.redis.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 

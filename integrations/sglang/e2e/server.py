@@ -60,6 +60,8 @@ class Server:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["TRITON_INTERPRET"] = "1"  # the kernel io backend's Triton kernels, on CPU pools
         env["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN, env.get("PYTHONPATH")) if p)
+        # SGLang keeps 10 GiB of host memory back from HiCache; a 2-core CI machine may have less in all.
+        env.setdefault("HICACHE_SGLANG_HOST_RESERVE_GIB", "0.5")
         env.update(self.env)
         return env
 
@@ -111,8 +113,8 @@ class Server:
 
     def generate(self, input_ids: list[int], max_new_tokens: int = 8) -> dict:
         """Greedy generation from token ids; SGLang's response (``output_ids``, ``meta_info``)."""
-        body = {"input_ids": input_ids,
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}  # fmt: skip
+        sampling = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        body = {"input_ids": input_ids, "sampling_params": sampling}
         return self._post("/generate", body)
 
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int = 8) -> list[dict]:
@@ -201,3 +203,42 @@ def start_all(servers: list[Server], parallel: int) -> None:
             starting.append(pending.pop(0).start())
         done = starting.pop(0)
         done.wait_ready()
+
+
+class RedisServer:
+    """A real ``redis-server`` (Debian's) on 127.0.0.1, in its own process group, nothing persisted."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> RedisServer:
+        import shutil
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server; .ci/run does)")
+        os.makedirs(self.workdir, exist_ok=True)
+        self.port = free_port()
+        cmd = [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+               "--dir", self.workdir]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return self
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"redis-server did not listen on 127.0.0.1:{self.port} within {timeout:.0f} s")
+
+    def keys(self) -> int:
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port).dbsize()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)

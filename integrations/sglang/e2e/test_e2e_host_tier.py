@@ -8,7 +8,6 @@ import re
 import pytest
 import workload
 from conftest import BY_NAME, CASE_IDS, need
-
 from hicache_sglang.identity import PREFIX
 
 OPS = ("backup_from_device_all_layer", "backup_from_device_per_layer", "load_to_device_per_layer")

@@ -31,7 +31,6 @@ def _tokenizer(path: str) -> None:
 
 def make_llama(path: str, *, seed: int = 0) -> str:
     """A 2-layer LlamaForCausalLM (hidden 64, 4 query heads over 2 KV heads of 16) saved under ``path``."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -53,6 +52,38 @@ def make_llama(path: str, *, seed: int = 0) -> str:
     return _save(LlamaForCausalLM, config, path, seed)
 
 
+def make_deepseek_v2(path: str, *, seed: int = 0) -> str:
+    """A 2-layer DeepseekV2ForCausalLM (MLA: kv_lora_rank 32, rope 16; dense MLPs) saved under ``path``."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=2,  # both layers dense: no MoE kernels on the CPU
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=4096,
+        initializer_range=0.5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    return _save(DeepseekV2ForCausalLM, config, path, seed)
+
+
 def _save(cls, config, path: str, seed: int) -> str:
     import torch
 
@@ -69,4 +100,5 @@ def _save(cls, config, path: str, seed: int) -> str:
 if __name__ == "__main__":
     import sys
 
-    print(make_llama(sys.argv[1]))
+    makers = {"llama": make_llama, "deepseek_v2": make_deepseek_v2}
+    print(makers[sys.argv[2] if len(sys.argv) > 2 else "llama"](sys.argv[1]))

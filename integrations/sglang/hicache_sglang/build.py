@@ -157,8 +157,9 @@ def build_kv_host_pool(
         pool_label=pool_label,
     )
     if use_mla:
-        return log_pool(SGLangMLAHostPool(core, kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim,
-                                          kv_cache_dim=info.kv_cache_dim, packed_fp8=info.packed_fp8, **common))  # fmt: skip
+        pool = SGLangMLAHostPool(core, kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim,
+                                 kv_cache_dim=info.kv_cache_dim, packed_fp8=info.packed_fp8, **common)  # fmt: skip
+        return log_pool(pool)
     return log_pool(SGLangMHAHostPool(core, **common))
 
 

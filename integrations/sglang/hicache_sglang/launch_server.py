@@ -16,9 +16,11 @@ import sys
 
 from hicache_sglang._sglang_plugin import ENV
 from hicache_sglang.installer import install
+from hicache_sglang.startup import apply_host_reserve
 
 os.environ[ENV] = "1"
 install()
+apply_host_reserve()
 
 
 def main(argv: list[str] | None = None) -> None:

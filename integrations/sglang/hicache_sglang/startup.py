@@ -18,12 +18,42 @@ from .errors import NotServedError
 #: Environment variables the adapter and hicache read in a server.
 ENVIRONMENT = {
     "HICACHE_SGLANG": "1 installs the adapter in every process SGLang starts (launch_server sets it)",
+    "HICACHE_SGLANG_HOST_RESERVE_GIB": "host memory SGLang's HiCache budget keeps free (SGLang: 10 GiB, fixed)",
     "HICACHE_VALIDATE": "1 checks indices, page structure and layer ownership on every host-pool call",
     "HICACHE_PLUGINS": "comma-separated hicache plugins to load (default: every installed one)",
-    "HICACHE_DIRECT_MAX_BATCH, HICACHE_DIRECT_STREAMS, HICACHE_DIRECT_PREFER_OVERLAP, HICACHE_DIRECT_BATCH":
-        "knobs of the direct io backend's copy engine",
+    "HICACHE_DIRECT_{MAX_BATCH,STREAMS,PREFER_OVERLAP,BATCH}": "knobs of the direct io backend's copy engine",
     "HICACHE_KERNEL_MAX_CTAS, HICACHE_JIT_MAX_CTAS": "CTAs of the Triton / JIT kernels (default 8, 0 = every SM)",
 }
+
+
+#: Environment variable: GiB of host memory SGLang's HiCache budget keeps back (SGLang 0.5.23 fixes 10 GiB).
+ENV_RESERVE = "HICACHE_SGLANG_HOST_RESERVE_GIB"
+
+
+def apply_host_reserve() -> None:
+    """Set SGLang's host-memory reserve from ``HICACHE_SGLANG_HOST_RESERVE_GIB``, when given.
+
+    SGLang refuses a host pool unless free memory exceeds the pool plus a fixed 10 GiB, so a
+    small CPU server (or a CI machine with 7 GB) can never have a host tier. The budget
+    itself stays SGLang's (``host_memory_budget_bytes``); only the reserve changes, in every
+    process the launcher starts (the variable is inherited).
+
+    :raises NotServedError: the value is not a number of GiB >= 0.
+    """
+    import os
+
+    raw = os.environ.get(ENV_RESERVE, "")
+    if not raw:
+        return
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:
+        raise NotServedError(f"{ENV_RESERVE}={raw!r} is not a number of GiB >= 0")
+    from sglang.srt.mem_cache.pool_host import base
+
+    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = int(gib * (1 << 30))
 
 
 def check(server_args: Any) -> None:

@@ -31,8 +31,11 @@ if _FLAG:
             if not os.path.exists(_FLAG) or kw.get("is_draft"):
                 return
             rows = device_indices.to("cpu", torch.int64)
-            buffers = [device_pool.kv_buffer[layer_id]] if hasattr(device_pool, "kv_buffer") else [
-                device_pool.k_buffer[layer_id], device_pool.v_buffer[layer_id]]
+            buffers = (
+                [device_pool.kv_buffer[layer_id]]
+                if hasattr(device_pool, "kv_buffer")
+                else [device_pool.k_buffer[layer_id], device_pool.v_buffer[layer_id]]
+            )
             for buf in buffers:
                 _flip(buf, rows.to(buf.device))
 
