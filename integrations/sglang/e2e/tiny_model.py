@@ -53,7 +53,15 @@ def make_llama(path: str, *, seed: int = 0) -> str:
 
 
 def make_deepseek_v2(path: str, *, seed: int = 0) -> str:
-    """A 2-layer DeepseekV2ForCausalLM (MLA: kv_lora_rank 32, rope 16; dense MLPs) saved under ``path``."""
+    """A 2-layer DeepseekV2ForCausalLM (MLA: kv_lora_rank 32, rope 16; dense MLPs) saved under ``path``.
+
+    Not served end to end by the suite: SGLang 0.5.23's CPU engine builds its MLA pool (and
+    hicache's host pool for it), then fails the first prefill in its torch_native attention
+    backend, which reads the 48-wide latent rows of the MLA pool as 32-wide K heads
+    (``RuntimeError: Expected size for first two dimensions of batch2 tensor to be: [4, 32] but
+    got: [4, 48]``). Its CPU MLA path is the intel_amx backend, which needs sgl-kernel's CPU
+    build and an AMX CPU. Kept to reproduce that (``python tiny_model.py DIR deepseek_v2``).
+    """
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     config = DeepseekV2Config(
@@ -68,12 +76,17 @@ def make_deepseek_v2(path: str, *, seed: int = 0) -> str:
         n_shared_experts=1,
         num_experts_per_tok=2,
         first_k_dense_replace=2,  # both layers dense: no MoE kernels on the CPU
+        moe_layer_freq=1,  # read by SGLang's DeepseekV2 (not a transformers field)
         q_lora_rank=None,
         kv_lora_rank=32,
         qk_rope_head_dim=16,
         qk_nope_head_dim=16,
         v_head_dim=16,
         max_position_embeddings=4096,
+        # SGLang's CPU engine builds DeepSeek's rotary embedding only as deepseek_yarn (factor 1: plain RoPE).
+        rope_parameters={"rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "rope_theta": 10000.0},  # fmt: skip
         initializer_range=0.5,
         bos_token_id=1,
         eos_token_id=2,
