@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from dataclasses import dataclass, field
 
@@ -127,8 +128,18 @@ def _selected(names: list[str]) -> list[str]:
     return names if not only else [n for n in names if n in only.split(",")]
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM (a CI timeout, ``timeout``) ends the session like Ctrl-C, so every server is still stopped."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 @pytest.fixture(scope="session")
 def fleet():
+    _interrupt_on_sigterm()
     root = tempfile.mkdtemp(prefix="hicache-sglang-e2e-")
     log_dir = os.environ.get("HICACHE_E2E_LOG_DIR")
     if log_dir:

@@ -30,7 +30,7 @@ STANDIN = os.path.join(HERE, "test_standin")
 CPU_ENGINE_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
                    "--dtype", "float32", "--max-total-tokens", "2048", "--mem-fraction-static", "0.3",
                    "--enable-metrics", "--log-level", "info"]  # fmt: skip
-START_TIMEOUT = float(os.environ.get("HICACHE_E2E_START_TIMEOUT", "240"))
+START_TIMEOUT = float(os.environ.get("HICACHE_E2E_START_TIMEOUT", "420"))
 REQUEST_TIMEOUT = 120.0
 
 

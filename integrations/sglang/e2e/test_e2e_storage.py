@@ -44,15 +44,19 @@ def _settled(count, at_least: int, timeout: float = 90.0) -> int:
 def restarted(fleet):
     """Every storage server, after its workload and its store settled, stopped and started again (in parallel)."""
     present = [c for c in STORAGE_CASES if c.name in fleet.servers]
-    fresh = {}
+    fresh: dict[str, object] = {}
     for case in present:
-        fleet.outcome(case.name)
-        first = fleet.server(case.name)
+        try:
+            fleet.outcome(case.name)
+            first = fleet.server(case.name)
+        except AssertionError as exc:  # that case's test reports it; the others still run
+            fresh[case.name] = exc
+            continue
         _settled(lambda case=case: _stored(fleet, case), workload.PREFIX_TOKENS // case.page_size)
         first.stop()
         first.error = "stopped by test_e2e_storage (restarted on the same store)"
         fresh[case.name] = fleet.servers[f"{case.name}-restart"] = fleet.new_server(f"{case.name}-restart", case)
-    start_all(list(fresh.values()), PARALLEL)
+    start_all([s for s in fresh.values() if not isinstance(s, AssertionError)], PARALLEL)
     return fresh
 
 
@@ -62,6 +66,8 @@ def test_restart_serves_prefix_from_storage(fleet, restarted, name):
     need(fleet, name, f"base-p{case.page_size}")
     base = fleet.baseline(case.page_size)
     again = restarted[name]
+    if isinstance(again, AssertionError):
+        raise again
     again.check_up()
     pages = workload.PREFIX_TOKENS // case.page_size
     r = again.generate(fleet.prompts.again, workload.NEW_TOKENS)
