@@ -146,16 +146,18 @@ def fleet():
         os.makedirs(log_dir, exist_ok=True)
     model = make_llama(os.path.join(root, "tiny-llama"))
     f = Fleet(root, model, {})
-    if any(c.storage == "hicache-redis" for c in CASES if c.name in _selected([c.name for c in CASES])):
-        f.redis = RedisServer(os.path.join(root, "redis")).start()
-    for page_size in (1, 16):
-        name = f"base-p{page_size}"
-        f.servers[name] = Server(name, model, ["--page-size", str(page_size)], f.log_dir)
-    for case in CASES:
-        os.makedirs(f.storage_dir(case.name), exist_ok=True)
-        f.servers[case.name] = f.new_server(case.name, case)
-    f.servers = {n: s for n, s in f.servers.items() if n in _selected(list(f.servers))}
+    names = _selected(["base-p1", "base-p16", *CASE_IDS])
     try:
+        if any(c.storage == "hicache-redis" and c.name in names for c in CASES):
+            f.redis = RedisServer(os.path.join(root, "redis")).start()
+        for page_size in (1, 16):
+            name = f"base-p{page_size}"
+            f.servers[name] = Server(name, model, ["--page-size", str(page_size)], f.log_dir)
+        for case in CASES:
+            os.makedirs(f.storage_dir(case.name), exist_ok=True)
+            if case.name in names:
+                f.servers[case.name] = f.new_server(case.name, case)
+        f.servers = {n: s for n, s in f.servers.items() if n in names}
         start_all(list(f.servers.values()), PARALLEL)
         yield f
     finally:
