@@ -20,6 +20,7 @@ import hicache_core as hc
 
 from . import metrics
 from .errors import NotServedError
+from .identity import log_pool
 from .pool import DeviceView, SGLangHostPool, SGLangMHAHostPool, SGLangMLAHostPool
 
 #: Environment variable: ``1`` makes every KV host pool validate indices and layer ownership
@@ -27,6 +28,20 @@ from .pool import DeviceView, SGLangHostPool, SGLangMHAHostPool, SGLangMLAHostPo
 ENV_VALIDATE = "HICACHE_VALIDATE"
 #: The layouts SGLang 0.5.23's controller can prepare indices for under io backend 'direct'.
 _DIRECT_LAYOUTS = ("layer_first", "page_first_direct")
+
+
+def check_layout_io(layout: str, io_backend: str, label: str) -> None:
+    """Refuse a layout SGLang's controller cannot drive with ``io_backend`` (at start-up and at pool build).
+
+    :raises NotServedError: io backend ``direct`` with a layout other than ``_DIRECT_LAYOUTS``.
+    """
+    if io_backend == "direct" and layout not in _DIRECT_LAYOUTS:
+        raise NotServedError(
+            f"SGLang's cache controller prepares indices for io backend 'direct' only with layouts "
+            f"{' and '.join(_DIRECT_LAYOUTS)} (HiCacheController.move_indices raises for any other at the first "
+            f"write), so the {label} could never be driven. Use --hicache-io-backend kernel, or layout "
+            "page_first_direct or layer_first."
+        )
 
 
 def build_kv_host_pool(
@@ -56,13 +71,7 @@ def build_kv_host_pool(
     memory = get_memory()
     layout, io_backend = memory.hicache_mem_layout, memory.hicache_io_backend
     label = f"{pool_label!r} host pool ({type(kv_pool).__name__}, layout {layout!r}, io backend {io_backend!r})"
-    if io_backend == "direct" and layout not in _DIRECT_LAYOUTS:
-        raise NotServedError(
-            f"SGLang's cache controller prepares indices for io backend 'direct' only with layouts "
-            f"{' and '.join(_DIRECT_LAYOUTS)} (HiCacheController.move_indices raises for any other at the first "
-            f"write), so the {label} could never be driven. Use --hicache-io-backend kernel, or layout "
-            "page_first_direct or layer_first."
-        )
+    check_layout_io(layout, io_backend, label)
     if get_parallel().dcp_enabled:
         raise NotServedError(
             f"hicache-sglang does not serve decode context parallelism (--dcp-size > 1) for the {label}: "
@@ -161,9 +170,10 @@ def build_kv_host_pool(
         layer_shard=layer_shard,
     )
     if use_mla:
-        return SGLangMLAHostPool(core, kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim,
+        pool = SGLangMLAHostPool(core, kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim,
                                  kv_cache_dim=info.kv_cache_dim, packed_fp8=info.packed_fp8, **common)  # fmt: skip
-    return SGLangMHAHostPool(core, **common)
+        return log_pool(pool)
+    return log_pool(SGLangMHAHostPool(core, **common))
 
 
 def _mha_info(pool: Any, label: str):

@@ -1,0 +1,127 @@
+"""hicache's L3 tier (``hicache_core.storage``: file, Redis, Mooncake URLs) as a SGLang storage backend.
+
+SGLang 0.5.23 loads third-party storage backends through its ``dynamic`` backend::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+      '{"backend_name": "hicache", "module_path": "hicache_sglang.storage", "class_name": "HicacheStorage",
+        "interface_v1": 1, "url": "redis://127.0.0.1:6379/0"}'
+
+(:func:`extra_config` builds that JSON). SGLang then calls ``batch_exists`` and the zero-copy
+``batch_get_v1`` / ``batch_set_v1`` (``interface_v1``) with its page hashes and host slots; this
+class binds hicache's backend of ``url`` to the hicache pool under SGLang's host pool, so pages
+move straight between the host pool and the store, with hicache's page header, checksum and
+namespace (model, pool geometry, rank share). Pages SGLang's own backends wrote are not read
+here, and the other way round: the formats differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from .errors import NotServedError
+
+#: Environment variable: the storage URL when the extra config names none.
+ENV_URL = "HICACHE_SGLANG_STORAGE_URL"
+
+
+def extra_config(url: str, **options: Any) -> str:
+    """The ``--hicache-storage-backend-extra-config`` JSON that plugs hicache's tier at ``url`` into SGLang."""
+    config = {"backend_name": "hicache", "module_path": __name__, "class_name": HicacheStorage.__name__,
+              "interface_v1": 1, "url": url}  # fmt: skip
+    if options:
+        config["options"] = options
+    return json.dumps(config)
+
+
+class HicacheStorage(HiCacheStorage):
+    """A SGLang ``HiCacheStorage`` whose pages live in hicache's L3 tier (any installed storage plugin).
+
+    ``extra_config``: ``url`` (or ``$HICACHE_SGLANG_STORAGE_URL``), optional ``options`` (the
+    backend's keyword options, e.g. ``{"capacity": "10GiB"}``). Bound to the host pool when SGLang
+    registers it; refused with :class:`~hicache_sglang.NotServedError` for a host pool that is not
+    hicache's, or a setup (pipeline or context parallelism, DCP) whose pages hicache's namespace
+    does not describe yet.
+    """
+
+    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        self.url = extra.get("url") or os.environ.get(ENV_URL, "")
+        if not self.url:
+            raise NotServedError(
+                'hicache storage needs a URL: put "url" (file:///dir, redis://host:port/db, mooncake://host:port) '
+                f"in --hicache-storage-backend-extra-config, or set {ENV_URL}"
+            )
+        if not extra.get("interface_v1"):
+            raise NotServedError(
+                'hicache storage moves pages straight from the host pool: put "interface_v1": 1 in '
+                "--hicache-storage-backend-extra-config (SGLang then calls batch_get_v1/batch_set_v1)"
+            )
+        for what, size in (("pipeline", storage_config.pp_size), ("attention context", storage_config.attn_cp_size),
+                           ("decode context", storage_config.dcp_size)):  # fmt: skip
+            if size != 1:
+                raise NotServedError(f"hicache storage does not serve {what} parallelism (size {size}) yet")
+        self.options = dict(extra.get("options") or {})
+        self.config = storage_config
+        self.backend: Any = None
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        from hicache_core.storage import make_storage
+
+        from .pool import SGLangHostPool
+
+        super().register_mem_pool_host(mem_pool_host)
+        if not isinstance(mem_pool_host, SGLangHostPool):
+            raise NotServedError(
+                f"hicache storage binds to hicache host pools; SGLang registered a {type(mem_pool_host).__name__} "
+                "(start the server with python -m hicache_sglang.launch_server)"
+            )
+        cfg = self.config
+        self.backend = make_storage(self.url, mem_pool_host.core, model_id=cfg.model_name or "model",
+                                    tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, replicated=cfg.is_mla_model,
+                                    **self.options)  # fmt: skip
+
+    def _bound(self) -> Any:
+        if self.backend is None:
+            raise RuntimeError("hicache storage is used before SGLang registered its host pool")
+        return self.backend
+
+    # ---- SGLang's zero-copy interface (interface_v1) ---------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        return self._bound().batch_exists(keys)
+
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        return self._bound().batch_get_into(keys, host_indices)
+
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        return self._bound().batch_set_from(keys, host_indices)
+
+    # ---- SGLang's generic interface (flat pages) --------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self._bound().exists(key)
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return self._bound().get(key, target_location)
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
+        return self._bound().batch_get(keys, target_locations)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self._bound().set(key, value)
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:  # fmt: skip
+        return self._bound().batch_set(keys, values)
+
+    def clear(self) -> None:
+        self._bound().clear()
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
