@@ -155,7 +155,8 @@ class BlockMover:
             if not model_id:
                 raise NotServedError("an L3 store needs the model's name (it is part of every key)")
             self.storage = make_storage(
-                storage_url, self.host, model_id=model_id, tp_rank=tp_rank, tp_size=tp_size, **dict(storage_options or {})
+                storage_url, self.host, model_id=model_id, tp_rank=tp_rank, tp_size=tp_size,
+                **dict(storage_options or {}),
             )
         self._streams: dict[bool, Any] = {}
         self._io: ThreadPoolExecutor | None = None
@@ -177,7 +178,9 @@ class BlockMover:
             raise IndexError(f"host chunk {int(bad[0])} is outside the host tier ({self.num_chunks} chunks)")
         pages = (chunk_ids[:, None] * bpc + np.arange(bpc)[None, :]).reshape(-1)[skip : skip + count]
         if pages.size != count:
-            raise ValueError(f"{chunk_ids.size} chunks of {bpc} blocks cannot hold {count} blocks after skipping {skip}")
+            raise ValueError(
+                f"{chunk_ids.size} chunks of {bpc} blocks cannot hold {count} blocks after skipping {skip}"
+            )
         return pages
 
     def _slots(self, pages: np.ndarray) -> torch.Tensor:
@@ -192,7 +195,9 @@ class BlockMover:
         blocks = np.asarray(block_ids, dtype=np.int64)
         bad = blocks[(blocks < 0) | (blocks >= self.device_pool.num_pages)]
         if bad.size:
-            raise IndexError(f"device block {int(bad[0])} is outside vLLM's KV cache ({self.device_pool.num_pages} blocks)")
+            raise IndexError(
+                f"device block {int(bad[0])} is outside vLLM's KV cache ({self.device_pool.num_pages} blocks)"
+            )
         return self._slots(blocks)
 
     # ---- jobs ----------------------------------------------------------------------------------

@@ -284,15 +284,17 @@ class HicacheOffloadingSpec(OffloadingSpec):
                 rows = rows.view(-1, t.page_size_bytes)
             pages.append(rows)
         for ref in kv_caches.group_data_refs[0]:
-            if ref.page_size_bytes != kv_caches.tensors[ref.tensor_idx].page_size_bytes:
+            padded = kv_caches.tensors[ref.tensor_idx].page_size_bytes
+            if ref.page_size_bytes != padded:
                 raise NotServedError(
-                    f"a layer's page is padded ({ref.page_size_bytes} of {kv_caches.tensors[ref.tensor_idx].page_size_bytes} "
-                    "bytes used): padded pages are not served"
+                    f"a layer's page is padded ({ref.page_size_bytes} of {padded} bytes used): padded pages are not "
+                    "served"
                 )
         total = sum(p.shape[1] for p in pages)
         if total != self.config.worker_kv_bytes_per_block:
             raise NotServedError(
-                f"the worker's pages hold {total} bytes per block, vLLM's config says {self.config.worker_kv_bytes_per_block}"
+                f"the worker's pages hold {total} bytes per block, vLLM's config says "
+                f"{self.config.worker_kv_bytes_per_block}"
             )
         return pages
 
@@ -311,8 +313,9 @@ class HicacheOffloadingSpec(OffloadingSpec):
                 tp_rank=self.config.parallel.rank,
                 tp_size=max(1, self.config.parallel.world_size),
             )
+            served = ", ".join(sorted(set(mover.host.implementations.values())))
             logger.info("hicache host tier: %d chunks, layout %s, io backend %s (%s)%s", self.num_chunks,
-                        self.options.layout, self.options.io_backend, ", ".join(sorted(set(mover.host.implementations.values()))),
+                        self.options.layout, self.options.io_backend, served,
                         f", L3 {self.options.storage_url}" if self.options.storage_url else "")  # fmt: skip
             self._worker = HicacheOffloadingWorker(mover)
         return self._worker
