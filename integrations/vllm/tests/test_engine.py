@@ -7,10 +7,7 @@ outputs compared token for token with the same engine without a connector.
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from vllm_run import run_python, tail
 
 pytest.importorskip("vllm", reason="vLLM's engine tests run in integrations/vllm/dev's environment")
 
@@ -18,35 +15,6 @@ from hicache_vllm.page_oracle import page_bytes  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 2, 1, 32, 32  # tiny_model.make_llama
 PAGE = page_bytes(num_kv_heads=KV_HEADS, block_size=BLOCK, head_size=HEAD, element_size=4)  # float32
-
-
-@pytest.fixture(scope="session")
-def model(tmp_path_factory):
-    from tiny_model import make_llama
-
-    return make_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
-
-
-@pytest.fixture(scope="session")
-def l3(tmp_path_factory):
-    return f"file://{tmp_path_factory.mktemp('l3')}"
-
-
-@pytest.fixture(scope="session")
-def run(model, tmp_path_factory):
-    cache: dict = {}
-
-    def go(mode: str, storage: str | None = None) -> dict:
-        if mode not in cache:
-            out = tmp_path_factory.mktemp(mode)
-            log = out / "engine.log"
-            args = ["-m", "engine_driver", mode, str(out / "result.json"), str(model)] + ([storage] if storage else [])
-            rc = run_python(args, log, timeout=240)
-            assert rc == 0, f"{mode} engine exited {rc}:\n{tail(log)}"
-            cache[mode] = {s["name"]: s for s in json.loads((out / "result.json").read_text())["steps"]}
-        return cache[mode]
-
-    return go
 
 
 def delta(steps, name, before, metric) -> float:
