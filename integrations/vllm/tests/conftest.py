@@ -28,22 +28,32 @@ def l3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def run(model, tmp_path_factory):
-    """``run(mode, storage_url=None)``: engine_driver.py's record of one engine, by step name (run once per mode)."""
+def mla_model(tmp_path_factory):
+    """A tiny random DeepSeek-V2 (multi-head latent attention; vLLM's CPU MLA backends want bf16, 512 + 64)."""
+    from tiny_model import make_mla
+
+    return make_mla(tmp_path_factory.mktemp("mla") / "tiny-deepseek-v2")
+
+
+@pytest.fixture(scope="session")
+def run(model, mla_model, tmp_path_factory):
+    """``run(mode, storage_url=None, mla=False)``: engine_driver.py's record of one engine, by step name (once each)."""
     import json
 
     from vllm_run import run_python, tail
 
     cache: dict = {}
 
-    def go(mode: str, storage: str | None = None) -> dict:
-        if mode not in cache:
-            out = tmp_path_factory.mktemp(mode)
+    def go(mode: str, storage: str | None = None, mla: bool = False) -> dict:
+        key = (mode, mla)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(mode + ("-mla" if mla else ""))
             log = out / "engine.log"
-            args = ["-m", "engine_driver", mode, str(out / "result.json"), str(model)] + ([storage] if storage else [])
-            rc = run_python(args, log, timeout=240)
+            path = mla_model if mla else model
+            args = ["-m", "engine_driver", mode, str(out / "result.json"), str(path)] + ([storage] if storage else [])
+            rc = run_python(args, log, timeout=480, extra_env={"HICACHE_TEST_DTYPE": "bfloat16"} if mla else None)
             assert rc == 0, f"{mode} engine exited {rc}:\n{tail(log)}"
-            cache[mode] = {s["name"]: s for s in json.loads((out / "result.json").read_text())["steps"]}
-        return cache[mode]
+            cache[key] = {s["name"]: s for s in json.loads((out / "result.json").read_text())["steps"]}
+        return cache[key]
 
     return go

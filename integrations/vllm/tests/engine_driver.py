@@ -8,7 +8,8 @@ module): ``python engine_driver.py MODE OUT MODEL [STORAGE_URL]``, MODE one of
 * ``corrupt``: the negative control's spec (random bytes on every load);
 * ``restart``: HicacheOffloadingSpec over STORAGE_URL in a fresh engine: the prefix first, from L3.
 
-Scenario: prefix A; B, C, D (A leaves the 15-block device cache); A again; then a batch that does
+Scenario: prefix A, twice (the second from vLLM's device prefix cache);
+B, C, D (A leaves the 15-block device cache); A again; then a batch that does
 not fit the device cache (preemptions). Greedy, fixed lengths, float32.
 """
 
@@ -35,7 +36,8 @@ def engine_args(mode: str, model: str, storage_url: str | None) -> dict:
     from vllm.config import KVTransferConfig
 
     args = dict(model=model, block_size=BLOCK, num_gpu_blocks_override=DEVICE_BLOCKS, max_model_len=384,
-                max_num_seqs=4, max_num_batched_tokens=512, enable_prefix_caching=True, dtype="float32",
+                max_num_seqs=4, max_num_batched_tokens=512, enable_prefix_caching=True,
+                dtype=os.environ.get("HICACHE_TEST_DTYPE", "float32"),
                 seed=0, disable_log_stats=False, enforce_eager=True)  # fmt: skip
     if mode == "baseline":
         return args
@@ -77,6 +79,7 @@ def main() -> None:
     if mode == "restart":
         run("A from L3", [a])
     run("A", [a])
+    run("A twice", [a])  # from vLLM's own device prefix cache: the same compute path as a reload
     for s in (2, 3, 4):
         run(f"evict {s}", [prompt_ids(s, PREFIX)])
     run("A again", [a])

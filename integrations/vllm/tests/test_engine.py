@@ -27,6 +27,7 @@ def test_evicted_prefix_comes_back_from_the_host_tier_with_equal_outputs(run, l3
     cached = hi["A again"]["cached"][0]
     assert cached >= 224, f"only {cached} of 256 prefix tokens came back"
     assert hi["A again"]["tokens"] == base["A again"]["tokens"] == base["A"]["tokens"]
+    assert hi["A twice"]["tokens"] == base["A twice"]["tokens"]
     for name in ("A", "evict 2", "evict 3", "evict 4"):
         assert hi[name]["tokens"] == base[name]["tokens"], name
 
@@ -64,3 +65,18 @@ def test_restarted_engine_serves_the_prefix_from_l3(run, l3):
     assert first["metrics"].get("vllm:kv_offload_load_bytes", 0) == first["cached"][0] // BLOCK * LAYERS * PAGE
     assert first["tokens"] == base["A"]["tokens"]
     assert again["A again"]["tokens"] == base["A again"]["tokens"]
+
+
+def test_mla_model_reloads_byte_exact(run):
+    """DeepSeek-V2's latent cache (vLLM's AMX/CPU MLA backends, bf16, 576-wide rows) through the same kind.
+
+    In bf16 a prefix computed afresh and a prefix reused run different kernels, so the reload is compared
+    with vLLM's own device prefix-cache hit of the same prefix ("A twice"): identical bytes give identical
+    tokens there."""
+    base, hi = run("baseline", mla=True), run("hicache", mla=True)
+    cached = hi["A again"]["cached"][0]
+    assert cached >= 224, f"only {cached} of 256 MLA prefix tokens came back"
+    mla_page = BLOCK * (512 + 64) * 2  # one latent + rope row per token, bf16
+    assert delta(hi, "A again", "evict 4", "vllm:kv_offload_load_bytes") == cached // BLOCK * LAYERS * mla_page
+    assert hi["A again"]["tokens"] == base["A twice"]["tokens"] == hi["A twice"]["tokens"]
+    assert hi["batch"]["tokens"] == base["batch"]["tokens"]

@@ -39,10 +39,11 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-def run_python(args: list[str], log: Path, timeout: float) -> int:
+def run_python(args: list[str], log: Path, timeout: float, extra_env: dict[str, str] | None = None) -> int:
     """Run ``python args...`` to completion (at most ``timeout`` s); its output goes to ``log``."""
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, env=env(),
+        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT,
+                                env={**env(), **(extra_env or {})},
                                 start_new_session=True)  # fmt: skip
         try:
             return proc.wait(timeout=timeout)
