@@ -27,6 +27,10 @@ def l3(tmp_path_factory):
     return f"file://{tmp_path_factory.mktemp('l3')}"
 
 
+#: The MLA engines: bf16 (vLLM's CPU MLA backends want it), and no preemption batch (bf16 MLA decode is slow here).
+MLA_ENV = {"HICACHE_TEST_DTYPE": "bfloat16", "HICACHE_TEST_NO_BATCH": "1"}
+
+
 @pytest.fixture(scope="session")
 def mla_model(tmp_path_factory):
     """A tiny random DeepSeek-V2 (multi-head latent attention; vLLM's CPU MLA backends want bf16, 512 + 64)."""
@@ -51,7 +55,7 @@ def run(model, mla_model, tmp_path_factory):
             log = out / "engine.log"
             path = mla_model if mla else model
             args = ["-m", "engine_driver", mode, str(out / "result.json"), str(path)] + ([storage] if storage else [])
-            rc = run_python(args, log, timeout=480, extra_env={"HICACHE_TEST_DTYPE": "bfloat16"} if mla else None)
+            rc = run_python(args, log, timeout=480, extra_env=MLA_ENV if mla else None)
             assert rc == 0, f"{mode} engine exited {rc}:\n{tail(log)}"
             cache[key] = {s["name"]: s for s in json.loads((out / "result.json").read_text())["steps"]}
         return cache[key]
