@@ -28,7 +28,7 @@ def l3(tmp_path_factory):
 
 
 #: The MLA engines: bf16 (vLLM's CPU MLA backends want it), and no preemption batch (bf16 MLA decode is slow here).
-MLA_ENV = {"HICACHE_TEST_DTYPE": "bfloat16", "HICACHE_TEST_NO_BATCH": "1"}
+MLA_ENV = {"HICACHE_TEST_DTYPE": "bfloat16", "HICACHE_TEST_NO_BATCH": "1", "HICACHE_TEST_PREFIX": "272"}
 
 
 @pytest.fixture(scope="session")
