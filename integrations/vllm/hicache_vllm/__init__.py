@@ -1,0 +1,41 @@
+"""vLLM's ``OffloadingConnector`` with hicache as its host tier and L3.
+
+vLLM loads the spec by name::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_module_path": "hicache_vllm",
+                                    "spec_name": "HicacheOffloadingSpec",
+                                    "cpu_bytes_to_use": 4000000000}}'
+
+``HicacheOffloadingSpec`` imports vLLM (and checks its version) on first use; the block mover
+(:mod:`hicache_vllm.mover`) and the pool kind (:mod:`hicache_vllm.pool_kind`) import without vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .errors import NotServedError
+from .version import SERVED_VLLM_VERSIONS
+
+_LAZY = {
+    "HicacheOffloadingSpec": "spec",
+    "HicacheOffloadingManager": "spec",
+    "HicacheOffloadingWorker": "spec",
+    "HicacheLoadStoreSpec": "spec",
+    "BlockMover": "mover",
+    "VllmPagePool": "pool_kind",
+    "VLLM_PAGE": "pool_kind",
+}
+
+__all__ = ["NotServedError", "SERVED_VLLM_VERSIONS", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicache_vllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

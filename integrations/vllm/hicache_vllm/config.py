@@ -1,0 +1,95 @@
+"""``kv_connector_extra_config`` of the hicache spec: vLLM's CPU spec's keys plus hicache's, checked once.
+
+A vLLM user switches from ``CPUOffloadingSpec`` by changing ``spec_name`` and ``spec_module_path``:
+every key vLLM 0.32's CPU spec and OffloadingConnector read means here what it means there. A key
+neither knows is refused, naming the keys that are known, rather than ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import NotServedError
+
+#: Keys vLLM 0.32.0 itself reads from kv_connector_extra_config for an offloading spec
+#: (the connector, OffloadingSpec and CPUOffloadingSpec), passed through unchanged.
+VLLM_KEYS = frozenset({
+    "spec_name", "spec_module_path",                       # vllm/v1/kv_offload/factory.py
+    "cpu_bytes_to_use", "eviction_policy", "cache_policy_module_path",
+    "store_threshold", "max_tracker_size",                 # vllm/v1/kv_offload/cpu/spec.py
+    "offload_prompt_only", "self_describing_kv_events",    # vllm/v1/kv_offload/base.py
+    "block_size", "blocks_per_chunk", "canonical_layout",  # .../offloading/config.py
+})  # fmt: skip
+
+#: hicache's own keys.
+HICACHE_KEYS = {
+    "hicache_layout": "host layout: page_first (default; a chunk's layers in one run, one L3 object), layer_first, "
+    "page_first_direct",
+    "hicache_io_backend": "io backend: auto (default), direct, kernel, jit, torch, or any installed plugin's",
+    "hicache_storage_url": "L3 behind the host tier: file:///dir, redis://host:port/db, mooncake://host:port",
+    "hicache_storage_options": "a dict of the store's options (as in the URL's query)",
+}
+
+
+@dataclass(frozen=True)
+class HicacheOptions:
+    """hicache's settings, from the extra config."""
+
+    layout: str = "page_first"
+    io_backend: str = "auto"
+    storage_url: str | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def parse_extra_config(extra: Mapping[str, Any]) -> HicacheOptions:
+    """Check every key and return hicache's options; raises :class:`NotServedError` naming what is wrong."""
+    unknown = sorted(set(extra) - VLLM_KEYS - set(HICACHE_KEYS))
+    if unknown:
+        hint = ""
+        if "secondary_tiers" in unknown:
+            hint = " (vLLM's TieringOffloadingSpec key: with hicache, L3 is hicache_storage_url)"
+        raise NotServedError(
+            f"kv_connector_extra_config has key(s) HicacheOffloadingSpec does not know: {', '.join(unknown)}{hint}. "
+            f"vLLM's keys: {', '.join(sorted(VLLM_KEYS))}. hicache's keys: "
+            + "; ".join(f"{k} ({v})" for k, v in HICACHE_KEYS.items())
+        )
+    if not extra.get("cpu_bytes_to_use"):
+        raise NotServedError("cpu_bytes_to_use must be given in kv_connector_extra_config (bytes for the host tier)")
+    try:
+        cpu_bytes = int(extra["cpu_bytes_to_use"])
+    except (TypeError, ValueError):
+        raise NotServedError(f"cpu_bytes_to_use must be a number of bytes, got {extra['cpu_bytes_to_use']!r}") from None
+    if cpu_bytes <= 0:
+        raise NotServedError(f"cpu_bytes_to_use must be positive, got {cpu_bytes}")
+    if extra.get("canonical_layout"):
+        raise NotServedError(
+            "canonical_layout is not served by HicacheOffloadingSpec: hicache keeps this worker's own pages "
+            "(drop canonical_layout, or use vLLM's TieringOffloadingSpec)"
+        )
+    out: dict[str, Any] = {}
+    for key, name in (("hicache_layout", "layout"), ("hicache_io_backend", "io_backend")):
+        if key in extra:
+            value = extra[key]
+            if not isinstance(value, str) or not value:
+                raise NotServedError(f"{key} must be a non-empty string, got {value!r}")
+            out[name] = value
+    url = extra.get("hicache_storage_url")
+    if url is not None:
+        if not isinstance(url, str) or "://" not in url:
+            raise NotServedError(f"hicache_storage_url must be a URL such as file:///dir, got {url!r}")
+        out["storage_url"] = url
+        if int(extra.get("store_threshold", 0) or 0) >= 2:
+            raise NotServedError(
+                "store_threshold >= 2 with hicache_storage_url is not served: pages promoted from L3 enter the host "
+                "tier without being offered twice"
+            )
+    options = extra.get("hicache_storage_options")
+    if options is not None:
+        if not isinstance(options, Mapping):
+            raise NotServedError(f"hicache_storage_options must be a dict, got {type(options).__name__}")
+        if url is None:
+            raise NotServedError("hicache_storage_options given without hicache_storage_url")
+        out["storage_options"] = dict(options)
+    return HicacheOptions(**out)

@@ -1,0 +1,371 @@
+"""Moves vLLM's KV blocks between its device pages and a hicache host pool (and L3 behind it).
+
+This is the worker's engine room, written without vLLM so that its CUDA path is tested where
+vLLM's CUDA wheel cannot go. Semantics are vLLM's ``OffloadingWorker``'s:
+
+* a store reads device blocks only after the work queued on the caller's stream (the model
+  writing them); a load writes device blocks on a stream of its own, after the caller's stream
+  (vLLM's zeroing of reused blocks);
+* a job is finished (``get_finished``) only once its bytes have landed: device copies done (an
+  event, on CUDA), and, with L3, pages read from the store and verified before the load copies,
+  pages written to the store before the store job ends (so the host page is never reused while
+  the store still reads it);
+* ``wait(jobs)`` returns once those jobs are finished in that sense;
+* a job that cannot deliver its bytes (a page the store no longer holds or that fails its
+  checksum) raises, in ``get_finished`` or ``wait``: vLLM 0.32's connector has no path for a failed
+  load, and a request must never run on KV that did not arrive.
+
+Host pages: chunk ``c`` of ``blocks_per_chunk`` device blocks is host pages
+``c * blocks_per_chunk .. + blocks_per_chunk - 1`` (hicache pages are one device block).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache_core import BACKUP_ALL, LOAD, make_host_pool
+
+from .errors import NotServedError
+from .pool_kind import VllmPagePool
+
+log = logging.getLogger("hicache_vllm")
+
+DEFAULT_LAYOUT = "page_first"
+DEFAULT_IO_BACKEND = "auto"
+
+
+def _outside_inference_mode(run):
+    """vLLM's worker runs in torch's inference mode; hicache's index caches key on tensor version
+    counters, which inference-mode tensors lack. The copies move bytes by address, so running them
+    outside inference mode changes nothing else."""
+
+    def wrapped() -> None:
+        with torch.inference_mode(False):
+            run()
+
+    return wrapped
+
+
+class TransferFailed(RuntimeError):
+    """A job could not deliver its bytes; the request it serves must not run on them."""
+
+
+@dataclass
+class Job:
+    """One submitted transfer: finished when its future (storage, copies off-thread) and event are done."""
+
+    job_id: int
+    is_load: bool
+    num_bytes: int
+    started: float
+    event: Any = None  # torch.cuda.Event recorded after the device copies
+    start_event: Any = None
+    future: Future | None = None
+    seconds: float | None = None
+    error: BaseException | None = field(default=None, repr=False)
+
+    def done(self) -> bool:
+        if self.future is not None and not self.future.done():
+            return False
+        if self.event is not None and not self.event.query():
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished job, for vLLM's ``TransferResult``: bytes over the device link and the seconds it took."""
+
+    job_id: int
+    is_load: bool
+    num_bytes: int
+    seconds: float
+
+
+class BlockMover:
+    """vLLM's device pages <-> a hicache host pool of ``num_chunks`` chunks, through hicache's dispatcher.
+
+    :param device_pages: one ``[num_blocks, page_bytes]`` int8 view per layer (vLLM's canonical tensors).
+    :param block_size: tokens per vLLM block.
+    :param num_chunks: host chunks (vLLM's manager hands out chunk ids ``0 .. num_chunks - 1``).
+    :param blocks_per_chunk: device blocks per host chunk (vLLM's ``block_size`` / GPU block size).
+    :param layout: hicache host layout (``page_first``: a chunk's layers are one contiguous run, one
+        object in L3; ``layer_first``: vLLM's own CPU arrangement, one buffer row per layer).
+    :param io_backend: hicache io backend (``auto`` picks per operation; ``direct``, ``kernel``, ...).
+    :param storage_url: an L3 store behind the host tier (``file:///dir``, ``redis://...``, ``mooncake://...``).
+    :param storage_options: options for the store (as in the URL's query).
+    :param model_id: the model's name, part of every L3 key.
+    """
+
+    def __init__(
+        self,
+        device_pages: Sequence[torch.Tensor],
+        *,
+        block_size: int,
+        num_chunks: int,
+        blocks_per_chunk: int = 1,
+        layout: str = DEFAULT_LAYOUT,
+        io_backend: str = DEFAULT_IO_BACKEND,
+        storage_url: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        model_id: str | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pin_memory: bool = True,
+    ) -> None:
+        if num_chunks < 1:
+            raise NotServedError(
+                f"the host tier has room for {num_chunks} chunks: raise cpu_bytes_to_use (one chunk here is "
+                f"{blocks_per_chunk} blocks of {len(device_pages)} layer pages)"
+            )
+        if storage_url and blocks_per_chunk != 1:
+            raise NotServedError(
+                "hicache_storage_url needs one device block per offloaded chunk (vLLM's block_size equal to the "
+                f"GPU block size); this has {blocks_per_chunk} blocks per chunk"
+            )
+        self.device_pool = VllmPagePool(device_pages, block_size)
+        self.block_size = int(block_size)
+        self.blocks_per_chunk = int(blocks_per_chunk)
+        self.num_chunks = int(num_chunks)
+        self.layers = self.device_pool.layer_num
+        self.page_bytes = self.device_pool.page_bytes
+        self.io_backend = io_backend
+        self.host = make_host_pool(
+            self.device_pool,
+            layout=layout,
+            io_backend=io_backend,
+            size=self.num_chunks * self.blocks_per_chunk * self.block_size,
+            pin_memory=pin_memory,
+            operations=[LOAD, BACKUP_ALL],
+        )
+        self.cuda = self.device_pool.device.type == "cuda"
+        self.storage = None
+        if storage_url:
+            from hicache_core.storage import make_storage
+
+            if not model_id:
+                raise NotServedError("an L3 store needs the model's name (it is part of every key)")
+            self.storage = make_storage(
+                storage_url, self.host, model_id=model_id, tp_rank=tp_rank, tp_size=tp_size,
+                **dict(storage_options or {}),
+            )
+        self._streams: dict[bool, Any] = {}
+        self._io: ThreadPoolExecutor | None = None
+        self._jobs: dict[int, Job] = {}
+        self._lock = threading.Lock()
+        self.storage_write_failures = 0
+        self._offsets = torch.arange(self.block_size, dtype=torch.int64)
+
+    # ---- index arithmetic -----------------------------------------------------------------------
+
+    def host_pages(self, chunk_ids: np.ndarray, count: int, skip: int) -> np.ndarray:
+        """Host pages of ``count`` device blocks starting ``skip`` blocks into the first chunk."""
+        chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
+        bpc = self.blocks_per_chunk
+        if chunk_ids.ndim != 1 or not 0 <= skip < bpc:
+            raise ValueError(f"chunk ids must be 1-D and skip in [0, {bpc}), got {chunk_ids.shape}, skip {skip}")
+        bad = chunk_ids[(chunk_ids < 0) | (chunk_ids >= self.num_chunks)]
+        if bad.size:
+            raise IndexError(f"host chunk {int(bad[0])} is outside the host tier ({self.num_chunks} chunks)")
+        pages = (chunk_ids[:, None] * bpc + np.arange(bpc)[None, :]).reshape(-1)[skip : skip + count]
+        if pages.size != count:
+            raise ValueError(
+                f"{chunk_ids.size} chunks of {bpc} blocks cannot hold {count} blocks after skipping {skip}"
+            )
+        return pages
+
+    def _slots(self, pages: np.ndarray) -> torch.Tensor:
+        """hicache's indices for whole pages: every token slot of each page, in page order."""
+        # Made outside inference mode (vLLM's worker runs in it): hicache reuses converted indices by
+        # the tensor's version counter, which inference tensors do not have.
+        with torch.inference_mode(False):
+            p = torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int64))
+            return (p[:, None] * self.block_size + self._offsets[None, :]).reshape(-1)
+
+    def _device_slots(self, block_ids: np.ndarray) -> torch.Tensor:
+        blocks = np.asarray(block_ids, dtype=np.int64)
+        bad = blocks[(blocks < 0) | (blocks >= self.device_pool.num_pages)]
+        if bad.size:
+            raise IndexError(
+                f"device block {int(bad[0])} is outside vLLM's KV cache ({self.device_pool.num_pages} blocks)"
+            )
+        return self._slots(blocks)
+
+    # ---- jobs ----------------------------------------------------------------------------------
+
+    def submit_store(self, job_id: int, block_ids: np.ndarray, chunk_ids: np.ndarray, skip: int = 0,
+                     storage_keys: Sequence[str] | None = None) -> None:  # fmt: skip
+        """Copy device blocks ``block_ids`` into host chunks ``chunk_ids`` (and, with L3, on to the store)."""
+        self._check_new(job_id)
+        count = len(block_ids)
+        pages = self.host_pages(chunk_ids, count, skip)
+        host_slots, dev_slots = self._slots(pages), self._device_slots(block_ids)
+        job = Job(job_id, False, count * self.layers * self.page_bytes, time.perf_counter())
+        if count:
+            self._copy(job, lambda: self.host.backup_from_device_all_layer(self.device_pool, host_slots, dev_slots,
+                                                                          self.io_backend))  # fmt: skip
+        if self.storage is not None and storage_keys:
+            keys = list(storage_keys)
+            if len(keys) != len(pages):
+                raise ValueError(f"{len(keys)} storage keys for {len(pages)} stored pages")
+            event = job.event
+            job.future = self._pool().submit(self._write_through, event, keys, host_slots)
+        self._jobs[job_id] = job
+
+    def submit_load(self, job_id: int, chunk_ids: np.ndarray, block_ids: np.ndarray, skip: int = 0,
+                    fetch: Sequence[tuple[int, str]] = ()) -> None:  # fmt: skip
+        """Copy host chunks into device blocks; ``fetch`` names chunks to read from L3 first (position, key)."""
+        self._check_new(job_id)
+        count = len(block_ids)
+        pages = self.host_pages(chunk_ids, count, skip)
+        host_slots, dev_slots = self._slots(pages), self._device_slots(block_ids)
+        job = Job(job_id, True, count * self.layers * self.page_bytes, time.perf_counter())
+
+        def copies() -> None:
+            for layer in range(self.layers):
+                self.host.load_to_device_per_layer(self.device_pool, host_slots, dev_slots, layer, self.io_backend)
+
+        if fetch:
+            if self.storage is None:
+                raise ValueError("a load asks for pages from L3, but this worker has no store")
+            chunk_ids = np.asarray(chunk_ids, dtype=np.int64)
+            keys = [key for _, key in fetch]
+            fetch_pages = np.array([chunk_ids[pos] for pos, _ in fetch], dtype=np.int64)
+            fetch_slots = self._slots(fetch_pages)
+            after = self._record_after_caller() if self.cuda else None
+            job.future = self._pool().submit(self._fetch_then_copy, job, keys, fetch_slots, after, copies, count)
+        elif count:
+            self._copy(job, copies)
+        self._jobs[job_id] = job
+
+    def get_finished(self) -> list[Finished]:
+        """Jobs whose bytes have all landed, since the last call; raises for a job that failed."""
+        out = []
+        for job_id in [j for j, job in self._jobs.items() if job.done()]:
+            job = self._jobs.pop(job_id)
+            out.append(self._result(job))
+        return out
+
+    def wait(self, job_ids: set[int] | Sequence[int]) -> None:
+        """Block until these jobs are finished (their results still come from ``get_finished``)."""
+        for job_id in job_ids:
+            job = self._jobs.get(job_id)
+            if job is None:
+                continue
+            if job.future is not None:
+                job.future.exception()
+            if job.event is not None:
+                job.event.synchronize()
+
+    def shutdown(self) -> None:
+        """Finish every job in flight, then release the store and the host pool."""
+        errors = []
+        for job in list(self._jobs.values()):
+            try:
+                self.wait([job.job_id])
+            except Exception as exc:  # noqa: BLE001 - every job is drained before the first error is raised
+                errors.append(exc)
+        self._jobs.clear()
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+        if self.storage is not None:
+            self.storage.close()
+            self.storage = None
+        self.host.destroy()
+        if errors:
+            raise errors[0]
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _check_new(self, job_id: int) -> None:
+        if job_id in self._jobs:
+            raise ValueError(f"job {job_id} is already in flight")
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._io is None:
+            # One thread: L3 work of jobs runs in submission order, and never beside itself on one page.
+            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-vllm-l3")
+        return self._io
+
+    def _stream(self, is_load: bool):
+        stream = self._streams.get(is_load)
+        if stream is None:
+            stream = self._streams[is_load] = torch.cuda.Stream(device=self.device_pool.device)
+        return stream
+
+    def _record_after_caller(self):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device_pool.device))
+        return event
+
+    def _copy(self, job: Job, run, after=None) -> None:
+        """Run the copies: on CUDA on this direction's stream after the caller's work, else now."""
+        run = _outside_inference_mode(run)
+        if not self.cuda:
+            t0 = time.perf_counter()
+            run()
+            job.seconds = time.perf_counter() - t0
+            return
+        stream = self._stream(job.is_load)
+        if after is None:
+            stream.wait_stream(torch.cuda.current_stream(self.device_pool.device))
+        else:
+            stream.wait_event(after)
+        job.start_event = torch.cuda.Event(enable_timing=True)
+        job.event = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            job.start_event.record(stream)
+            run()
+            job.event.record(stream)
+
+    def _write_through(self, event, keys: list[str], host_slots: torch.Tensor) -> None:
+        if event is not None:
+            event.synchronize()
+        results = self.storage.write_pages(keys, host_slots)
+        failed = [r for r in results if not r.ok]
+        if failed:
+            # The host tier holds these pages; the store only misses them later (a counted miss, not a wrong load).
+            with self._lock:
+                self.storage_write_failures += len(failed)
+            log.warning("hicache-vllm: %d of %d pages were not written to %s: %s", len(failed), len(results),
+                        self.storage.url.raw, failed[0].detail or failed[0].status.value)  # fmt: skip
+
+    def _fetch_then_copy(self, job: Job, keys, fetch_slots, after, copies, count) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device_pool.device)
+        results = self.storage.read_pages(keys, fetch_slots)
+        bad = [r for r in results if not r.ok]
+        if bad:
+            raise TransferFailed(
+                f"job {job.job_id}: {len(bad)} of {len(keys)} pages could not be read back from "
+                f"{self.storage.url.raw} ({bad[0].status.value}: {bad[0].detail}); the request they belong to cannot "
+                "run on KV that did not arrive (vLLM 0.32's connector has no path for a failed load)"
+            )
+        if count:
+            self._copy(job, copies, after=after)
+        if job.event is not None:
+            job.event.synchronize()
+
+    def _result(self, job: Job) -> Finished:
+        if job.future is not None:
+            exc = job.future.exception()
+            if exc is not None:
+                if isinstance(exc, TransferFailed):
+                    raise exc
+                raise TransferFailed(f"job {job.job_id} failed: {type(exc).__name__}: {exc}") from exc
+        seconds = job.seconds
+        if job.event is not None and job.start_event is not None:
+            seconds = job.start_event.elapsed_time(job.event) * 1e-3
+        if seconds is None:
+            seconds = time.perf_counter() - job.started
+        return Finished(job.job_id, job.is_load, job.num_bytes, seconds)

@@ -1,0 +1,82 @@
+"""vLLM 0.32's own offline engine with HicacheOffloadingSpec: evictions, reloads, preemptions, L3, metrics.
+
+Each engine runs ``engine_driver.py`` in a process of its own (vLLM's EngineCore and Worker processes
+under it, killed with its process group). A tiny random Llama made by the test; greedy decoding;
+outputs compared token for token with the same engine without a connector.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM's engine tests run in integrations/vllm/dev's environment")
+
+from hicache_vllm.page_oracle import page_bytes  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD, BLOCK = 2, 1, 32, 32  # tiny_model.make_llama
+PAGE = page_bytes(num_kv_heads=KV_HEADS, block_size=BLOCK, head_size=HEAD, element_size=4)  # float32
+
+
+def delta(steps, name, before, metric) -> float:
+    return steps[name]["metrics"].get(metric, 0) - steps[before]["metrics"].get(metric, 0)
+
+
+def test_evicted_prefix_comes_back_from_the_host_tier_with_equal_outputs(run, l3):
+    base, hi = run("baseline"), run("hicache", l3)
+    assert base["A again"]["cached"] == [0], "the baseline's device cache should have evicted the prefix"
+    cached = hi["A again"]["cached"][0]
+    assert cached >= 224, f"only {cached} of 256 prefix tokens came back"
+    assert hi["A again"]["tokens"] == base["A again"]["tokens"] == base["A"]["tokens"]
+    assert hi["A twice"]["tokens"] == base["A twice"]["tokens"]
+    for name in ("A", "evict 2", "evict 3", "evict 4"):
+        assert hi[name]["tokens"] == base[name]["tokens"], name
+
+
+def test_vllm_metrics_show_the_loads(run, l3):
+    hi = run("hicache", l3)
+    cached = hi["A again"]["cached"][0]
+    assert delta(hi, "A again", "evict 4", "vllm:external_prefix_cache_hits") == cached
+    # Bytes over the device link: every loaded block, every layer, a whole page each.
+    assert delta(hi, "A again", "evict 4", "vllm:kv_offload_load_bytes") == cached // BLOCK * LAYERS * PAGE
+    assert hi["evict 4"]["metrics"].get("vllm:kv_offload_store_bytes", 0) >= 4 * 8 * LAYERS * PAGE
+
+
+def test_batch_with_preemptions_equals_the_engine_without_a_connector(run, l3):
+    base, hi = run("baseline"), run("hicache", l3)
+    assert delta(base, "batch", "A again", "vllm:num_preemptions") > 0, "the batch did not preempt: no test"
+    assert delta(hi, "batch", "A again", "vllm:num_preemptions") > 0
+    assert hi["batch"]["tokens"] == base["batch"]["tokens"]
+
+
+def test_corrupted_loads_change_the_outputs(run):
+    base, bad = run("baseline"), run("corrupt")
+    assert bad["A again"]["cached"][0] >= 224, "the negative control must load the prefix to mean anything"
+    assert bad["A"]["tokens"] == base["A"]["tokens"]
+    assert bad["A again"]["tokens"] != base["A again"]["tokens"], "random KV bytes did not change the outputs"
+
+
+def test_restarted_engine_serves_the_prefix_from_l3(run, l3):
+    base = run("baseline")
+    run("hicache", l3)  # the first engine wrote its offloaded pages through to L3, then exited
+    again = run("restart", l3)
+    first = again["A from L3"]
+    assert first["cached"][0] >= 224, f"a restarted engine found {first['cached'][0]} prefix tokens in L3"
+    assert first["metrics"].get("vllm:external_prefix_cache_hits", 0) == first["cached"][0]
+    assert first["metrics"].get("vllm:kv_offload_load_bytes", 0) == first["cached"][0] // BLOCK * LAYERS * PAGE
+    assert first["tokens"] == base["A"]["tokens"]
+    assert again["A again"]["tokens"] == base["A again"]["tokens"]
+
+
+def test_mla_model_reloads_byte_exact(run):
+    """DeepSeek-V2's latent cache (vLLM's AMX/CPU MLA backends, bf16, 576-wide rows) through the same kind.
+
+    In bf16 a prefix computed afresh and a prefix reused run different kernels, and so does a different
+    split between cached and computed tokens. So the 272-token prefix (8 whole blocks and 16 tokens) is
+    compared with vLLM's own device prefix-cache hit of it ("A twice": the same 8 blocks cached, the same
+    16 tokens computed): identical bytes give identical tokens there."""
+    base, hi = run("baseline", mla=True), run("hicache", mla=True)
+    cached = hi["A again"]["cached"][0]
+    assert cached == base["A twice"]["cached"][0] == 256, f"{cached} MLA prefix tokens came back"
+    mla_page = BLOCK * (512 + 64) * 2  # one latent + rope row per token, bf16
+    assert delta(hi, "A again", "evict 4", "vllm:kv_offload_load_bytes") == cached // BLOCK * LAYERS * mla_page
+    assert hi["A again"]["tokens"] == base["A twice"]["tokens"] == hi["A twice"]["tokens"]
