@@ -71,7 +71,9 @@ class IndexCache:
 
     Holding the source tensor keeps its memory from being reused by another tensor while the
     entry lives, so identity plus torch's version counter (bumped by every in-place write
-    through torch) is a safe key.
+    through torch) is a safe key. Inference tensors (made under ``torch.inference_mode``) have no
+    version counter, so an in-place write to one could not be seen: they are converted on every
+    call and never cached.
     """
 
     def __init__(self) -> None:
@@ -80,6 +82,8 @@ class IndexCache:
         self._side_streams: dict[int, torch.cuda.Stream] = {}
 
     def lookup(self, src: torch.Tensor, key: tuple) -> torch.Tensor | None:
+        if src.is_inference():
+            return None
         version = src._version
         for entry in self._entries:
             if entry[0] is src and entry[1] == version and entry[2] == key:
@@ -87,6 +91,8 @@ class IndexCache:
         return None
 
     def store(self, src: torch.Tensor, key: tuple, converted: torch.Tensor) -> torch.Tensor:
+        if src.is_inference():
+            return converted
         with self._lock:
             self._entries.insert(0, (src, src._version, key, converted))
             del self._entries[CACHE_ENTRIES:]

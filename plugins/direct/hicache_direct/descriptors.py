@@ -215,6 +215,9 @@ class DescriptorBuilder:
     def runs(self, host: torch.Tensor, device: torch.Tensor, device_rows: int) -> Runs:
         """Runs of ``(host, device)`` item pairs (CPU int32/int64 tensors of equal length), bounds checked."""
         bufs = self._buffers()
+        if host.is_inference() or device.is_inference():
+            # No version counter (made under torch.inference_mode): an in-place write could not be seen.
+            return self._find_runs(host.numpy(), device.numpy(), device_rows)[0]
         for entry in bufs.cache:
             # Same tensor objects (kept alive here, so their ids cannot be reused), unmodified since
             # (torch's version counter, shared by every view), checked against the same bound.
