@@ -42,7 +42,7 @@ def measure_dispatch_overhead(calls: int = 200_000) -> dict[str, float]:
             pass
 
     class Plugin:
-        from .hookspecs import hookimpl
+        from ...hookspecs import hookimpl
 
         @hookimpl
         def hicache_register_backends(self, register):

@@ -54,11 +54,7 @@ class RedisStorage(StorageBackend):
 
     def __init__(self, url: StorageURL, **options: Any) -> None:
         super().__init__(url, **options)
-        try:
-            import redis
-        except ImportError as exc:
-            raise StorageError("redis:// needs the redis package: pip install redis==8.1.0 hiredis==3.5.0") from exc
-        self._redis = redis
+        # Options first: a bad value is the caller's error whether or not the client is installed.
         db = url.path.strip("/") or "0"
         if not db.isdigit():
             raise ValueError(f"redis:// takes a database number as its path (redis://host:port/0), got {url.path!r}")
@@ -66,6 +62,11 @@ class RedisStorage(StorageBackend):
         self.timeout = option_float(options.get("timeout", 10.0), "timeout")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             raise ValueError(f"option timeout={options.get('timeout')!r} must be a positive number of seconds")
+        try:
+            import redis
+        except ImportError as exc:
+            raise StorageError("redis:// needs the redis package: pip install redis==8.1.0 hiredis==3.5.0") from exc
+        self._redis = redis
         self.pipeline_bytes = option_bytes(options.get("pipeline_bytes", PIPELINE_BYTES), "pipeline_bytes")
         if self.pipeline_bytes < 1:
             raise ValueError("option pipeline_bytes must be at least 1 byte")

@@ -53,6 +53,7 @@ def test_user_info_credentials_are_used_and_never_printed(own_redis, capsys):
 
 
 def test_check_explains_a_server_that_is_down_and_a_bad_url(capsys):
+    pytest.importorskip("redis", reason="the message names a server that is down: the client must be there to try it")
     from hicache_core.cli import main
     from hicache_core.testing.servers import free_port
 
