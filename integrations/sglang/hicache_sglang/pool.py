@@ -49,7 +49,7 @@ class DeviceView:
             setattr(self, name, value)
 
 
-class SGLangHostPool:
+class SGLangHostPool(pool_api.CoreSlots):
     """hicache's host pool, speaking SGLang 0.5.23's host-pool API (``HostKVCache``).
 
     Attributes SGLang reads: ``kv_buffer`` (``k_buffer``/``v_buffer``), ``layout``,
@@ -144,20 +144,6 @@ class SGLangHostPool:
     @property
     def logical_page_size(self) -> int:
         return self.page_size
-
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        """``need_size`` free host slots (whole pages), or ``None`` when the pool is full."""
-        return self.core.alloc(need_size)
-
-    def free(self, indices: torch.Tensor) -> int:
-        """Give slots back; a slot freed twice raises."""
-        return self.core.free(indices)
-
-    def available_size(self) -> int:
-        return self.core.available_size()
-
-    def clear(self) -> None:
-        self.core.clear()
 
     # ---- transfers --------------------------------------------------------------------------------
 

@@ -15,6 +15,26 @@ from typing import Any
 import torch
 
 
+class CoreSlots:
+    """SGLang's allocator members, answered by the hicache pool in ``self.core`` (whole pages of slots)."""
+
+    core: Any
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """``need_size`` free host slots (whole pages), or ``None`` when the pool is full."""
+        return self.core.alloc(need_size)
+
+    def free(self, indices: torch.Tensor) -> int:
+        """Give slots back; a slot freed twice raises."""
+        return self.core.free(indices)
+
+    def available_size(self) -> int:
+        return self.core.available_size()
+
+    def clear(self) -> None:
+        self.core.clear()
+
+
 def head_geometry(pool: Any) -> tuple[int, int, int]:
     """``(head_num, head_dim, v_head_dim)`` of an MHA pool (rows per token, elements per row)."""
     comps = pool.geometry.components

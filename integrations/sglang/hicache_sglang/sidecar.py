@@ -34,7 +34,7 @@ class SidecarView:
         self.end_layer = self.layer_num = len(buffers)
 
 
-class SGLangSidecarHostPool:
+class SGLangSidecarHostPool(pool_api.CoreSlots):
     """hicache's host pool with a SGLang sidecar's members (layer map, drafts, page-row indices).
 
     :param core: the hicache pool over ``view`` (and one view per draft).
@@ -42,6 +42,8 @@ class SGLangSidecarHostPool:
     :param draft_layer_base: the layer id SGLang's controller passes for draft 0 (``device_pool.layer_num``).
     :param layer_shard: back up one layer per call (SGLang's loop for context-parallel LayerSplit pools).
     """
+
+    # alloc, free, available_size, clear: CoreSlots (a sidecar reuses its anchor's slots; SGLang's keeps one anyway).
 
     dcp_size = 1
     dcp_rank = 0
@@ -99,20 +101,6 @@ class SGLangSidecarHostPool:
     @property
     def logical_size(self) -> int:
         return self.size
-
-    # ---- allocator (a sidecar reuses its anchor's slots; SGLang's keeps one anyway) -------------
-
-    def alloc(self, need_size: int) -> torch.Tensor | None:
-        return self.core.alloc(need_size)
-
-    def free(self, indices: torch.Tensor) -> int:
-        return self.core.free(indices)
-
-    def available_size(self) -> int:
-        return self.core.available_size()
-
-    def clear(self) -> None:
-        self.core.clear()
 
     # ---- transfers ----------------------------------------------------------------------------
 
