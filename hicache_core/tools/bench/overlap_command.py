@@ -25,7 +25,8 @@ from .overlap import (
     prefill_overlap,
     prefill_run,
 )
-from .records import _write, environment
+from .plots import row_label
+from .records import _write, environment, made_by
 from .sweep import _implementations
 
 
@@ -122,13 +123,14 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                             continue
                         chosen = _chosen(impl, m) if impl_name.startswith("auto") else None
                         records.append({
-                            "implementation": impl_name, "layout": layout, "model": model_name, "shape": shape.name,
+                            "implementation": impl_name, **made_by(registry, impl), "layout": layout,
+                            "model": model_name, "shape": shape.name,
                             "new_tokens": new_tokens, "cached_tokens": m, "regime": regime, "page_size": page,
                             "max_ctas": budget, "chosen": chosen,
                             "path": getattr(getattr(impl, "copier", None), "path", None), **result,
                         })  # fmt: skip
                         r = records[-1]
-                        print(f"{mode:11} {model_name:12} {m:6} {layout:18} {_row_label(r):34} "
+                        print(f"{mode:11} {model_name:12} {m:6} {layout:18} {row_label(r):34} "
                               f"eff {r['efficiency']:.2f} "
                               f"overlapped {r['overlapped_s'] * 1e3:7.1f} ms (compute {r['compute_s'] * 1e3:6.1f}, "
                               f"transfer {r['transfer_s'] * 1e3:6.1f}) GEMM {r['gemm_slowdown']:+.0%} "
@@ -162,7 +164,8 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                         except Exception as exc:  # noqa: BLE001
                             print(f"{impl_name} decode backup failed: {type(exc).__name__}: {exc}")
                             continue
-                        records.append({"implementation": impl_name, "layout": layout, "model": model_name,
+                        records.append({"implementation": impl_name, **made_by(registry, impl), "layout": layout,
+                                        "model": model_name,
                                         "shape": shape.name, "tokens": tokens, "max_ctas": budget,
                                         "metric": "backup_during_decode", **result})  # fmt: skip
                         r = records[-1]
@@ -187,15 +190,6 @@ def _chosen(impl: Implementation, tokens: int) -> str:
     return picked.name + (f" {ctas or 'all'} CTAs" if ctas is not None else "")
 
 
-def _row_label(r: dict) -> str:
-    label = r["implementation"]
-    if r.get("max_ctas") is not None:
-        label += f" {r['max_ctas'] or 'all'} CTAs"
-    if r.get("chosen"):
-        label += f" ({r['chosen']})"
-    return label
-
-
 def overlap_summary(records: list[dict]) -> str:
     """Per mode and case: the best row, direct's best, auto's and auto's static rule, and auto / best."""
     lines = ["| mode | case | best | direct | auto | auto / best | auto-rule / best |", "|---|---|---|---|---|---|---|"]
@@ -213,7 +207,7 @@ def overlap_summary(records: list[dict]) -> str:
         rule = next((r for r in rows if r["implementation"] == "auto-rule"), None)
 
         def cell(r):
-            return "-" if r is None else f"{_row_label(r)}: {r['efficiency']:.2f}, GEMM {r['gemm_slowdown']:+.0%}"
+            return "-" if r is None else f"{row_label(r)}: {r['efficiency']:.2f}, GEMM {r['gemm_slowdown']:+.0%}"
 
         def ratio(r, best=best):
             return f"{r['efficiency'] / best['efficiency']:.3f}" if r and best else "-"

@@ -10,6 +10,10 @@ from pathlib import Path
 
 import torch
 
+from ...autoselect import AutoChooser
+from ...implementation import Implementation
+from ...registry import CORE_PLUGIN, Registry
+
 
 def environment() -> dict:
     def version(dist: str) -> str | None:
@@ -32,6 +36,14 @@ def environment() -> dict:
         props = torch.cuda.get_device_properties(0)
         env |= {"gpu": props.name, "sms": props.multi_processor_count, "cuda": torch.version.cuda}
     return env
+
+
+def made_by(registry: Registry, impl: Implementation | type[Implementation]) -> dict[str, str]:
+    """The row fields that say what moved the bytes: the implementation's declared ``engine`` and its plugin
+    (``auto`` is the core's chooser: engine ``"auto"``, whatever it picks per call)."""
+    if isinstance(impl, AutoChooser) or (isinstance(impl, type) and issubclass(impl, AutoChooser)):
+        return {"engine": "auto", "plugin": CORE_PLUGIN}
+    return {"engine": impl.engine, "plugin": registry.plugin_of(impl.name)}
 
 
 def _write(out: Path, name: str, meta: dict, records: list[dict], plot: bool = True) -> Path:

@@ -25,7 +25,7 @@ from ..progress import progress
 from ..shapes import SHAPES, ModelShape
 from .clock import Timer, batch_for, host_us, queued_seconds
 from .machine import measure_ceiling, measure_dispatch_overhead
-from .records import _write, environment
+from .records import _write, environment, made_by
 
 TOKENS = (64, 512, 4096, 32768)
 PAGE_SIZES = (1, 16, 64)
@@ -37,7 +37,7 @@ class Case:
     """One pool (shape, layout, page size) with every implementation that claims it bound to it."""
 
     def __init__(self, registry: Registry, shape: ModelShape, layout: str, page_size: int, tokens: int, impls):
-        self.shape, self.layout, self.page_size = shape, layout, page_size
+        self.shape, self.layout, self.page_size, self.registry = shape, layout, page_size, registry
         # Every device page is used (in random order); the host pool is as large as the device pool.
         self.dev = shape.device_pool(tokens, page_size=page_size, device="cuda")
         self.host = make_host_pool(
@@ -254,7 +254,8 @@ def _time_implementation(case: Case, name: str, impl: Implementation, token_coun
                         else:
                             seconds, queued = timer(_run_op(impl, op, h, d)), None
                     row = {
-                        "implementation": name, "io_backend": impl.io_backend, "shape": case.shape.name,
+                        "implementation": name, **made_by(case.registry, impl), "io_backend": impl.io_backend,
+                        "shape": case.shape.name,
                         "pool_kind": case.shape.kind, "layout": case.layout, "page_size": p, "tokens": tokens,
                         "operation": op, "layers": layers if op == BACKUP_ALL else 1,
                         "max_ctas": getattr(impl, "max_ctas", None), "variant": variant, "bytes": nbytes,
@@ -268,8 +269,8 @@ def _time_implementation(case: Case, name: str, impl: Implementation, token_coun
             if hasattr(impl, "max_ctas"):
                 impl.max_ctas = 8
             records.append({
-                "implementation": name, "shape": case.shape.name, "layout": case.layout, "page_size": p,
-                "tokens": 64, "operation": LOAD, "metric": "host_time_us",
+                "implementation": name, **made_by(case.registry, impl), "shape": case.shape.name,
+                "layout": case.layout, "page_size": p, "tokens": 64, "operation": LOAD, "metric": "host_time_us",
                 "host_time_us": host_time_us(impl, h, d),
                 # fresh index tensors every call (no reuse of an earlier call's runs or copies)
                 "host_time_fresh_us": host_time_us(impl, h, d, fresh=True),
@@ -307,7 +308,9 @@ def _time_anchor(case: Case, anchor, token_counts, ceiling: dict, timer: Timer) 
         index_device = "device"
 
     for op in (LOAD, BACKUP_ALL):
-        base = {"implementation": "sglang." + calls.function(op), "io_backend": "sglang-anchor",
+        # SGLang's transfer kernels: GPU threads, from SGLang rather than a plugin.
+        base = {"implementation": "sglang." + calls.function(op), "engine": "sm", "plugin": "sglang",
+                "io_backend": "sglang-anchor",
                 "shape": case.shape.name, "pool_kind": case.shape.kind, "layout": case.layout,
                 "page_size": case.page_size, "operation": op, "variant": "default"}  # fmt: skip
         h, d = case.indices(min(token_counts), OnGpu())
@@ -354,8 +357,8 @@ def _gemm_rows(case: Case) -> list[dict]:
             if hasattr(impl, "max_ctas"):
                 impl.max_ctas = budget or 0
             result = gemm_interference(impl, _run_op(impl, LOAD, h, d), case.bytes_moved(4096, LOAD))
-            records.append({"implementation": name, "shape": case.shape.name, "layout": case.layout,
-                            "page_size": case.page_size, "tokens": 4096, "operation": LOAD,
+            records.append({"implementation": name, **made_by(case.registry, impl), "shape": case.shape.name,
+                            "layout": case.layout, "page_size": case.page_size, "tokens": 4096, "operation": LOAD,
                             "metric": "gemm_interference", "max_ctas": budget, **result})  # fmt: skip
     return records
 
