@@ -91,9 +91,9 @@ def test_plots_draw_from_records(tmp_path):
               "page_size": 64, "max_ctas": 8 if impl != "direct.copy_engine" else None, "fraction_of_ceiling": 0.5}
              for impl in ("direct.copy_engine", "jit.one_layer") for layout in ("layer_first", "page_first_direct")
              for t in (64, 4096)]  # fmt: skip
-    records._plot(tmp_path / "sweep.png", sweep)
+    records.plot_records(tmp_path / "sweep.png", sweep)
     overlap = [_row("direct.copy_engine", 0.9), _row("jit.one_layer", 0.8, max_ctas=8, layout="layer_first")]
-    records._plot(tmp_path / "overlap.png", overlap)
+    records.plot_records(tmp_path / "overlap.png", overlap)
     assert (tmp_path / "sweep.png").stat().st_size > 10_000 and (tmp_path / "overlap.png").stat().st_size > 10_000
 
 
@@ -184,7 +184,7 @@ def test_committed_records_from_before_engine_and_plugin_still_plot(tmp_path):
     for name in ("direct-bench-h200", "overlap-sglang-h200"):
         rows = json.loads((results / f"{name}.json").read_text())["records"]
         assert not any("engine" in r for r in rows)  # written before the fields existed
-        records._plot(tmp_path / f"{name}.png", rows)
+        records.plot_records(tmp_path / f"{name}.png", rows)
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
 
 

@@ -161,7 +161,8 @@ def prefill_run(streams: Streams, layers: int, load: Callable[[int], None] | Non
     return out
 
 
-def _median_run(fn: Callable[[], dict], reps: int) -> dict:
+def median_run(fn: Callable[[], dict], reps: int) -> dict:
+    """The run of median ``seconds`` among ``reps`` runs of ``fn``, after one warm-up."""
     fn()  # warm-up: kernels compiled, pages touched
     runs = [fn() for _ in range(reps)]
     runs.sort(key=lambda r: r["seconds"])
@@ -177,9 +178,9 @@ def prefill_overlap(impl: Implementation, streams: Streams, h: torch.Tensor, d: 
         impl.load_to_device_per_layer(h, d, layer)
 
     if compute_alone is None:
-        compute_alone = _median_run(lambda: prefill_run(streams, layers, None, True), reps)
-    transfer = _median_run(lambda: prefill_run(streams, layers, load, False, mode), reps)
-    both = _median_run(lambda: prefill_run(streams, layers, load, True, mode), reps)
+        compute_alone = median_run(lambda: prefill_run(streams, layers, None, True), reps)
+    transfer = median_run(lambda: prefill_run(streams, layers, load, False, mode), reps)
+    both = median_run(lambda: prefill_run(streams, layers, load, True, mode), reps)
     ideal = max(compute_alone["seconds"], nbytes / (ceiling_gbps * 1e9))
     per_layer_transfer = transfer["seconds"] / layers
     return {

@@ -19,15 +19,15 @@ from .overlap import (
     MODELS,
     MODES,
     Streams,
-    _median_run,
     decode_backup,
     fill_random_fast,
+    median_run,
     prefill_overlap,
     prefill_run,
 )
 from .plots import row_label
-from .records import _write, environment, made_by
-from .sweep import _implementations
+from .records import environment, made_by, write_records
+from .sweep import implementations_to_time
 
 
 def _sglang_note() -> dict:
@@ -53,7 +53,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
         print("hicache bench --overlap needs a GPU")
         return 1
     registry = get_registry()
-    impls = _implementations(registry, only)
+    impls = implementations_to_time(registry, only)
     env = environment()
     ceiling = measure_ceiling(1 << 30)
     print(f"ceiling: H2D {ceiling['h2d_gbps']:.1f} GB/s, D2H {ceiling['d2h_gbps']:.1f} GB/s")
@@ -106,7 +106,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                 dp = random_pages(dev.size // page, m // page, page, gen)
                 nbytes = m * shape.item_bytes() * host.layer_num
                 layers = host.layer_num
-                alone = _median_run(lambda s=streams, n=layers: prefill_run(s, n, None, True), reps)
+                alone = median_run(lambda s=streams, n=layers: prefill_run(s, n, None, True), reps)
                 for mode, (impl_name, impl) in ((mo, it) for mo in modes for it in made.items()):
                     where = host.plan.device if impl.index_device == "device" else torch.device("cpu")
                     h, d = hp.to(where), dp.to(where)
@@ -137,7 +137,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                               f"first GEMM at {r['first_gemm_start_s'] * 1e3:.1f} ms, loads submitted in "
                               f"{r['load_submit_s'] * 1e3:.2f} ms", flush=True)  # fmt: skip
                 del streams
-                _write(Path(out), name or "overlap", {**meta, "complete": False}, records, plot=False)
+                write_records(Path(out), name or "overlap", {**meta, "complete": False}, records, plot=False)
             # All-layer backups during decode (4096 tokens), on the same pool.
             if layout == "page_first_direct" and (not quick or model_name == "llama-8b"):
                 tokens = 4096
@@ -178,7 +178,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
         torch.cuda.empty_cache()
     summary = overlap_summary(records)
     print(summary)
-    path = _write(Path(out), name or "overlap", {**meta, "summary": summary, "complete": True}, records)
+    path = write_records(Path(out), name or "overlap", {**meta, "summary": summary, "complete": True}, records)
     print(f"wrote {path}")
     return 0
 

@@ -46,16 +46,17 @@ def made_by(registry: Registry, impl: Implementation | type[Implementation]) -> 
     return {"engine": impl.engine, "plugin": registry.plugin_of(impl.name)}
 
 
-def _write(out: Path, name: str, meta: dict, records: list[dict], plot: bool = True) -> Path:
+def write_records(out: Path, name: str, meta: dict, records: list[dict], plot: bool = True) -> Path:
+    """Write ``<out>/<name>.json`` (``meta`` and the records) and, with ``plot``, its figure beside it."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     path.write_text(json.dumps({**meta, "records": records}, indent=1, default=str))
     if records and plot:
-        _plot(out / f"{name}.png", records)
+        plot_records(out / f"{name}.png", records)
     return path
 
 
-def _plot(path: Path, records: list[dict]) -> None:
+def plot_records(path: Path, records: list[dict]) -> None:
     from .plots import plot_overlap, plot_sweep
 
     if any("efficiency" in r for r in records):

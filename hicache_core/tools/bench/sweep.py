@@ -25,7 +25,7 @@ from ..progress import progress
 from ..shapes import SHAPES, ModelShape
 from .clock import Timer, batch_for, host_us, queued_seconds
 from .machine import measure_ceiling, measure_dispatch_overhead
-from .records import _write, environment, made_by
+from .records import environment, made_by, write_records
 
 TOKENS = (64, 512, 4096, 32768)
 PAGE_SIZES = (1, 16, 64)
@@ -72,7 +72,7 @@ class Case:
         return tokens * per_token * (self.host.layer_num if op == BACKUP_ALL else 1)
 
 
-def _storable(shape: ModelShape, layout) -> bool:
+def storable(shape: ModelShape, layout) -> bool:
     """Whether ``layout`` can store pools of ``shape`` (a layout's kinds, a split it needs)."""
     return TransferRequest("reference", LOAD, shape.geometry(page_size=64), layout).storable
 
@@ -82,7 +82,8 @@ def _variants(impl: Implementation, tokens: int) -> dict[str, dict]:
     return {"default": {}} | (impl.tuning_variants() if tokens >= 4096 else {})
 
 
-def _run_op(impl: Implementation, op: str, h: torch.Tensor, d: torch.Tensor, layer: int = 0) -> Callable[[], None]:
+def run_op(impl: Implementation, op: str, h: torch.Tensor, d: torch.Tensor, layer: int = 0) -> Callable[[], None]:
+    """A call of ``op`` on ``impl`` with these indices, ready to time (layer ``layer`` for per-layer ops)."""
     if op == LOAD:
         return lambda: impl.load_to_device_per_layer(h, d, layer)
     if op == BACKUP_LAYER:
@@ -154,10 +155,10 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
     if not torch.cuda.is_available():
         overhead = measure_dispatch_overhead()
         print(f"No GPU: measured the core dispatch overhead only: {overhead['overhead_us']:.3f} us per call")
-        _write(Path(out), "dispatch-cpu", {"environment": environment(), "dispatch_overhead": overhead}, [])
+        write_records(Path(out), "dispatch-cpu", {"environment": environment(), "dispatch_overhead": overhead}, [])
         return 0
     registry = get_registry()
-    impls = _implementations(registry, only)
+    impls = implementations_to_time(registry, only)
     env = environment()
     ceiling = measure_ceiling()
     overhead = measure_dispatch_overhead(50_000 if quick else 200_000)
@@ -175,7 +176,7 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
     plan = []
     for shape in shape_list:
         for layout, decl in sorted(registry.layouts.items()):
-            if not _storable(shape, decl) or (layouts and layout not in layouts):
+            if not storable(shape, decl) or (layouts and layout not in layouts):
                 continue
             # The page-size effect is measured on page_first only: the other layouts follow it.
             small_pages = not shape.declaration().items_are_pages and not quick and layout == "page_first"
@@ -199,15 +200,15 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
         del case
         torch.cuda.empty_cache()
         # Written after every pool, so a run cut short by a time limit still leaves its results.
-        _write(Path(out), file_name, {**meta, "complete": False}, records, plot=False)
+        write_records(Path(out), file_name, {**meta, "complete": False}, records, plot=False)
     summary = _summary(records)
     print(summary)
-    path = _write(Path(out), file_name, {**meta, "summary": summary, "complete": True}, records)
+    path = write_records(Path(out), file_name, {**meta, "summary": summary, "complete": True}, records)
     print(f"wrote {path}")
     return 0
 
 
-def _implementations(registry: Registry, only: str | None) -> list[type[Implementation]]:
+def implementations_to_time(registry: Registry, only: str | None) -> list[type[Implementation]]:
     """The implementations a sweep times: those ``auto`` may pick, or the comma-separated names in ``only``."""
     wanted = set(only.split(",")) if only else None
     return [c for n, c in sorted(registry.implementations.items())
@@ -250,9 +251,9 @@ def _time_implementation(case: Case, name: str, impl: Implementation, token_coun
                 for variant, settings in _variants(impl, tokens).items():
                     with impl.tuned(settings):
                         if tokens >= 4096 and op != BACKUP_ALL:  # one all-layer call outlasts its submission
-                            seconds, queued = time_both(partial(_run_op, impl, op, h, d), layers, timer)
+                            seconds, queued = time_both(partial(run_op, impl, op, h, d), layers, timer)
                         else:
-                            seconds, queued = timer(_run_op(impl, op, h, d)), None
+                            seconds, queued = timer(run_op(impl, op, h, d)), None
                     row = {
                         "implementation": name, **made_by(case.registry, impl), "io_backend": impl.io_backend,
                         "shape": case.shape.name,
@@ -356,7 +357,7 @@ def _gemm_rows(case: Case) -> list[dict]:
         for budget in (8, None) if hasattr(impl, "max_ctas") else (None,):
             if hasattr(impl, "max_ctas"):
                 impl.max_ctas = budget or 0
-            result = gemm_interference(impl, _run_op(impl, LOAD, h, d), case.bytes_moved(4096, LOAD))
+            result = gemm_interference(impl, run_op(impl, LOAD, h, d), case.bytes_moved(4096, LOAD))
             records.append({"implementation": name, **made_by(case.registry, impl), "shape": case.shape.name,
                             "layout": case.layout, "page_size": case.page_size, "tokens": 4096, "operation": LOAD,
                             "metric": "gemm_interference", "max_ctas": budget, **result})  # fmt: skip
