@@ -25,7 +25,7 @@ def test_overlap_summary_compares_auto_with_the_best_non_auto_row():
     text = overlap_summary(rows)
     line = text.splitlines()[-1]
     cells = [c.strip() for c in line.strip(" |").split("|")]
-    assert cells[0] == "interleaved"  # rows from before the modes were named: issue 11's order
+    assert cells[0] == "interleaved"  # rows from before the modes were named: the interleaved order
     assert "direct.copy_engine: 0.95" in cells[2]  # best: never an auto row
     assert cells[-2:] == ["0.989", "1.042"]  # auto 0.94 / 0.95, the static rule 0.99 / 0.95
 

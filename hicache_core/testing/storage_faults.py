@@ -1,4 +1,4 @@
-"""Shared pieces of the L3 sharing and fault tests (issue 14): run by each storage plugin's tests."""
+"""Shared pieces of the L3 sharing and fault tests: run by each storage plugin's tests."""
 
 from __future__ import annotations
 

@@ -31,15 +31,15 @@ from .sweep import implementations_to_time
 
 
 def _sglang_note() -> dict:
-    """Issue 12's anchor: SGLang's own transfer functions, where ``sgl_kernel`` is importable."""
+    """The baseline: SGLang's own transfer functions, where ``sgl_kernel`` is importable."""
     try:
         import sgl_kernel
     except Exception as exc:  # noqa: BLE001 - any import failure means: no anchor in this run
         return {"sglang": "skipped", "why": f"sgl_kernel is not importable here ({type(exc).__name__}: {exc})"}
     found = sorted(n for n in dir(sgl_kernel) if n.startswith("transfer_kv"))
     return {"sglang": "skipped", "functions_found": found,
-            "why": "sgl_kernel is importable, but this benchmark does not call its transfer_kv_* functions yet "
-                   "(issue 12): the row lists what this build exports"}  # fmt: skip
+            "why": "sgl_kernel is importable, but this benchmark does not call its transfer_kv_* functions yet: "
+                   "the row lists what this build exports"}  # fmt: skip
 
 
 def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str | None = None,

@@ -206,7 +206,7 @@ def plot_overlap(path: Path, records: list[dict]) -> None:
 
 
 def plot_submission(path: Path, records: list[dict]) -> None:
-    """Issue 22's submission figures: the prefix load's host time (the 1.5 ms bar as a line) and its GPU
+    """The copy engine's submission figures: the prefix load's host time (the 1.5 ms bar as a line) and its GPU
     time as a fraction of the link, and MLA loads as a fraction of the copy engine at their size (1 = the
     ceiling, a line); one colour per submission path (caller's thread, worker)."""
     plt = _pyplot()
