@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..host_pool import make_host_pool
+from ..metrics import metrics_dir
 from ..registry import get_registry
 from ..storage.explain import Outcomes, explain_miss
 from .shapes import SHAPES
@@ -137,7 +137,7 @@ def _pool(args: argparse.Namespace) -> Any:
 def _outcomes(path: str | None, rank: int) -> tuple[dict[str, Any], dict[str, str]]:
     """Namespace prefix -> the merged outcome memory of ``rank`` (newest entry of a key wins), and broken notes."""
 
-    source = path or os.environ.get("HICACHE_METRICS_DIR")
+    source = path or metrics_dir()
     if not source:
         return {}, {}
     p = Path(source)
