@@ -27,7 +27,7 @@ import torch
 
 from hicache_core import BACKUP_ALL, BACKUP_LAYER, LOAD, TransferPlan, TransferRequest
 from hicache_core.gpu import uva
-from hicache_core.gpu.knobs import Knob, checked
+from hicache_core.gpu.knobs import Knob, checked, int_at_least
 from hicache_core.gpu.triton_base import (
     CALL_PARAMS,
     LaunchGroup,
@@ -358,7 +358,7 @@ class JitOneLayer(TritonImplementation):
         self._reconfigure()
 
     tile_bytes = Knob(
-        checked(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
+        int_at_least(1),
         env="TILE_BYTES", minimum=1,
         doc="Bytes one CTA moves per loop iteration (rounded to whole items, a power of two of them).",
     )  # fmt: skip
