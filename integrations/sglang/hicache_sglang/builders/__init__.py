@@ -85,6 +85,16 @@ TAKEOVERS: tuple[Takeover, ...] = (
     Takeover("qsa_indexer", _ASSEMBLER, "QSAIndexerPoolHost", ".qsa:SGLangQSAIndexerHostPool",
              ".qsa:SGLangQSAIndexerHostPool", "dsv4_paged",
              "QSA sparse-attention models (QSATokenToKVPool): compressed keys beside the KV anchor, and the draft's"),
+    # build_minimax_m3_sparse_stack imports these two by name from their module when it runs.
+    Takeover("minimax_m3_nvfp4", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4MainKVPoolHost",
+             ".minimax:SGLangMiniMaxM3Nvfp4MainKVPoolHost", ".minimax:SGLangMiniMaxM3Nvfp4MainKVPoolHost",
+             "nvfp4_page_rows", "MiniMax-M3 with an NVFP4 KV cache: the main K/V page rows (scales inside)"),
+    Takeover("minimax_m3_nvfp4_index_k", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4IndexKPoolHost",
+             ".minimax:SGLangMiniMaxM3Nvfp4IndexKPoolHost", ".minimax:SGLangMiniMaxM3Nvfp4IndexKPoolHost",
+             "nvfp4_page_rows", "MiniMax-M3 with an NVFP4 KV cache: the sparse index-K page rows (scales inside)"),
+    Takeover("minimax_index_k", _ASSEMBLER, "MHATokenToKOnlyPoolHost", ".minimax:SGLangKOnlyHostPool",
+             ".minimax:SGLangKOnlyHostPool", "mha_k_only",
+             "MiniMax-M3 sparse attention without NVFP4: the index-K pool beside the KV anchor"),
 )  # fmt: skip
 
 _HISPARSE = "sglang.srt.managers.hisparse_coordinator"
@@ -96,10 +106,6 @@ REFUSALS: tuple[Refusal, ...] = (
             "--enable-hisparse (MHA models)"),
     Refusal("hisparse_mla", _HISPARSE, "MLATokenToKVPoolHost", "MLATokenToKVPoolHost (HiSparse)",
             "--enable-hisparse (MLA models)"),
-    Refusal("minimax_m3_nvfp4", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4MainKVPoolHost",
-            "MiniMaxM3Nvfp4MainKVPoolHost", "MiniMax-M3 with an NVFP4 KV cache"),
-    Refusal("minimax_m3_nvfp4_index_k", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4IndexKPoolHost",
-            "MiniMaxM3Nvfp4IndexKPoolHost", "MiniMax-M3 with an NVFP4 KV cache"),
 )  # fmt: skip
 
 _patched: list[tuple[Any, str, Any]] = []
