@@ -61,7 +61,7 @@ def pages_of(slots: torch.Tensor, page: int) -> torch.Tensor:
 
 
 def nvfp4_host_rows(host, layer: int, pages: torch.Tensor) -> torch.Tensor:
-    """SGLang's ``_host_layer_pages(layer)[pages]``: layer_first ``kv_buffer[layer]``, else ``kv_buffer[:, layer, 0]``."""
+    """SGLang's ``_host_layer_pages(layer)[pages]``: ``kv_buffer[layer]`` or ``kv_buffer[:, layer, 0]``."""
     buf, pages = host.kv_buffer, pages.cpu()
     rows = buf[layer] if host.layout == "layer_first" else buf[:, layer, 0]
     return rows[pages]
@@ -194,7 +194,8 @@ def test_members_match_sglangs_pools(layout):
     originals = {attr: orig for module, attr, orig in __import__("hicache_sglang").builders._patched
                  if module is theirs_module}  # fmt: skip
     theirs_main = originals["MiniMaxM3Nvfp4MainKVPoolHost"](
-        pool.main_pool.get_device_pool_infos()[0].buffer_info, get_memory().hicache_ratio, 0, NVFP4_PAGE, layout, pin_memory=False,
+        pool.main_pool.get_device_pool_infos()[0].buffer_info, get_memory().hicache_ratio, 0, NVFP4_PAGE, layout,
+        pin_memory=False,
         device_capacity_tokens=pool.main_pool.size, start_layer=pool.main_pool.start_layer,
         end_layer=pool.main_pool.end_layer)  # fmt: skip
     theirs_index = originals["MiniMaxM3Nvfp4IndexKPoolHost"](

@@ -174,7 +174,8 @@ class SGLangMiniMaxM3Nvfp4MainKVPoolHost(SGLangMiniMaxM3Nvfp4IndexKPoolHost):
 
     def __init__(self, buffer_info: Any, host_to_device_ratio: float, host_size: float, page_size: int, layout: str,
                  pin_memory: bool = True, device: str = "cpu", allocator_type: str = "default", *,
-                 device_capacity_tokens: int, start_layer: int, end_layer: int, pool_label: str = "kv") -> None:  # fmt: skip
+                 device_capacity_tokens: int, start_layer: int, end_layer: int,
+                 pool_label: str = "kv") -> None:  # fmt: skip
         from sglang.srt.mem_cache.pool_host.base import sync_fixed_hicache_size
 
         if layout not in _LAYOUTS:
