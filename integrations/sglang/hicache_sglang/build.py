@@ -193,6 +193,8 @@ def _mha_info(pool: Any, label: str):
     info = _buffer_info(pool, label)
     if not isinstance(info, MHABufferInfo):
         raise NotServedError(f"{type(pool).__name__} describes {type(info).__name__}, not MHA K/V buffers ({label})")
+    if info.scales is not None:
+        scales.check_scale_layout(info, label)
     if info.transfer_buffers is not None:
         raise NotServedError(
             f"{type(pool).__name__} relocates its K/V backing at transfer time; hicache-sglang binds device buffers "

@@ -47,8 +47,8 @@ class ScaleView:
         self.end_layer = self.layer_num = len(k)
 
 
-def check_scales(info: Any, *, drafts: tuple, label: str) -> None:
-    """Refuse, before any allocation, scales this adapter does not carry (with what would work)."""
+def check_scale_layout(info: Any, label: str) -> None:
+    """Refuse per-slot scales (SGLang's host pools refuse them too), naming what would work."""
     from sglang.srt.mem_cache.device_pool_info import KVScaleLayout
 
     scales = info.scales
@@ -58,6 +58,12 @@ def check_scales(info: Any, *, drafts: tuple, label: str) -> None:
             f"below page size 128), which SGLang's host pools refuse too ({label}); hicache-sglang serves {SERVED}. "
             "Use --page-size 128 with the MXFP8 KV cache, or run this KV dtype without hicache_sglang.install()."
         )
+
+
+def check_scales(info: Any, *, drafts: tuple, label: str) -> None:
+    """Refuse, before any allocation, scales this adapter does not carry (with what would work)."""
+    check_scale_layout(info, label)
+    scales = info.scales
     if info.head_dim != info.v_head_dim:
         raise NotServedError(f"MXFP8 KV with head_dim != v_head_dim ({label}); SGLang refuses it as well")
     if drafts:
