@@ -19,19 +19,20 @@ from sglang_setup import DEVICE, allocator_for, fill_random, publish_settings, s
 PAGE, LAYERS, HEADS, DIM = 128, 3, 2, 64
 
 
-def mxfp8_pool(page_size: int = PAGE):
+def mxfp8_pool(page_size: int = PAGE, start_layer: int = 0):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
 
     return MHATokenToKVPoolMXFP8(size=4 * page_size, page_size=page_size, dtype=torch.bfloat16, head_num=HEADS,
-                                 head_dim=DIM, layer_num=LAYERS, device=DEVICE, enable_memory_saver=False)  # fmt: skip
+                                 head_dim=DIM, layer_num=LAYERS, device=DEVICE, enable_memory_saver=False,
+                                 start_layer=start_layer, end_layer=start_layer + LAYERS)  # fmt: skip
 
 
-def build(layout: str = "page_first", io_backend: str = "kernel"):
+def build(layout: str = "page_first", io_backend: str = "kernel", start_layer: int = 0):
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 
     publish_settings(layout=layout, io_backend=io_backend, page_size=PAGE)
-    dev = mxfp8_pool()
+    dev = mxfp8_pool(start_layer=start_layer)
     allocator = allocator_for(dev)
     host = hybrid_pool_assembler.build_kv_host_pool(kv_pool=dev, page_size=PAGE, use_mla=False)
     controller = HiCacheController(token_to_kv_pool_allocator=allocator, mem_pool_host=host, page_size=PAGE,
@@ -52,11 +53,13 @@ def fill(dev, seed: int) -> None:
     fill_random([t.view(torch.uint8) for t in everything(dev)], seed=seed)
 
 
-def test_mxfp8_backup_and_load_with_scales():
+@pytest.mark.parametrize("start_layer", [0, 20], ids=["rank0", "pp-start20"])  # SGLang passes stage-local layer ids
+def test_mxfp8_backup_and_load_with_scales(start_layer):
     from hicache_sglang.scales import SGLangScaledMHAHostPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    dev, allocator, host, controller = build()
+    dev, allocator, host, controller = build(start_layer=start_layer)
+    assert (host.start_layer, host.layer_num) == (start_layer, LAYERS)
     assert type(host) is SGLangScaledMHAHostPool and isinstance(host, MHATokenToKVPoolHost)
     sf_dim = DIM // 32
     assert host.k_sf_page_bytes == host.v_sf_page_bytes == HEADS * PAGE * sf_dim
