@@ -226,8 +226,9 @@ def _mla_info(pool: Any, label: str):
         )
     if info.scales is not None:
         raise NotServedError(
-            f"{type(pool).__name__} keeps FP4 block scales beside its rows; hicache-sglang moves the rows only "
-            f"({label})"
+            f"{type(pool).__name__} keeps per-slot FP4 block scales beside its rows, which SGLang's MLA host pool "
+            f"refuses too ({label}); hicache-sglang serves {scales.SERVED}. Run this KV dtype without "
+            "hicache_sglang.install()."
         )
     _check_rows(pool, list(info.buffers), label)
     return info
