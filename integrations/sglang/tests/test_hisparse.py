@@ -1,0 +1,218 @@
+"""HiSparse inside SGLang: the pools SGLang's ``HiSparseCoordinator`` builds are hicache's.
+
+SGLang's own coordinator, device pools (``HiSparseDSATokenToKVPool``, MiniMax-M3's
+``MiniMaxSparseKVPool`` with ``HiSparseMHAMainPool``), allocator (``HiSparseTokenToKVPoolAllocator``)
+and ``ReqToTokenPool`` are built on ``DEVICE``; nothing of their allocation is patched. The
+coordinator's own methods move the bytes: ``admit_request_into_staging`` (prefill backup, all
+layers), ``admit_request_direct`` (its preload, per layer) and ``naive_load_topk`` (single
+scattered tokens, per layer). A request is a namespace holding the fields the coordinator reads
+(``rid``, ``extend_end``, ``kv.req_pool_idx``, ``kv.kv_allocated_len``); a TP group of one is
+a gloo group on 127.0.0.1. The host bytes are read through SGLang's ``layer_first`` shapes.
+"""
+
+from __future__ import annotations
+
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang_setup import DEVICE, fill_random, synchronize
+
+LAYERS, REQS, CONTEXT = 3, 4, 512
+
+
+@pytest.fixture(scope="module")
+def tp_group():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield dist.group.WORLD
+
+
+@pytest.fixture
+def swap_in_accepted(monkeypatch):
+    from hicache_sglang.builders import hisparse
+
+    monkeypatch.setenv(hisparse.ENV_SWAP_IN, "sglang")
+
+
+def dsa_device(page: int):
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseDSATokenToKVPool
+
+    return HiSparseDSATokenToKVPool(size=32 * max(page, 32), page_size=page, kv_lora_rank=32, dtype=torch.bfloat16,
+                                    qk_rope_head_dim=16, layer_num=LAYERS, device=DEVICE, index_head_dim=128,
+                                    enable_memory_saver=False, kv_cache_dim=48)  # fmt: skip
+
+
+def m3_device(page: int):
+    from sglang.srt.mem_cache.hisparse_memory_pool import HiSparseMHAMainPool
+    from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
+
+    return MiniMaxSparseKVPool(size=32 * max(page, 32), page_size=page, dtype=torch.bfloat16, head_num=1, head_dim=32,
+                               idx_head_dim=16, dense_layer_ids=[0], sparse_layer_ids=[1, 2], device=DEVICE,
+                               start_layer=0, end_layer=LAYERS, main_pool_cls=HiSparseMHAMainPool,
+                               enable_hisparse=True)  # fmt: skip
+
+
+def coordinator(kvcache, page: int, tp_group):
+    from sglang.srt.managers.hisparse_coordinator import HiSparseCoordinator
+    from sglang.srt.mem_cache.allocator.hisparse import HiSparseTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    allocator = HiSparseTokenToKVPoolAllocator(size=kvcache.size, page_size=page, dtype=torch.bfloat16, device=DEVICE,
+                                               kvcache=kvcache, need_sort=False)  # fmt: skip
+    req_to_token = ReqToTokenPool(size=REQS, max_context_len=CONTEXT, device=DEVICE, enable_memory_saver=False)
+    return HiSparseCoordinator(req_to_token, allocator, top_k=16, device_buffer_size=max(2 * page, 64), device=DEVICE,
+                               tp_group=tp_group)  # fmt: skip
+
+
+def device_layers(co) -> list[tuple[int, list[torch.Tensor]]]:
+    """(layer id the coordinator passes, [device tensors of that layer]) for each layer of its device pool."""
+    dev = co.mem_pool_device
+    if co.is_m3_hisparse:
+        return [(lid, [dev.get_key_buffer(lid), dev.get_value_buffer(lid)]) for lid in range(dev.start_layer,
+                                                                                             dev.end_layer)]  # fmt: skip
+    return [(lid, [dev.kv_buffer[lid]]) for lid in range(dev.layer_num)]
+
+
+def host_layers(co, host_layer: int) -> list[torch.Tensor]:
+    """SGLang's ``layer_first`` host shapes: MLA ``kv_buffer[layer]``, MHA ``k_buffer[layer]`` / ``v_buffer[layer]``."""
+    host = co.mem_pool_host
+    if co.is_m3_hisparse:
+        return [host.k_buffer[host_layer], host.v_buffer[host_layer]]
+    return [host.kv_buffer[host_layer]]
+
+
+def new_request(co, idx: int, tokens: int):
+    """A request of ``tokens`` prefilled tokens: logical slots and their HiSparse device slots, as ``alloc`` maps them."""
+    alloc = co.token_to_kv_pool_allocator
+    whole = -(-tokens // alloc.page_size) * alloc.page_size  # SGLang's paged allocators hand out whole pages
+    logical = alloc.logical_attn_allocator.alloc(whole)[:tokens]
+    device = alloc.hisparse_attn_allocator.alloc(whole)[:tokens]
+    alloc.full_to_hisparse_device_index_mapping[logical] = device
+    co.req_to_token_pool.req_to_token[idx, :tokens] = logical.to(torch.int32)
+    return SimpleNamespace(rid=f"r{idx}", extend_end=tokens, hisparse_staging=False,
+                           kv=SimpleNamespace(req_pool_idx=idx, kv_allocated_len=tokens)), device  # fmt: skip
+
+
+FAMILIES = [("mla", 64), ("mla", 1), ("mha", 64)]
+
+
+@pytest.mark.parametrize("family, page", FAMILIES, ids=[f"{f}-page{p}" for f, p in FAMILIES])
+def test_coordinator_backs_up_and_loads_through_hicache(family, page, tp_group, swap_in_accepted):
+    from hicache_sglang.builders.hisparse import SGLangHiSparseMHAHostPool, SGLangHiSparseMLAHostPool
+    from sglang.srt.mem_cache.pool_host.mha import HiSparseMHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    co = coordinator(dsa_device(page) if family == "mla" else m3_device(page), page, tp_group)
+    host = co.mem_pool_host
+    ours, theirs = ((SGLangHiSparseMLAHostPool, MLATokenToKVPoolHost) if family == "mla"
+                    else (SGLangHiSparseMHAHostPool, HiSparseMHATokenToKVPoolHost))  # fmt: skip
+    assert type(host) is ours and isinstance(host, theirs)
+    assert host.layout == "layer_first" and host.page_size == page and host.core.page_size == 1
+    assert host.core.io_backend == "kernel" and set(host.core.implementations) >= {"load_to_device_per_layer"}
+    layers = device_layers(co)
+    fill_random([t for _, ts in layers for t in ts], seed=41)
+
+    # Prefill staging: every layer of the request's device slots, backed up by the coordinator.
+    tokens = 3 * page + 5 if page > 1 else 37
+    req, device_slots = new_request(co, 1, tokens)
+    free_before = host.available_size()
+    co.admit_request_into_staging(req)
+    synchronize()
+    host_slots = co.req_to_host_pool[1, :tokens].cpu()
+    assert free_before - host.available_size() == -(-tokens // page) * page  # whole pages, as SGLang's mixin
+    assert len(set(host_slots.tolist())) == tokens
+    for host_layer, (_, device) in enumerate(layers):
+        for d, h in zip(device, host_layers(co, host_layer)):
+            want = d[device_slots.to(d.device)].cpu()
+            assert torch.equal(h[host_slots].view(torch.uint8), want.view(torch.uint8)), host_layer
+    assert co.collect_ready_reqs() == [req] and not req.hisparse_staging
+
+    # Single scattered tokens back to the device buffer, one layer per call (naive_load_topk).
+    if co.is_m3_hisparse:
+        saved = [[t.clone() for t in ts] for _, ts in layers]
+    else:
+        saved = [[t.clone() for t in ts] for _, ts in layers]
+        long = co.device_buffer_size + 9
+        req2, _ = new_request(co, 2, long)
+        co.admit_request_into_staging(req2)
+        synchronize()
+        co.collect_ready_reqs()
+        picked = torch.tensor([[0, 5, 7, long - 4, 3, 11]], dtype=torch.int32, device=co.device)
+        top = torch.full((1, co.top_k), 0, dtype=torch.int32, device=co.device)
+        top[0, : picked.shape[1]] = picked
+        want = {lid: [t.clone() for t in ts] for lid, ts in layers}
+        staged2 = co.req_to_host_pool[2].cpu()
+        for lid, ts in layers:
+            for t in ts:
+                fill_random([t], seed=50 + lid)
+            got = co.naive_load_topk(torch.tensor([2]), torch.tensor([long]), top, lid)[0, : co.top_k].cpu()
+            synchronize()
+            positions = top[0].cpu().long()
+            for t, before in zip(ts, want[lid]):
+                for pos, loc in zip(positions.tolist(), got.tolist()):
+                    ref = host_layers(co, lid)[0 if t is ts[0] else 1][staged2[pos]]
+                    assert torch.equal(t[loc].cpu().view(torch.uint8), ref.view(torch.uint8)), (lid, pos)
+        for (_, ts), keep in zip(layers, saved):
+            for t, k in zip(ts, keep):
+                t.copy_(k)
+
+    # Direct-to-host admission: bytes already in the host pool, preloaded layer by layer into the device buffer.
+    n = min(co.device_buffer_size, 2 * page + 3 if page > 1 else 21)
+    req3, _ = new_request(co, 3, n)
+    slots = host.alloc_paged_token_slots(co.req_to_host_pool, co.req_to_host_pool_allocated_len, 3, 0, n).cpu()
+    payload = []
+    for host_layer in range(len(layers)):
+        per = []
+        for h in host_layers(co, host_layer):
+            rows = torch.randint(0, 256, (n, h[0].nbytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(
+                60 + host_layer))  # fmt: skip
+            h.view(torch.uint8).view(h.shape[0], -1)[slots] = rows
+            per.append(rows)
+        payload.append(per)
+    co.admit_request_direct(req3)
+    synchronize()
+    buffer_locs = co.req_to_device_buffer[3, :n].cpu()
+    for host_layer, (_, device) in enumerate(layers):
+        for d, rows in zip(device, payload[host_layer]):
+            assert torch.equal(d[buffer_locs.to(d.device)].cpu().view(torch.uint8).reshape(n, -1), rows), host_layer
+
+    # Finishing gives every whole page back.
+    for r in (req, req3) if co.is_m3_hisparse else (req, req2, req3):
+        co.request_finished(r)
+    assert host.available_size() == host.size
+
+
+@pytest.mark.parametrize("family", ["mla", "mha"])
+def test_refused_without_accepting_sglangs_swap_in(family, tp_group, monkeypatch):
+    from hicache_sglang import NotServedError
+    from hicache_sglang.builders import hisparse
+
+    monkeypatch.delenv(hisparse.ENV_SWAP_IN, raising=False)
+    with pytest.raises(NotServedError, match=rf"--enable-hisparse .*{hisparse.ENV_SWAP_IN}=sglang"):
+        coordinator(dsa_device(64) if family == "mla" else m3_device(64), 64, tp_group)
+    monkeypatch.setenv(hisparse.ENV_SWAP_IN, "yes")
+    with pytest.raises(NotServedError, match=r"'yes' is not 'sglang'"):
+        coordinator(dsa_device(64) if family == "mla" else m3_device(64), 64, tp_group)
+
+
+def test_m3_transfers_require_kernel(tp_group, swap_in_accepted):
+    co = coordinator(m3_device(64), 64, tp_group)
+    idx = torch.arange(4)
+    with pytest.raises(ValueError, match="MiniMax M3 HiSparse host transfers require the kernel backend"):
+        co.mem_pool_host.backup_from_device_all_layer(co.mem_pool_device, idx, idx, "direct")
+    with pytest.raises(ValueError, match="require the kernel backend"):
+        co.mem_pool_host.load_to_device_per_layer(co.mem_pool_device, idx, idx, 0, "kernel", is_draft=True)
+
+
+def test_another_device_pool_is_refused(tp_group, swap_in_accepted):
+    co = coordinator(dsa_device(64), 64, tp_group)
+    idx = torch.arange(4)
+    with pytest.raises(ValueError, match="does not hold the buffers this HiSparse host pool was built from"):
+        co.mem_pool_host.backup_from_device_all_layer(dsa_device(64), idx, idx, "kernel")
