@@ -13,6 +13,7 @@ a gloo group on 127.0.0.1. The host bytes are read through SGLang's ``layer_firs
 from __future__ import annotations
 
 import socket
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -108,12 +109,28 @@ def new_request(co, idx: int, tokens: int):
                            kv=SimpleNamespace(req_pool_idx=idx, kv_allocated_len=tokens)), device  # fmt: skip
 
 
+@contextmanager
+def pinned_memory_on_cpu(monkeypatch):
+    """``torch.tensor(..., pin_memory=True)`` needs CUDA; without it (a CPU machine) the tensor is a plain one."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.tensor
+
+    def tensor(*args, pin_memory=False, **kw):
+        return original(*args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "tensor", tensor)
+        yield
+
+
 # SGLang's DSA keeps 64-token pages; MiniMax-M3 runs with any page size.
 FAMILIES = [("mla", 64), ("mha", 64), ("mha", 1)]
 
 
 @pytest.mark.parametrize("family, page", FAMILIES, ids=[f"{f}-page{p}" for f, p in FAMILIES])
-def test_coordinator_backs_up_and_loads_through_hicache(family, page, tp_group, swap_in_accepted):
+def test_coordinator_backs_up_and_loads_through_hicache(family, page, tp_group, swap_in_accepted, monkeypatch):
     from hicache_sglang.builders.hisparse import SGLangHiSparseMHAHostPool, SGLangHiSparseMLAHostPool
     from sglang.srt.mem_cache.pool_host.mha import HiSparseMHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -142,6 +159,27 @@ def test_coordinator_backs_up_and_loads_through_hicache(family, page, tp_group, 
             want = d[device_slots.to(d.device)].cpu()
             assert torch.equal(h[host_slots].view(torch.uint8), want.view(torch.uint8)), host_layer
     assert co.collect_ready_reqs() == [req] and not req.hisparse_staging
+
+    # Two decode steps: the first after staging backs nothing up; the second backs up the token the first
+    # wrote (one scattered token, all layers). SGLang stages that step's batch positions in pinned memory.
+    dbs = co.device_buffer_size
+    for step in (1, 2):
+        seq = torch.tensor([tokens + step])
+        new_loc = co.token_to_kv_pool_allocator.logical_attn_allocator.alloc(page)[:1]
+        with pinned_memory_on_cpu(monkeypatch):
+            co.map_last_loc_to_buffer(seq.to(co.device), new_loc, torch.tensor([1], device=co.device), seq,
+                                      torch.tensor([1]))  # fmt: skip
+        synchronize()
+        written_at = int(co.req_to_device_buffer[1, min(tokens + step - 1, dbs)])
+        if step == 1:
+            fill_random([t for _, ts in layers for t in ts], seed=45)  # the model writes the new token
+            new_token = [[d[written_at].cpu().clone() for d in device] for _, device in layers]
+    host_slot = int(co.req_to_host_pool[1, tokens])
+    assert host_slot >= 0 and host_slot not in host_slots.tolist()
+    for host_layer, want in enumerate(new_token):
+        for h, w in zip(host_layers(co, host_layer), want):
+            assert torch.equal(h[host_slot].view(torch.uint8), w.view(torch.uint8)), host_layer
+    fill_random([t for _, ts in layers for t in ts], seed=46)
 
     # Single scattered tokens back to the device buffer, one layer per call (naive_load_topk): a request longer
     # than the hot buffer, so every selected token but the newest is loaded from the host pool.
