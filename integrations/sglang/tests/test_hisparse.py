@@ -84,8 +84,8 @@ def device_layers(co) -> list[tuple[int, list[torch.Tensor]]]:
     """(layer id the coordinator passes, [device tensors of that layer]) for each layer of its device pool."""
     dev = co.mem_pool_device
     if co.is_m3_hisparse:
-        return [(lid, [dev.get_key_buffer(lid), dev.get_value_buffer(lid)]) for lid in range(dev.start_layer,
-                                                                                             dev.end_layer)]  # fmt: skip
+        ids = range(dev.start_layer, dev.end_layer)
+        return [(lid, [dev.get_key_buffer(lid), dev.get_value_buffer(lid)]) for lid in ids]
     return [(lid, [dev.kv_buffer[lid]]) for lid in range(dev.layer_num)]
 
 
@@ -98,7 +98,7 @@ def host_layers(co, host_layer: int) -> list[torch.Tensor]:
 
 
 def new_request(co, idx: int, tokens: int):
-    """A request of ``tokens`` prefilled tokens: logical slots and their HiSparse device slots, as ``alloc`` maps them."""
+    """A request of ``tokens`` prefilled tokens: logical slots and their HiSparse device slots (``alloc``'s map)."""
     alloc = co.token_to_kv_pool_allocator
     whole = -(-tokens // alloc.page_size) * alloc.page_size  # SGLang's paged allocators hand out whole pages
     logical = alloc.logical_attn_allocator.alloc(whole)[:tokens]
@@ -252,3 +252,16 @@ def test_another_device_pool_is_refused(tp_group, swap_in_accepted):
     idx = torch.arange(4)
     with pytest.raises(ValueError, match="does not hold the buffers this HiSparse host pool was built from"):
         co.mem_pool_host.backup_from_device_all_layer(dsa_device(64), idx, idx, "kernel")
+
+
+def test_launcher_refuses_hisparse_unless_the_split_is_accepted(monkeypatch):
+    from hicache_sglang import NotServedError, startup
+    from hicache_sglang.builders import hisparse
+    from sglang_setup import publish_settings
+
+    args = publish_settings(layout="layer_first", io_backend="kernel", page_size=64, enable_hisparse=True)
+    monkeypatch.delenv(hisparse.ENV_SWAP_IN, raising=False)
+    with pytest.raises(NotServedError, match=rf"^--enable-hisparse \(every model\): .*{hisparse.ENV_SWAP_IN}=sglang"):
+        startup.check(args)
+    monkeypatch.setenv(hisparse.ENV_SWAP_IN, "sglang")
+    startup.check(args)
