@@ -265,3 +265,57 @@ def test_launcher_refuses_hisparse_unless_the_split_is_accepted(monkeypatch):
         startup.check(args)
     monkeypatch.setenv(hisparse.ENV_SWAP_IN, "sglang")
     startup.check(args)
+
+
+@pytest.mark.parametrize("family", ["mla", "mha"])
+def test_members_match_sglangs_hisparse_pools(family, tp_group, swap_in_accepted, monkeypatch):
+    """Sizes, shapes, strides, PD buffer infos and the mixin's page-granular slots agree with SGLang's own pools.
+
+    SGLang's pools are built from its own modules (not replaced there) with the coordinator's arguments; their
+    host memory registration (``cudaHostRegister``, CUDA-only) is patched out on a CPU machine, nothing else.
+    """
+    from sglang.srt.mem_cache.pool_host import common
+    from sglang.srt.mem_cache.pool_host import mha as sglang_mha
+    from sglang.srt.mem_cache.pool_host import mla as sglang_mla
+
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(common, "_cuda_host_register", lambda *a, **k: None)
+    page = 64
+    co = coordinator(dsa_device(page) if family == "mla" else m3_device(page), page, tp_group)
+    ours, dev = co.mem_pool_host, co.mem_pool_device
+    info = dev.get_device_pool_infos()[0].buffer_info
+    capacity = dev.size if dev.host_capacity_tokens is None else dev.host_capacity_tokens
+    if family == "mla":
+        theirs = sglang_mla.MLATokenToKVPoolHost(
+            buffer_info=info, device_capacity_tokens=capacity, start_layer=dev.start_layer, end_layer=dev.end_layer,
+            target_layer_num=dev.layer_num, host_to_device_ratio=2, host_size=0, page_size=page, layout="layer_first",
+            override_kv_cache_dim=dev.kv_cache_dim)  # fmt: skip
+        buffers = [(ours.kv_buffer, theirs.kv_buffer)]
+    else:
+        theirs = sglang_mha.HiSparseMHATokenToKVPoolHost(
+            buffer_info=info, device_capacity_tokens=capacity, start_layer=dev.start_layer, end_layer=dev.end_layer,
+            host_to_device_ratio=2, page_size=page)  # fmt: skip
+        buffers = [(ours.k_buffer, theirs.k_buffer), (ours.v_buffer, theirs.v_buffer)]
+    for name in ["size", "page_num", "page_size", "layer_num", "layout", "dtype", "token_stride_size",
+                 "start_layer", "end_layer"]:  # fmt: skip
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.available_size() == theirs.available_size()
+    for a, b in buffers:
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+    (p1, l1, i1), (p2, l2, i2) = ours.get_contiguous_buf_infos(), theirs.get_contiguous_buf_infos()
+    assert (l1, i1) == (l2, i2) and len(p1) == len(p2)
+
+    rows = [torch.full((REQS, CONTEXT), -1, dtype=torch.int64) for _ in range(2)]
+    lens = [torch.zeros(REQS, dtype=torch.int64) for _ in range(2)]
+    for req, start, n in [(1, 0, 70), (2, 0, 1), (1, 70, 1), (1, 71, 60), (2, 1, 64)]:
+        got = [pool.alloc_paged_token_slots(r, ln, req, start, n) for pool, r, ln in
+               zip((ours, theirs), rows, lens)]  # fmt: skip
+        assert torch.equal(got[0], got[1]) and torch.equal(lens[0], lens[1]), (req, start, n)
+        assert ours.available_size() == theirs.available_size()
+    for req in (1, 2):
+        held = [pool.allocated_host_indices(r, req, ln[req]) for pool, r, ln in zip((ours, theirs), rows, lens)]
+        assert torch.equal(held[0], held[1]) and held[0].numel() % page == 0
+        ours.free(held[0])
+    assert ours.available_size() == ours.size
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        ours.alloc(page + 1)

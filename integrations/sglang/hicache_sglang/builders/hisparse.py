@@ -214,6 +214,12 @@ class SGLangHiSparseMLAHostPool(_HiSparseSlots, SGLangMLAHostPool):
         self.allocator = SlotAllocator(tokens, page_size)
         log_pool(self)
 
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """Per layer: pointer, bytes, and bytes per SGLang page (PD decode registers these for direct-to-host)."""
+        layers = [self.kv_buffer[i] for i in range(self.layer_num)]
+        return ([t.data_ptr() for t in layers], [t.nbytes for t in layers],
+                [self.token_stride_size * self.page_size] * self.layer_num)  # fmt: skip
+
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,
                                  is_draft: bool = False) -> None:  # fmt: skip
         self._bind(device_pool, self._buffers)
