@@ -319,3 +319,11 @@ def test_members_match_sglangs_hisparse_pools(family, tp_group, swap_in_accepted
     assert ours.available_size() == ours.size
     with pytest.raises(ValueError, match="multiple of the page size"):
         ours.alloc(page + 1)
+
+
+def test_verification_is_refused_not_skipped(tp_group, swap_in_accepted, monkeypatch):
+    from hicache_sglang import NotServedError
+
+    monkeypatch.setenv("HICACHE_VERIFY", "1")
+    with pytest.raises(NotServedError, match="HICACHE_VERIFY is set, but SGLang's HiSparse swap-in kernels read"):
+        coordinator(dsa_device(64), 64, tp_group)

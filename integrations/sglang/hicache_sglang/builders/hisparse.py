@@ -62,7 +62,8 @@ def check_swap_in(family: str) -> None:
         f"--enable-hisparse ({family}): hicache-sglang builds HiSparse's host pool and moves its backups and "
         "preloads, but the decode-time swap-in (load_cache_to_device_buffer_mla / load_blocks_to_device_buffer_mha, "
         "copy_cache_planned_mla) is SGLang's kernel reading the host buffer directly, which hicache cannot take "
-        f"over. Set {ENV_SWAP_IN}=sglang to accept that split, or run without hicache_sglang.install()"
+        f"over. Set {ENV_SWAP_IN}=sglang to accept that split (DeepSeek-V4's HiSparse pool stays refused either "
+        "way), or run without hicache_sglang.install()"
         + (f" ({ENV_SWAP_IN}={value!r} is not 'sglang')." if value else ".")
     )
 
@@ -151,11 +152,19 @@ def _device_tensors(device_pool: Any) -> list[torch.Tensor]:
 
 
 def _core(view: DeviceView, tokens: int, bytes_per_token: int, label: str, pin_memory: bool):
+    from hicache_core.verify import ENV_VERIFY, verify_default
+
+    if verify_default():
+        # The swap-in reads host rows straight into the hot buffer, past hicache's checked load path.
+        raise NotServedError(
+            f"{label}: {ENV_VERIFY} is set, but SGLang's HiSparse swap-in kernels read the host pool directly, so no "
+            f"load could be verified. Unset {ENV_VERIFY} for HiSparse."
+        )
     check_host_memory(tokens * bytes_per_token, label)
     validate = os.environ.get("HICACHE_VALIDATE", "") not in ("", "0")
     try:
         return hc.make_host_pool(view, layout="layer_first", io_backend=IO_BACKEND, page_size=1, size=tokens,
-                                 pin_memory=pin_memory, validate=validate)  # fmt: skip
+                                 pin_memory=pin_memory, validate=validate, verify=False)  # fmt: skip
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(SGLang's HiSparse coordinator asked for the {label}: layout layer_first, io backend kernel)")
         raise
