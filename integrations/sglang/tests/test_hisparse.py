@@ -327,3 +327,17 @@ def test_verification_is_refused_not_skipped(tp_group, swap_in_accepted, monkeyp
     monkeypatch.setenv("HICACHE_VERIFY", "1")
     with pytest.raises(NotServedError, match="HICACHE_VERIFY is set, but SGLang's HiSparse swap-in kernels read"):
         coordinator(dsa_device(64), 64, tp_group)
+
+
+def test_identity_line_names_the_swap_in(tp_group, swap_in_accepted, caplog):
+    import logging
+
+    from hicache_sglang.identity import PREFIX
+
+    with caplog.at_level(logging.INFO, logger="hicache_sglang"):
+        co = coordinator(dsa_device(64), 64, tp_group)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith(PREFIX)]
+    assert "SGLangHiSparseMLAHostPool" in line and "pool kind mla, layout layer_first, io backend kernel" in line
+    assert line.endswith("decode swap-in: SGLang's HiSparse kernels read its layer_first buffers directly "
+                         "(HICACHE_SGLANG_HISPARSE_SWAP_IN=sglang)")  # fmt: skip
+    assert f"{co.mem_pool_host.size} tokens, page size 1" in line

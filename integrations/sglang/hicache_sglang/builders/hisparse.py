@@ -40,7 +40,7 @@ import hicache_core as hc
 from hicache_core.allocator import SlotAllocator
 
 from ..errors import NotServedError
-from ..identity import log_pool
+from ..identity import describe, logger
 from ..pool import DeviceView, SGLangMHAHostPool, SGLangMLAHostPool
 from ..sidecar import check_host_memory
 
@@ -66,6 +66,12 @@ def check_swap_in(family: str) -> None:
         "way), or run without hicache_sglang.install()"
         + (f" ({ENV_SWAP_IN}={value!r} is not 'sglang')." if value else ".")
     )
+
+
+def _log(pool: Any) -> None:
+    """The identity line, naming what stays SGLang's."""
+    logger.info(f"{describe(pool)}; decode swap-in: SGLang's HiSparse kernels read its layer_first buffers directly "
+                f"({ENV_SWAP_IN}=sglang)")  # fmt: skip
 
 
 def _host_tokens(device_capacity_tokens: int, host_to_device_ratio: float, host_size: float, page_size: int) -> int:
@@ -221,7 +227,7 @@ class SGLangHiSparseMLAHostPool(_HiSparseSlots, SGLangMLAHostPool):
         self.page_size = page_size
         self.page_num = tokens // page_size
         self.allocator = SlotAllocator(tokens, page_size)
-        log_pool(self)
+        _log(self)
 
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
         """Per layer: pointer, bytes, and bytes per SGLang page (PD decode registers these for direct-to-host)."""
@@ -277,7 +283,7 @@ class SGLangHiSparseMHAHostPool(_HiSparseSlots, SGLangMHAHostPool):
         self.page_size = page_size
         self.page_num = tokens // page_size
         self.allocator = SlotAllocator(tokens, page_size)
-        log_pool(self)
+        _log(self)
 
     @staticmethod
     def _kernel_only(io_backend: str, is_draft: bool = False) -> None:
