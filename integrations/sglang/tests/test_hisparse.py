@@ -341,3 +341,29 @@ def test_identity_line_names_the_swap_in(tp_group, swap_in_accepted, caplog):
     assert line.endswith("decode swap-in: SGLang's HiSparse kernels read its layer_first buffers directly "
                          "(HICACHE_SGLANG_HISPARSE_SWAP_IN=sglang)")  # fmt: skip
     assert f"{co.mem_pool_host.size} tokens, page size 1" in line
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="SGLang's HiSparse swap-in kernels are CUDA JIT kernels")
+def test_sglangs_swap_in_reads_hicaches_bytes(tp_group, swap_in_accepted):
+    """With the split accepted, SGLang's own swap-in (``swap_in_selected_pages``) gathers from the hicache pool.
+
+    A request longer than the hot buffer, staged through hicache; after the swap-in every selected
+    token's device row is the row hicache backed up for it (hot-buffer hits and host misses alike).
+    """
+    co = coordinator(dsa_device(64), 64, tp_group)
+    layers = device_layers(co)
+    fill_random([t for _, ts in layers for t in ts], seed=71)
+    long = co.device_buffer_size + 40
+    req, device_slots = new_request(co, 1, long)
+    co.admit_request_into_staging(req)
+    synchronize()
+    assert co.collect_ready_reqs() == [req]
+    staged = [ts[0][device_slots.to(ts[0].device)].clone() for _, ts in layers]  # each position's row, by layer
+    positions = torch.randperm(long - 1, generator=torch.Generator().manual_seed(72))[: co.top_k]
+    top = positions.to(torch.int32).view(1, -1).to(co.device)
+    co.num_real_reqs.fill_(1)
+    for host_layer, (lid, (device,)) in enumerate(layers):
+        locs = co.swap_in_selected_pages(torch.tensor([1], device=co.device), torch.tensor([long], dtype=torch.int32,
+                                         device=co.device), top, lid)[0].long()  # fmt: skip
+        synchronize()
+        assert torch.equal(device[locs].cpu(), staged[host_layer][positions].cpu()), lid
