@@ -36,6 +36,8 @@ class Family:
     kind: str
     layouts: tuple[str, ...]
     sharded: bool = False
+    #: The io backends SGLang can ask of it (HiSparse's coordinator always passes ``kernel``).
+    io_backends: tuple[str, ...] = IO_BACKENDS
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -60,6 +62,10 @@ FAMILIES: tuple[Family, ...] = (
     Family("Mamba / linear-attention state", "MambaPoolHost", "mamba", ("page_first", "page_first_direct")),
     Family("DeepSeek-V4 compress state", "DeepSeekV4StateHostPool", "dsv4_state",
            ("layer_first", "page_first", "page_first_direct")),
+    Family("HiSparse, MLA (--enable-hisparse; swap-in by SGLang's kernels, opt-in)", "MLATokenToKVPoolHost", "mla",
+           ("layer_first",), io_backends=("kernel",)),
+    Family("HiSparse, MiniMax-M3 MHA (--enable-hisparse; swap-in by SGLang's kernels, opt-in)",
+           "HiSparseMHATokenToKVPoolHost", "mha", ("layer_first",), io_backends=("kernel",)),
 )  # fmt: skip
 
 
@@ -87,7 +93,7 @@ def served(family: Family, layout: str) -> list[str]:
     geometry = _geometry(kind, family.sharded)
     ops = (hc.LOAD, hc.BACKUP_LAYER) if family.sharded else (hc.LOAD, hc.BACKUP_ALL)
     out = []
-    for io in IO_BACKENDS:
+    for io in family.io_backends:
         if io == "direct" and layout not in _DIRECT_LAYOUTS:
             continue
         try:
