@@ -127,6 +127,35 @@ def run(name: str, argv: list[str], timeout: int, env: dict | None = None) -> di
             "seconds": round(time.time() - started, 1), "log": log.name, "tail": tail}  # fmt: skip
 
 
+def live(name: str) -> tuple[list[str], dict]:
+    """pytest arguments and environment that write each test's outcome as it comes (``gpu/pytest_live.py``),
+    dump every thread's stack after 60 s in one test, and trace direct's worker thread: a run its bound stops
+    still names what failed and what hung (:func:`live_summary`)."""
+    report, trace = RESULTS / f"gpu-check-{name}-live.txt", RESULTS / f"gpu-check-{name}-direct-trace.txt"
+    for path in (report, trace):
+        path.unlink(missing_ok=True)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "scripts" / "gpu"), os.environ.get("PYTHONPATH")) if p),
+           "HICACHE_LIVE_REPORT": str(report), "HICACHE_DIRECT_TRACE": str(trace)}  # fmt: skip
+    return ["-p", "pytest_live", "-o", "faulthandler_timeout=60"], env
+
+
+def live_summary(name: str) -> dict:
+    """From the live report: the tests that failed, and those that started and never finished."""
+    path = RESULTS / f"gpu-check-{name}-live.txt"
+    if not path.exists():
+        return {}
+    started, ended, failed = set(), set(), set()
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[1] == "START":
+            started.add(parts[2])
+        elif len(parts) >= 4 and parts[1] in ("PASSED", "FAILED", "SKIPPED"):
+            ended.add(parts[3])
+            if parts[1] == "FAILED":
+                failed.add(parts[3])
+    return {"failed_tests": sorted(failed), "unfinished_tests": sorted(started - ended)}
+
+
 def junit_counts(path: Path) -> dict:
     if not path.exists():
         return {}
@@ -188,9 +217,10 @@ def main() -> int:
     # kernel specialisation compiles, and compiling is what takes the time.
     junit = RESULTS / "gpu-check-suite.xml"
     parallel = ["-n", "8"] if _have("xdist") else []
-    step = run("suite", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *parallel, "tests", "plugins",
-                         f"--junitxml={junit}"], 260, cuda)  # fmt: skip
-    step |= junit_counts(junit)
+    live_args, live_env = live("suite")
+    step = run("suite", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *parallel, *live_args, "tests",
+                         "plugins", f"--junitxml={junit}"], 260, cuda | live_env)  # fmt: skip
+    step |= junit_counts(junit) or live_summary("suite")
     steps.append(step)
 
     # 2. The copy engine's batched path, byte for byte, every layout and stream case; then its 2-D batch.
@@ -232,8 +262,10 @@ def main() -> int:
     # 6. SGLang's own code on CUDA pools, where its wheels were carried (integrations/sglang/gpu-wheels.sh).
     if (ROOT / "integrations" / "sglang" / "dev").exists():
         if list((ROOT / ".whl").glob("*.whl")):
-            sglang = ["bash", "integrations/sglang/dev", "gpu", *(["-n", "4"] if _have("xdist") else [])]
-            steps.append(run("sglang", sglang, 150, cuda))
+            live_args, live_env = live("sglang")
+            sglang = ["bash", "integrations/sglang/dev", "gpu", *(["-n", "8"] if _have("xdist") else []), *live_args]
+            step = run("sglang", sglang, 170, cuda | live_env)
+            steps.append(step | live_summary("sglang"))
         else:
             why = "no .whl/ carried: run integrations/sglang/gpu-wheels.sh here and carry .whl"
             steps.append({"name": "sglang", "passed": None, "tail": why})
@@ -244,9 +276,8 @@ def main() -> int:
     if OUT is not None:
         OUT.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, OUT / "gpu-check.json")
-        logs = sorted(RESULTS.glob("gpu-check-*.log")) + sorted(RESULTS.glob("*h200*.json")) + sorted(
-            RESULTS.glob("*h200*.png")
-        )
+        patterns = ("gpu-check-*.log", "gpu-check-*.txt", "*h200*.json", "*h200*.png")
+        logs = [p for pattern in patterns for p in sorted(RESULTS.glob(pattern))]
         subprocess.run(["tar", "czf", str(OUT / "gpu-check-files.tgz"), *[str(p.relative_to(ROOT)) for p in logs]],
                        cwd=ROOT, check=False)  # fmt: skip
     print("\n== summary")

@@ -38,6 +38,8 @@ class Family:
     sharded: bool = False
     #: kinds of the pools that ride beside it in the same calls (MXFP8's scales beside the K/V): they must serve too
     with_kinds: tuple[str, ...] = ()
+    #: The io backends SGLang can ask of it (HiSparse's coordinator always passes ``kernel``).
+    io_backends: tuple[str, ...] = IO_BACKENDS
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -70,6 +72,10 @@ FAMILIES: tuple[Family, ...] = (
            "nvfp4_page_rows", ("layer_first", "page_first", "page_first_direct")),
     Family("MiniMax sparse index K (K only)", "MHATokenToKOnlyPoolHost", "mha_k_only",
            ("layer_first", "page_first", "page_first_direct")),
+    Family("HiSparse, MLA (--enable-hisparse; swap-in by SGLang's kernels, opt-in)", "MLATokenToKVPoolHost", "mla",
+           ("layer_first",), io_backends=("kernel",)),
+    Family("HiSparse, MiniMax-M3 MHA (--enable-hisparse; swap-in by SGLang's kernels, opt-in)",
+           "HiSparseMHATokenToKVPoolHost", "mha", ("layer_first",), io_backends=("kernel",)),
 )  # fmt: skip
 
 
@@ -96,7 +102,7 @@ def served(family: Family, layout: str) -> list[str]:
     geometries = [_geometry(registry.pool_kinds[k], family.sharded) for k in (family.kind, *family.with_kinds)]
     ops = (hc.LOAD, hc.BACKUP_LAYER) if family.sharded else (hc.LOAD, hc.BACKUP_ALL)
     out = []
-    for io in IO_BACKENDS:
+    for io in family.io_backends:
         if io == "direct" and layout not in _DIRECT_LAYOUTS:
             continue
         try:

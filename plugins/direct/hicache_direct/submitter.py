@@ -35,6 +35,12 @@ One caveat: the worker needs the GIL between driver calls. A thread that blocks 
 GPU while holding the GIL (a C extension that synchronises without releasing it) before
 the worker has submitted would wait forever; torch's own synchronising calls release
 the GIL. ``HICACHE_DIRECT_THREAD=0`` turns the worker off.
+
+A caller's stream that waits on a ``done`` word nobody writes would hang the server with no
+error at all, so where the worker's own write of ``done`` fails, it waits for its side stream
+and writes the word from the host instead (the error is still raised by the next call).
+``HICACHE_DIRECT_TRACE=<file>`` appends one line per job step (sequence number, streams, the
+driver's return codes) to that file, for a hang that has to be read after the fact.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import os
 import queue
 import threading
 import weakref
@@ -52,6 +59,13 @@ _WRITE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: the write follows a memor
 _NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit sync with the legacy default stream
 _H2D = 1  # cudaMemcpyHostToDevice
 MASK = (1 << 32) - 1
+_TRACE = os.environ.get("HICACHE_DIRECT_TRACE") or None
+
+
+def _trace(what: str) -> None:
+    if _TRACE is not None:
+        with open(_TRACE, "a") as f:
+            f.write(f"{threading.current_thread().name} {what}\n")
 
 
 def next_sequence(value: int) -> int:
@@ -142,6 +156,7 @@ class SubmitThread:
             with self._idle:
                 self._pending += 1
             self._jobs.put((gate, seq, make_batch, describe))
+        _trace(f"queued seq {seq} on stream {stream:#x} (side {gate.side:#x})")
         if self._thread is None:
             self._start()
 
@@ -203,19 +218,36 @@ class SubmitThread:
             try:
                 self._check(ops.wait(gate.side, gate.start, seq, _WAIT_GEQ), "cuStreamWaitValue32")
                 copier._submit(make_batch(), describe, gate.side)
+                _trace(f"submitted seq {seq} on side {gate.side:#x}")
             except BaseException as exc:  # noqa: BLE001 - reported by the next call; the stream must go on
+                _trace(f"seq {seq} failed: {exc!r}")
                 if self.error is None:
                     self.error = exc
             finally:
                 err = ops.write(gate.side, gate.done, seq, _WRITE_DEFAULT)
-                if err and self.error is None:
-                    self.error = RuntimeError(f"cuStreamWriteValue32 failed with CUDA error {err}: the caller's "
-                                              "stream waits for it")  # fmt: skip
+                if err:
+                    self._release_from_host(gate, seq, err)
                 self.submitted += 1
                 with self._idle:
                     self._pending -= 1
                     if self._pending == 0:
                         self._idle.notify_all()
+
+    def _release_from_host(self, gate: _Gate, seq: int, err: int) -> None:
+        """The worker could not queue its write of ``done``: once the side stream has run what it
+        was given, write the word from the host, so that the caller's stream goes on (and the
+        error is raised by the next call rather than as a hang)."""
+        lib = self.copier._lib
+        sync_err = lib.cudaStreamSynchronize(ctypes.c_void_p(gate.side))
+        word = ctypes.c_uint32(seq)
+        copy_err = lib.cudaMemcpy(ctypes.c_void_p(gate.done), ctypes.byref(word), ctypes.c_size_t(4), _H2D)
+        _trace(f"seq {seq}: done write refused ({err}); side synchronised ({sync_err}), done written from the "
+               f"host ({copy_err})")  # fmt: skip
+        if self.error is None:
+            self.error = RuntimeError(
+                f"cuStreamWriteValue32 failed with CUDA error {err} on direct's side stream; the caller's stream "
+                f"was released from the host ({'ok' if not copy_err else f'that failed too: CUDA error {copy_err}'})"
+            )
 
     def close(self, timeout: float = 30.0) -> None:
         """Submit what is queued, then end the worker (at exit: streams waiting on it go on)."""
