@@ -92,16 +92,22 @@ TAKEOVERS: tuple[Takeover, ...] = (
              ".hisparse:SGLangHiSparseMLAHostPool", "mla", "--enable-hisparse (MLA models: DeepSeek-V3.2, GLM-5)"),
     Takeover("hisparse_mha", _HISPARSE, "HiSparseMHATokenToKVPoolHost", ".hisparse:SGLangHiSparseMHAHostPool",
              ".hisparse:SGLangHiSparseMHAHostPool", "mha", "--enable-hisparse (MHA models: MiniMax-M3)"),
+    # build_minimax_m3_sparse_stack imports these two by name from their module when it runs.
+    Takeover("minimax_m3_nvfp4", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4MainKVPoolHost",
+             ".minimax:SGLangMiniMaxM3Nvfp4MainKVPoolHost", ".minimax:SGLangMiniMaxM3Nvfp4MainKVPoolHost",
+             "nvfp4_page_rows", "MiniMax-M3 with an NVFP4 KV cache: the main K/V page rows (scales inside)"),
+    Takeover("minimax_m3_nvfp4_index_k", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4IndexKPoolHost",
+             ".minimax:SGLangMiniMaxM3Nvfp4IndexKPoolHost", ".minimax:SGLangMiniMaxM3Nvfp4IndexKPoolHost",
+             "nvfp4_page_rows", "MiniMax-M3 with an NVFP4 KV cache: the sparse index-K page rows (scales inside)"),
+    Takeover("minimax_index_k", _ASSEMBLER, "MHATokenToKOnlyPoolHost", ".minimax:SGLangKOnlyHostPool",
+             ".minimax:SGLangKOnlyHostPool", "mha_k_only",
+             "MiniMax-M3 sparse attention without NVFP4: the index-K pool beside the KV anchor"),
 )  # fmt: skip
 
 REFUSALS: tuple[Refusal, ...] = (
     # Its decode backup copies single tokens out of C4 page rows (value and scale apart): no hicache kind yet.
     Refusal("hisparse", _HISPARSE, "DeepSeekV4PagedHostPool", "DeepSeekV4PagedHostPool (HiSparse)",
             "--enable-hisparse (DeepSeek-V4)"),
-    Refusal("minimax_m3_nvfp4", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4MainKVPoolHost",
-            "MiniMaxM3Nvfp4MainKVPoolHost", "MiniMax-M3 with an NVFP4 KV cache"),
-    Refusal("minimax_m3_nvfp4_index_k", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4IndexKPoolHost",
-            "MiniMaxM3Nvfp4IndexKPoolHost", "MiniMax-M3 with an NVFP4 KV cache"),
 )  # fmt: skip
 
 _patched: list[tuple[Any, str, Any]] = []
