@@ -27,6 +27,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -210,6 +211,9 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     record: dict = {"what": "scripts/dev gpu: the GPU gate", **trees(), "environment": environment()}
+    # Every kernel is compiled from the trees named above, never taken from an earlier run's cache.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="hicache-gate-triton-")
+    record["triton_cache"] = "rebuilt: an empty TRITON_CACHE_DIR for this run"
     cuda = {"HICACHE_TEST_DEVICE": "cuda", "PYTHONUNBUFFERED": "1"}
     steps = record["steps"] = _Saved(record)
 
