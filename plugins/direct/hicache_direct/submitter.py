@@ -39,6 +39,18 @@ GPU while holding the GIL (a C extension that synchronises without releasing it)
 the worker has submitted would wait forever; torch's own synchronising calls release
 the GIL. ``HICACHE_DIRECT_THREAD=0`` turns the worker off.
 
+A second caveat, from the driver's documentation of stream memory operations: the order they
+set up is invisible to CUDA's scheduler, which may serialise work "in an improper order". The
+device runs streams through a few hardware work queues (``CUDA_DEVICE_MAX_CONNECTIONS``; SGLang
+sets 8), streams beyond that share one, and a shared queue runs in submission order. Here the
+caller's wait for ``done`` (and whatever the server queues after the call that depends on it,
+such as a consumer's wait for a layer's event) is submitted *before* the worker's copies that
+release it; if the side stream shares a queue with such a stream, its copies sit behind that
+wait forever. No CUDA-visible dependency can express a wait for work not yet submitted, so this
+cannot be ruled out where streams outnumber the queues; with one queue it is certain, and the
+worker is refused (:class:`StreamOpsRefused`, so the copier stays on the caller's thread).
+``scripts/gpu/direct-aliasing-check.py`` measures whether it happens with the default queues.
+
 A caller's stream that waits on a ``done`` word nobody writes would hang the server with no
 error at all, so where the worker's own write of ``done`` fails, it waits for its side stream
 and writes the word from the host instead (the error is still raised by the next call).
@@ -188,6 +200,11 @@ class SubmitThread:
             gate = self._gates.get(stream)
             if gate is not None:
                 return gate
+            if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1":
+                raise StreamOpsRefused(
+                    "CUDA_DEVICE_MAX_CONNECTIONS=1: every stream shares one hardware queue, so the side stream's "
+                    "copies would queue behind the caller's wait for them (a deadlock)"
+                )
             gate = self._gates[stream] = self._new_gate(lib, stream)
         return gate
 

@@ -319,6 +319,25 @@ def test_a_gate_is_made_on_the_copiers_device_and_the_callers_device_restored(fa
     assert gpu.set_device == [0, 1] and gpu.device == 1
 
 
+def test_one_hardware_queue_refuses_the_worker_before_anything_is_queued(fake, monkeypatch):
+    """With CUDA_DEVICE_MAX_CONNECTIONS=1 every stream runs through one queue in submission order: the
+    caller's wait for done would sit ahead of the side stream's copies for good."""
+    from hicache_direct.submitter import StreamOpsRefused
+
+    gpu, make = fake
+    worker = make()
+    stream = _caller(gpu)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.raises(StreamOpsRefused, match="CUDA_DEVICE_MAX_CONNECTIONS=1: every stream shares one hardware"):
+        worker.submit(stream, lambda: "never", lambda *a: "")
+    assert worker._gates == {} and worker._pending == 0 and worker._thread is None
+    assert not any(gpu.queues.values()) and gpu.ran == []
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    worker.submit(stream, lambda: "layer 0", lambda *a: "")
+    worker.flush(timeout=5)
+    assert gpu.stuck() == {} and gpu.copies(worker._gates[stream].side) == ["layer 0"]
+
+
 def test_the_trace_names_a_stream_left_waiting(fake, tmp_path, monkeypatch):
     import hicache_direct.submitter as submitter
 
