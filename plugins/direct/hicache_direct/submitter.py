@@ -49,7 +49,7 @@ release it; if the side stream shares a queue with such a stream, its copies sit
 wait forever. No CUDA-visible dependency can express a wait for work not yet submitted, so this
 cannot be ruled out where streams outnumber the queues; with one queue it is certain, and the
 worker is refused (:class:`StreamOpsRefused`, so the copier stays on the caller's thread).
-``scripts/gpu/direct-aliasing-check.py`` measures whether it happens with the default queues.
+``scripts/gpu/direct_aliasing_check.py`` measures whether it happens with the default queues.
 
 A caller's stream that waits on a ``done`` word nobody writes would hang the server with no
 error at all, so where the worker's own write of ``done`` fails, it waits for its side stream

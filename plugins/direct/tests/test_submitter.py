@@ -412,3 +412,52 @@ def test_worker_loads_land_before_each_layers_event_with_the_stream_held_back(la
     for layer in range(layers):  # as int16: random bf16 bytes hold NaNs, which never compare equal
         assert torch.equal(seen[layer][0].view(torch.int16), twin.k_buffer[layer][rows].view(torch.int16)), layer
         assert torch.equal(seen[layer][1].view(torch.int16), twin.v_buffer[layer][rows].view(torch.int16)), layer
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs CUDA (HICACHE_TEST_DEVICE=cuda): the worker gates real streams")
+def test_every_new_gates_first_call_finishes_on_an_idle_stream():
+    """The H200 hang's window, opened 40 times: a new gate (new words) and its first call on an idle
+    stream, whose write of start runs at once. Each call's event must complete (polled, never a hang),
+    and the bytes land."""
+    import time
+
+    page, pages, layers = 64, 32, 2
+    dev = hc.MHADevicePool(2 * pages * page, page, torch.bfloat16, 2, 16, layers, "cuda")
+    host = hc.make_host_pool(dev, layout="page_first_direct", io_backend="direct", size=dev.size + page)
+    gen = torch.Generator().manual_seed(11)
+    for t in host.plan.host_buffers.values():
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
+    hp = torch.randperm(host.page_num, generator=gen)[:pages]
+    dp = torch.randperm(dev.size // page, generator=gen)[:pages]
+    h = (hp[:, None] * page + torch.arange(page)).reshape(-1)
+    d = (dp[:, None] * page + torch.arange(page)).reshape(-1)
+    copier = host.implementation_for(hc.LOAD).copier
+    copier.thread_min, copier.thread_max = 1, 0
+    stream = torch.cuda.Stream()
+    for attempt in range(40):
+        if copier._worker is not None:
+            copier._worker.close(timeout=10)
+            copier._worker = None  # the next call makes a new worker: a new gate, new words
+        event = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            host.load_to_device_per_layer(dev, h, d, attempt % layers, "direct")
+            event.record(stream)
+        worker = copier._worker
+        assert worker is not None and copier.no_thread is None, copier.thread_path
+        deadline = time.monotonic() + 10
+        while not event.query():
+            assert time.monotonic() < deadline, f"attempt {attempt}: stream still waiting, words {worker.words()}"
+            time.sleep(0.001)
+        assert worker.submitted == 1
+    torch.cuda.synchronize()
+    rows = d.cuda()
+    layer = 39 % layers
+    expect = torch.empty_like(dev.k_buffer[layer][rows])
+    ref_dev = hc.MHADevicePool(2 * pages * page, page, torch.bfloat16, 2, 16, layers, "cuda")
+    ref = hc.make_host_pool(ref_dev, layout="page_first_direct", io_backend="reference", size=dev.size + page)
+    for name, t in host.plan.host_buffers.items():
+        ref.plan.host_buffers[name].copy_(t)
+    ref.load_to_device_per_layer(ref_dev, h, rows, layer, "reference")
+    torch.cuda.synchronize()
+    expect.copy_(ref_dev.k_buffer[layer][rows])
+    assert torch.equal(dev.k_buffer[layer][rows].view(torch.int16), expect.view(torch.int16))
