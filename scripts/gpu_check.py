@@ -243,9 +243,22 @@ def stress_steps(py: str):
                                   "--shapes", "llama-8b,deepseek-mla,dsa-indexer"], 60),  # fmt: skip
             run("stress-jit", [py, "plugins/jit/tests/gpu_check.py", "--layers", "4", "--variants", "rows",
                                "--shapes", "llama-8b,deepseek-mla"], 60),  # fmt: skip
+            aliasing_step(py),
         ]
 
     return make
+
+
+def aliasing_step(py: str) -> dict:
+    """Whether direct's worker deadlocks where its side stream shares a hardware queue with a stream that
+    waits on its copies (``scripts/gpu/direct_aliasing_check.py``): any case that deadlocks fails the step."""
+    step = run("direct-aliasing", [py, "scripts/gpu/direct_aliasing_check.py"], 200)
+    text = (RESULTS / step["log"]).read_text() if "log" in step else ""
+    found = re.findall(r"^SUMMARY (\{.*\})$", text, re.M)
+    if found:
+        step["aliasing"] = json.loads(found[-1])
+        step["passed"] = step["passed"] and not any(v.startswith("deadlock") for v in step["aliasing"].values())
+    return step
 
 
 def memcheck_step(py: str, cuda: dict):
@@ -326,8 +339,8 @@ def main() -> int:
                                      "--name", "quick-h200"], 100, bench_env))  # fmt: skip
     steps.append(run("overlap", [py, "-m", "hicache_core.cli", "bench", "--overlap", "--quick", "--out", str(RESULTS),
                                  "--name", "overlap-h200"], 60))  # fmt: skip
-    order = ["suite", "direct-batched", "direct-batch-2d", "stress-kernel", "stress-jit", "memcheck", "bench-quick",
-             "overlap", "sglang"]  # fmt: skip
+    order = ["suite", "direct-batched", "direct-batch-2d", "stress-kernel", "stress-jit", "direct-aliasing",
+             "memcheck", "bench-quick", "overlap", "sglang"]  # fmt: skip
     steps.sort(key=lambda x: order.index(x["name"]) if x["name"] in order else len(order))
 
     record["passed"] = _ONLY is None and all(s.get("passed") is not False for s in steps)
