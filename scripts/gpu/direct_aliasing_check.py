@@ -33,7 +33,7 @@ CASES = [
     ("connections=default", {}),
     ("connections=32", {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}),
 ]
-CHILD_TIMEOUT_S = 60
+CHILD_TIMEOUT_S = 40
 WAIT_S = 15.0
 
 
