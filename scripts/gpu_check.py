@@ -325,9 +325,9 @@ def main() -> int:
 
     # The functional checks run side by side (the machine has 16 cores and the GPU room for all of
     # them); the benchmarks run afterwards, alone, so that nothing else shares the GPU while they time it.
-    functional = [suite_step(py, cuda), sglang_step(cuda), memcheck_step(py, cuda), direct_steps(py, cuda),
-                  stress_steps(py)]  # fmt: skip
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    functional = [suite_step(py, cuda), stress_steps(py), memcheck_step(py, cuda), sglang_step(cuda),
+                  direct_steps(py, cuda)]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=4) as pool:
         for done in as_completed([pool.submit(make) for make in functional if make is not None]):
             for step in done.result():
                 steps.append(step)
