@@ -277,7 +277,34 @@ MAMBA = PoolKind(
     description="Mamba / linear-attention state per request slot: SSM (temporal) and conv state rows, page size 1",
 )
 
-BUILTIN_POOL_KINDS: tuple[PoolKind, ...] = (MHA, MHA_ASYM, MHA_K_ONLY, MLA, PAGE_ROWS, DSV4_PAGED, DSV4_STATE, MAMBA)
+NVFP4_PAGE_ROWS = PoolKind(
+    "nvfp4_page_rows",
+    (ComponentDecl("row", "rows", "kv_buffer", (48,)),),
+    item="page",
+    detect=has_layers("rows"),
+    # SGLang's MiniMaxM3Nvfp4*PoolHost: layer_first (layers, pages, row); page_first and
+    # page_first_direct both (pages, layers, 1, row).
+    layouts=frozenset({"layer_first", "page_first", "page_first_direct"}),
+    shape_as=(("page_first", "page_first_direct"),),
+    description="NVFP4 page rows with their block scales inside (MiniMax-M3 NVFP4 main K/V and index K): "
+    "one uint8 row per (layer, page)",
+)
+KV_SCALE_PAGES = PoolKind(
+    "kv_scale_pages",
+    (
+        ComponentDecl("k_scale", "k_scale_device_rows", "k_scale_host", (32,)),
+        ComponentDecl("v_scale", "v_scale_device_rows", "v_scale_host", (32,)),
+    ),
+    item="page",
+    detect=has_layers("k_scale_device_rows", "v_scale_device_rows"),
+    # SGLang's MHATokenToKVPoolMXFP8Host: a page's interleaved UE8M0 scales are one block, kept
+    # (pages, layers, bytes) beside the page_first FP8 payload; no other layout.
+    layouts=frozenset({"page_first"}),
+    description="MXFP8 K/V scale sidecar: one interleaved E8M0 scale block per (layer, page) for K and for V",
+)
+
+BUILTIN_POOL_KINDS: tuple[PoolKind, ...] = (MHA, MHA_ASYM, MHA_K_ONLY, MLA, PAGE_ROWS, DSV4_PAGED, DSV4_STATE, MAMBA,
+                                            NVFP4_PAGE_ROWS, KV_SCALE_PAGES)  # fmt: skip
 
 #: The names of the built-in pool kinds (plugins may register more: ``get_registry().pool_kinds``).
 POOL_KINDS: tuple[str, ...] = tuple(k.name for k in BUILTIN_POOL_KINDS)

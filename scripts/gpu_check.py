@@ -27,8 +27,10 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +104,12 @@ class _Saved(list):
         super().append(step)
         self.record["passed"] = False  # until every step has run
         (RESULTS / "gpu-check.json").write_text(json.dumps(self.record, indent=1))
+        if OUT is not None:  # the device tool keeps $OUT of a run its limit stops
+            OUT.mkdir(parents=True, exist_ok=True)
+            shutil.copy(RESULTS / "gpu-check.json", OUT / "gpu-check.json")
+            for name in (step.get("log"), f"gpu-check-{step['name']}-live.txt"):
+                if name and (RESULTS / name).exists():
+                    shutil.copy(RESULTS / name, OUT / name)
 
 
 def run(name: str, argv: list[str], timeout: int, env: dict | None = None) -> dict:
@@ -125,6 +133,35 @@ def run(name: str, argv: list[str], timeout: int, env: dict | None = None) -> di
     print(tail, flush=True)
     return {"name": name, "command": " ".join(argv), "exit_code": code, "passed": code == 0,
             "seconds": round(time.time() - started, 1), "log": log.name, "tail": tail}  # fmt: skip
+
+
+def live(name: str) -> tuple[list[str], dict]:
+    """pytest arguments and environment that write each test's outcome as it comes (``gpu/pytest_live.py``),
+    dump every thread's stack after 60 s in one test, and trace direct's worker thread: a run its bound stops
+    still names what failed and what hung (:func:`live_summary`)."""
+    report, trace = RESULTS / f"gpu-check-{name}-live.txt", RESULTS / f"gpu-check-{name}-direct-trace.txt"
+    for path in (report, trace):
+        path.unlink(missing_ok=True)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "scripts" / "gpu"), os.environ.get("PYTHONPATH")) if p),
+           "HICACHE_LIVE_REPORT": str(report), "HICACHE_DIRECT_TRACE": str(trace)}  # fmt: skip
+    return ["-p", "pytest_live", "-o", "faulthandler_timeout=60"], env
+
+
+def live_summary(name: str) -> dict:
+    """From the live report: the tests that failed, and those that started and never finished."""
+    path = RESULTS / f"gpu-check-{name}-live.txt"
+    if not path.exists():
+        return {}
+    started, ended, failed = set(), set(), set()
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[1] == "START":
+            started.add(parts[2])
+        elif len(parts) >= 4 and parts[1] in ("PASSED", "FAILED", "SKIPPED"):
+            ended.add(parts[3])
+            if parts[1] == "FAILED":
+                failed.add(parts[3])
+    return {"failed_tests": sorted(failed), "unfinished_tests": sorted(started - ended)}
 
 
 def junit_counts(path: Path) -> dict:
@@ -170,6 +207,105 @@ def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def suite_step(py: str, cuda: dict):
+    """The suite on CUDA pools. Workers in parallel where pytest-xdist is there: the first call of each
+    kernel specialisation compiles, and compiling is what takes the time."""
+
+    def make() -> list[dict]:
+        junit = RESULTS / "gpu-check-suite.xml"
+        parallel = ["-n", "8"] if _have("xdist") else []
+        live_args, live_env = live("suite")
+        step = run("suite", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *parallel, *live_args, "tests",
+                             "plugins", f"--junitxml={junit}"], 260, cuda | live_env)  # fmt: skip
+        return [step | (junit_counts(junit) or live_summary("suite"))]
+
+    return make
+
+
+def direct_steps(py: str, cuda: dict):
+    """The copy engine's batched path, byte for byte, every layout and stream case; then its 2-D batch."""
+
+    def make() -> list[dict]:
+        batched = run("direct-batched", [py, "scripts/gpu/direct_check.py", "--out", str(RESULTS)], 60, cuda)
+        two_d = run("direct-batch-2d", [py, "scripts/gpu/direct_check.py", "--only-2d", "--out", str(RESULTS)], 40,
+                    cuda)  # fmt: skip
+        return [batched, two_d]
+
+    return make
+
+
+def stress_steps(py: str):
+    """Stress: model shapes at their real strides, beside a GEMM."""
+
+    def make() -> list[dict]:
+        return [
+            run("stress-kernel", [py, "plugins/kernel/tests/gpu_stress.py", "--layers", "2", "--reps", "1",
+                                  "--shapes", "llama-8b,deepseek-mla,dsa-indexer"], 60),  # fmt: skip
+            run("stress-jit", [py, "plugins/jit/tests/gpu_check.py", "--layers", "4", "--variants", "rows",
+                               "--shapes", "llama-8b,deepseek-mla"], 60),  # fmt: skip
+            aliasing_step(py),
+        ]
+
+    return make
+
+
+def aliasing_step(py: str) -> dict:
+    """Whether direct's worker deadlocks where its side stream shares a hardware queue with a stream that
+    waits on its copies (``scripts/gpu/direct_aliasing_check.py``): any case that deadlocks fails the step."""
+    step = run("direct-aliasing", [py, "scripts/gpu/direct_aliasing_check.py"], 200)
+    text = (RESULTS / step["log"]).read_text() if "log" in step else ""
+    found = re.findall(r"^SUMMARY (\{.*\})$", text, re.M)
+    if found:
+        step["aliasing"] = json.loads(found[-1])
+        step["passed"] = step["passed"] and not any(v.startswith("deadlock") for v in step["aliasing"].values())
+    return step
+
+
+def memcheck_step(py: str, cuda: dict):
+    """compute-sanitizer's memcheck over the safety tests and a slice of the kit."""
+    sanitizer = shutil.which("compute-sanitizer") or next(
+        (str(p) for p in Path("/usr/local/cuda/bin").glob("compute-sanitizer")), None
+    )
+
+    def make() -> list[dict]:
+        if _ONLY is not None and "memcheck" not in _ONLY:
+            return [{"name": "memcheck", "passed": None, "tail": "not run (--only)"}]
+        if not sanitizer:
+            return [{"name": "memcheck", "passed": False, "tail": "compute-sanitizer not found"}]
+        memcheck = [sanitizer, "--tool", "memcheck", "--error-exitcode", "3", "--target-processes", "all",
+                    py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    "plugins/kernel/tests/test_kernel_safety.py", "plugins/jit/tests/test_jit_safety.py",
+                    "plugins/kernel/tests/test_kernel_drops.py", "plugins/jit/tests/test_jit_drops.py",
+                    "plugins/direct/tests/test_conformance.py", "-k", "not page_head and (bad_input or drop or "
+                    "guard or mask or mha-layer_first)"]  # fmt: skip
+        step = run("memcheck", memcheck, 150, cuda)
+        errors = re.findall(r"ERROR SUMMARY: (\d+) error", (RESULTS / step["log"]).read_text()) if "log" in step else []
+        step["sanitizer_errors"] = sum(int(e) for e in errors) if errors else None
+        return [step]
+
+    return make
+
+
+def sglang_step(cuda: dict):
+    """SGLang's own code on CUDA pools, where its wheels were carried (integrations/sglang/gpu-wheels.sh).
+    Its packages are installed here, before the other steps start: installing beside running tests could
+    rewrite files they import."""
+    if not (ROOT / "integrations" / "sglang" / "dev").exists():
+        return None
+    if not list((ROOT / ".whl").glob("*.whl")):
+        why = "no .whl/ carried: run integrations/sglang/gpu-wheels.sh here and carry .whl"
+        return lambda: [{"name": "sglang", "passed": None, "tail": why}]
+    if _ONLY is None or "sglang" in _ONLY:
+        subprocess.run(["bash", "integrations/sglang/dev", "gpu", "--version"], cwd=ROOT, check=False)
+
+    def make() -> list[dict]:
+        live_args, live_env = live("sglang")
+        sglang = ["bash", "integrations/sglang/dev", "gpu", *(["-n", "8"] if _have("xdist") else []), *live_args]
+        return [run("sglang", sglang, 170, cuda | live_env) | live_summary("sglang")]
+
+    return make
+
+
 def main() -> int:
     import argparse
 
@@ -181,62 +317,31 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     record: dict = {"what": "scripts/dev gpu: the GPU gate", **trees(), "environment": environment()}
+    # Every kernel is compiled from the trees named above, never taken from an earlier run's cache.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="hicache-gate-triton-")
+    record["triton_cache"] = "rebuilt: an empty TRITON_CACHE_DIR for this run"
     cuda = {"HICACHE_TEST_DEVICE": "cuda", "PYTHONUNBUFFERED": "1"}
     steps = record["steps"] = _Saved(record)
 
-    # 1. The suite on CUDA pools. Workers in parallel where pytest-xdist is there: the first call of each
-    # kernel specialisation compiles, and compiling is what takes the time.
-    junit = RESULTS / "gpu-check-suite.xml"
-    parallel = ["-n", "8"] if _have("xdist") else []
-    step = run("suite", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *parallel, "tests", "plugins",
-                         f"--junitxml={junit}"], 260, cuda)  # fmt: skip
-    step |= junit_counts(junit)
-    steps.append(step)
+    # The functional checks run side by side (the machine has 16 cores and the GPU room for all of
+    # them); the benchmarks run afterwards, alone, so that nothing else shares the GPU while they time it.
+    functional = [suite_step(py, cuda), stress_steps(py), memcheck_step(py, cuda), sglang_step(cuda),
+                  direct_steps(py, cuda)]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for done in as_completed([pool.submit(make) for make in functional if make is not None]):
+            for step in done.result():
+                steps.append(step)
+    two_d = next((x for x in steps if x["name"] == "direct-batch-2d"), {})
 
-    # 2. The copy engine's batched path, byte for byte, every layout and stream case; then its 2-D batch.
-    steps.append(run("direct-batched", [py, "scripts/gpu/direct_check.py", "--out", str(RESULTS)], 60, cuda))
-    two_d = run("direct-batch-2d", [py, "scripts/gpu/direct_check.py", "--only-2d", "--out", str(RESULTS)], 40, cuda)
-    steps.append(two_d)
-
-    # 3. Stress: model shapes at their real strides, beside a GEMM.
-    steps.append(run("stress-kernel", [py, "plugins/kernel/tests/gpu_stress.py", "--layers", "2", "--reps", "1",
-                                       "--shapes", "llama-8b,deepseek-mla,dsa-indexer"], 45))  # fmt: skip
-    steps.append(run("stress-jit", [py, "plugins/jit/tests/gpu_check.py", "--layers", "4", "--variants", "rows",
-                                    "--shapes", "llama-8b,deepseek-mla"], 45))  # fmt: skip
-
-    # 4. compute-sanitizer's memcheck over the safety tests and a slice of the kit.
-    sanitizer = shutil.which("compute-sanitizer") or next(
-        (str(p) for p in Path("/usr/local/cuda/bin").glob("compute-sanitizer")), None
-    )
-    if sanitizer:
-        memcheck = [sanitizer, "--tool", "memcheck", "--error-exitcode", "3", "--target-processes", "all",
-                    py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    "plugins/kernel/tests/test_kernel_safety.py", "plugins/jit/tests/test_jit_safety.py",
-                    "plugins/kernel/tests/test_kernel_drops.py", "plugins/jit/tests/test_jit_drops.py",
-                    "plugins/direct/tests/test_conformance.py", "-k", "not page_head and (bad_input or drop or "
-                    "guard or mask or mha-layer_first)"]  # fmt: skip
-        step = run("memcheck", memcheck, 100, cuda)
-        errors = re.findall(r"ERROR SUMMARY: (\d+) error", (RESULTS / step["log"]).read_text()) if "log" in step else []
-        step["sanitizer_errors"] = sum(int(e) for e in errors) if errors else None
-        steps.append(step)
-    else:
-        steps.append({"name": "memcheck", "passed": False, "tail": "compute-sanitizer not found"})
-
-    # 5. The benchmarks: the quick sweep (the 2-D batch rows only if that path was byte-exact), and the overlap.
+    # The benchmarks: the quick sweep (the 2-D batch rows only if that path was byte-exact), and the overlap.
     bench_env = {"HICACHE_BENCH_BATCH_2D": "1" if two_d.get("passed") else "0"}
     steps.append(run("bench-quick", [py, "-m", "hicache_core.cli", "bench", "--quick", "--out", str(RESULTS),
                                      "--name", "quick-h200"], 100, bench_env))  # fmt: skip
     steps.append(run("overlap", [py, "-m", "hicache_core.cli", "bench", "--overlap", "--quick", "--out", str(RESULTS),
                                  "--name", "overlap-h200"], 60))  # fmt: skip
-
-    # 6. SGLang's own code on CUDA pools, where its wheels were carried (integrations/sglang/gpu-wheels.sh).
-    if (ROOT / "integrations" / "sglang" / "dev").exists():
-        if list((ROOT / ".whl").glob("*.whl")):
-            sglang = ["bash", "integrations/sglang/dev", "gpu", *(["-n", "4"] if _have("xdist") else [])]
-            steps.append(run("sglang", sglang, 150, cuda))
-        else:
-            why = "no .whl/ carried: run integrations/sglang/gpu-wheels.sh here and carry .whl"
-            steps.append({"name": "sglang", "passed": None, "tail": why})
+    order = ["suite", "direct-batched", "direct-batch-2d", "stress-kernel", "stress-jit", "direct-aliasing",
+             "memcheck", "bench-quick", "overlap", "sglang"]  # fmt: skip
+    steps.sort(key=lambda x: order.index(x["name"]) if x["name"] in order else len(order))
 
     record["passed"] = _ONLY is None and all(s.get("passed") is not False for s in steps)
     path = RESULTS / "gpu-check.json"
@@ -244,9 +349,8 @@ def main() -> int:
     if OUT is not None:
         OUT.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, OUT / "gpu-check.json")
-        logs = sorted(RESULTS.glob("gpu-check-*.log")) + sorted(RESULTS.glob("*h200*.json")) + sorted(
-            RESULTS.glob("*h200*.png")
-        )
+        patterns = ("gpu-check-*.log", "gpu-check-*.txt", "*h200*.json", "*h200*.png")
+        logs = [p for pattern in patterns for p in sorted(RESULTS.glob(pattern))]
         subprocess.run(["tar", "czf", str(OUT / "gpu-check-files.tgz"), *[str(p.relative_to(ROOT)) for p in logs]],
                        cwd=ROOT, check=False)  # fmt: skip
     print("\n== summary")

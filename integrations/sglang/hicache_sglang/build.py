@@ -21,7 +21,7 @@ import hicache_core as hc
 # pass through: make_host_pool reads it (the one reading); the name stays importable from here.
 from hicache_core.host_pool import ENV_VALIDATE as ENV_VALIDATE
 
-from . import metrics
+from . import metrics, scales
 from .errors import NotServedError
 from .identity import log_pool
 from .pool import DeviceView, SGLangHostPool, SGLangMHAHostPool, SGLangMLAHostPool
@@ -97,6 +97,7 @@ def build_kv_host_pool(
     check_packed_kv_rows(kv_pool=kv_pool, drafts=drafts, use_mla=use_mla)  # SGLang's own check, same message
 
     first_layer = int(kv_pool.start_layer or 0)
+    scaled = None
     if use_mla:
         info = _mla_info(kv_pool, label)
         if override_kv_cache_dim is not None and override_kv_cache_dim != info.kv_cache_dim:
@@ -120,6 +121,9 @@ def build_kv_host_pool(
         kind = "mla"
     else:
         info = _mha_info(kv_pool, label)
+        if info.scales is not None:
+            scales.check_scales(info, drafts=drafts, label=label)
+            scaled = info
         extras = {}
         buffers = {"k_buffer": list(info.buffers.k), "v_buffer": list(info.buffers.v)}
         device_layer_num = len(info.buffers.k)
@@ -147,11 +151,16 @@ def build_kv_host_pool(
         for b in draft_buffers
     ]
     bytes_per_token = _bytes_per_token(buffers, len(owned) + len(drafts))
+    if scaled is not None:
+        bytes_per_token += scales.scale_bytes_per_token(scaled)
     if host_token_capacity is None:
         tokens = _host_tokens(memory, host_size, capacity, page_size, bytes_per_token)
     else:  # a sidecar on another pool's slots (SGLang's non-packed drafts): exactly that many, no padding page
         tokens = _exact_tokens(host_token_capacity, page_size, label)
     _check_host_memory(tokens * bytes_per_token, label)
+    if scaled is not None:  # first: its layout and io backend are the narrower ones
+        scale_view, scale_core = scales.make_scale_core(scaled, layout=layout, io_backend=io_backend, tokens=tokens,
+                                                        label=label)  # fmt: skip
     core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size, size=tokens,
                              draft_pools=draft_views)  # fmt: skip
     metrics.start()  # hicache's figures beside SGLang's /metrics, when SGLang's metrics are on
@@ -172,6 +181,8 @@ def build_kv_host_pool(
         pool = SGLangMLAHostPool(core, kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim,
                                  kv_cache_dim=info.kv_cache_dim, packed_fp8=info.packed_fp8, **common)  # fmt: skip
         return log_pool(pool)
+    if scaled is not None:
+        return log_pool(scales.SGLangScaledMHAHostPool(core, scale_core=scale_core, scale_view=scale_view, **common))
     return log_pool(SGLangMHAHostPool(core, **common))
 
 
@@ -182,10 +193,7 @@ def _mha_info(pool: Any, label: str):
     if not isinstance(info, MHABufferInfo):
         raise NotServedError(f"{type(pool).__name__} describes {type(info).__name__}, not MHA K/V buffers ({label})")
     if info.scales is not None:
-        raise NotServedError(
-            f"{type(pool).__name__} keeps KV scales beside its K/V ({info.scales.layout.value}); hicache-sglang "
-            f"moves plain K/V rows only ({label}). Run this KV dtype without hicache_sglang.install()."
-        )
+        scales.check_scale_layout(info, label)
     if info.transfer_buffers is not None:
         raise NotServedError(
             f"{type(pool).__name__} relocates its K/V backing at transfer time; hicache-sglang binds device buffers "
@@ -217,8 +225,9 @@ def _mla_info(pool: Any, label: str):
         )
     if info.scales is not None:
         raise NotServedError(
-            f"{type(pool).__name__} keeps FP4 block scales beside its rows; hicache-sglang moves the rows only "
-            f"({label})"
+            f"{type(pool).__name__} keeps per-slot FP4 block scales beside its rows, which SGLang's MLA host pool "
+            f"refuses too ({label}); hicache-sglang serves {scales.SERVED}. Run this KV dtype without "
+            "hicache_sglang.install()."
         )
     _check_rows(pool, list(info.buffers), label)
     return info

@@ -36,6 +36,10 @@ class Family:
     kind: str
     layouts: tuple[str, ...]
     sharded: bool = False
+    #: kinds of the pools that ride beside it in the same calls (MXFP8's scales beside the K/V): they must serve too
+    with_kinds: tuple[str, ...] = ()
+    #: The io backends SGLang can ask of it (HiSparse's coordinator always passes ``kernel``).
+    io_backends: tuple[str, ...] = IO_BACKENDS
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -60,6 +64,18 @@ FAMILIES: tuple[Family, ...] = (
     Family("Mamba / linear-attention state", "MambaPoolHost", "mamba", ("page_first", "page_first_direct")),
     Family("DeepSeek-V4 compress state", "DeepSeekV4StateHostPool", "dsv4_state",
            ("layer_first", "page_first", "page_first_direct")),
+    Family("KV, MHA MXFP8 (FP8 K/V + interleaved E8M0 scales, page size 128)", "MHATokenToKVPoolMXFP8Host", "mha",
+           ("page_first",), with_kinds=("kv_scale_pages",)),
+    Family("MiniMax-M3 NVFP4 main K/V (block scales inside the rows)", "MiniMaxM3Nvfp4MainKVPoolHost",
+           "nvfp4_page_rows", ("layer_first", "page_first", "page_first_direct")),
+    Family("MiniMax-M3 NVFP4 index K (block scales inside the rows)", "MiniMaxM3Nvfp4IndexKPoolHost",
+           "nvfp4_page_rows", ("layer_first", "page_first", "page_first_direct")),
+    Family("MiniMax sparse index K (K only)", "MHATokenToKOnlyPoolHost", "mha_k_only",
+           ("layer_first", "page_first", "page_first_direct")),
+    Family("HiSparse, MLA (--enable-hisparse; swap-in by SGLang's kernels, opt-in)", "MLATokenToKVPoolHost", "mla",
+           ("layer_first",), io_backends=("kernel",)),
+    Family("HiSparse, MiniMax-M3 MHA (--enable-hisparse; swap-in by SGLang's kernels, opt-in)",
+           "HiSparseMHATokenToKVPoolHost", "mha", ("layer_first",), io_backends=("kernel",)),
 )  # fmt: skip
 
 
@@ -83,16 +99,16 @@ def _geometry(kind: hc.PoolKind, sharded: bool) -> hc.PoolGeometry:
 def served(family: Family, layout: str) -> list[str]:
     """The io backends serving every operation the adapter resolves for ``family`` in ``layout``."""
     registry = hc.get_registry()
-    kind = registry.pool_kinds[family.kind]
-    geometry = _geometry(kind, family.sharded)
+    geometries = [_geometry(registry.pool_kinds[k], family.sharded) for k in (family.kind, *family.with_kinds)]
     ops = (hc.LOAD, hc.BACKUP_LAYER) if family.sharded else (hc.LOAD, hc.BACKUP_ALL)
     out = []
-    for io in IO_BACKENDS:
+    for io in family.io_backends:
         if io == "direct" and layout not in _DIRECT_LAYOUTS:
             continue
         try:
-            for op in ops:
-                hc.resolve(registry, hc.TransferRequest(io, op, geometry, registry.layouts[layout], True))
+            for geometry in geometries:
+                for op in ops:
+                    hc.resolve(registry, hc.TransferRequest(io, op, geometry, registry.layouts[layout], True))
         except (hc.UnsupportedCombinationError, ValueError):
             continue
         out.append(io)
@@ -105,8 +121,12 @@ def table() -> str:
              "|---|---|---|---|"]  # fmt: skip
     for f in FAMILIES:
         cells = [f"{layout}: {', '.join(served(f, layout)) or 'none'}" for layout in f.layouts]
-        lines.append(f"| {f.name} | `{f.sglang}` | `{f.kind}` | {'<br>'.join(cells)} |")
+        kinds = " + ".join(f"`{k}`" for k in (f.kind, *f.with_kinds))
+        lines.append(f"| {f.name} | `{f.sglang}` | {kinds} | {'<br>'.join(cells)} |")
     lines.append("| DeepSeek-V4 FULL anchor | `LogicalHostPool` | (slots only, no bytes) | every layout: no transfer |")
+    lines.append("| KV with per-slot scales: refused when the pool is built (SGLang's host pools refuse it too) | "
+                 "`MHATokenToKVPoolFP4`, `MLATokenToKVPoolFP4`, `MHATokenToKVPoolMXFP8` below page size 128 | "
+                 "SGLang's | an FP4 KV cache; MXFP8 with --page-size other than 128 |")  # fmt: skip
     for r in builders.REFUSALS:
         lines.append(f"| {r.family}: refused at start-up | `{r.pools}` | SGLang's | {r.how} |")
     return "\n".join(lines) + "\n"

@@ -23,6 +23,7 @@ ENVIRONMENT = {
     "HICACHE_PLUGINS": "comma-separated hicache plugins to load (default: every installed one)",
     "HICACHE_DIRECT_{MAX_BATCH,STREAMS,PREFER_OVERLAP,BATCH}": "knobs of the direct io backend's copy engine",
     "HICACHE_KERNEL_MAX_CTAS, HICACHE_JIT_MAX_CTAS": "CTAs of the Triton / JIT kernels (default 8, 0 = every SM)",
+    "HICACHE_SGLANG_HISPARSE_SWAP_IN": "sglang: serve --enable-hisparse (its swap-in: SGLang's kernels)",
 }
 
 
@@ -60,12 +61,17 @@ def check(server_args: Any) -> None:
     """Refuse, before SGLang starts, a HiCache setting the adapter cannot serve.
 
     :raises NotServedError: an io backend no installed hicache plugin serves, a layout SGLang's
-        controller cannot drive with the io backend, or a ``--hicache-size`` over the host memory budget.
+        controller cannot drive with the io backend, a ``--hicache-size`` over the host memory budget,
+        or ``--enable-hisparse`` without ``HICACHE_SGLANG_HISPARSE_SWAP_IN=sglang``.
     """
     from sglang.srt.arg_groups.overrides import resolving_view
 
     server_args.resolve_once()  # SGLang's own resolution (it rewrites some layout/io pairs); idempotent
     cfg = resolving_view(server_args)
+    if cfg.enable_hisparse:  # HiSparse builds its own host pool, with or without --enable-hierarchical-cache
+        from .builders.hisparse import check_swap_in
+
+        check_swap_in("every model")
     if not cfg.enable_hierarchical_cache:
         return
     layout, io_backend = cfg.hicache_mem_layout, cfg.hicache_io_backend

@@ -79,6 +79,9 @@ class HicacheStorage(HiCacheStorage):
                 f"hicache storage binds to hicache host pools; SGLang registered a {type(mem_pool_host).__name__} "
                 "(start the server with python -m hicache_sglang.launch_server)"
             )
+        refusal = getattr(mem_pool_host, "l3_refusal", None)
+        if refusal:  # the pool's pages carry bytes beside its core pool (scales): storing the core's would drop them
+            raise NotServedError(f"hicache storage cannot store the {mem_pool_host.pool_label!r} host pool: {refusal}")
         cfg = self.config
         self.backend = make_storage(self.url, mem_pool_host.core, model_id=cfg.model_name or "model",
                                     tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, replicated=cfg.is_mla_model,

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+DEVICE = os.environ.get("HICACHE_TEST_DEVICE", "cpu")
 PAGE, PAGES, LAYERS_MOVED = 16, 4, 3
 BACKUP, LOAD = "backup_from_device_all_layer", "load_to_device_per_layer"  # hicache's operation names
 
@@ -77,13 +78,16 @@ def _scrape(folder: Path, monkeypatch) -> dict:
 def test_hicache_metrics_on_sglang_metrics_route(tmp_path, monkeypatch):
     folder = tmp_path / "prometheus"
     folder.mkdir()
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(folder), HICACHE_METRICS_INTERVAL="3600",
-               TRITON_INTERPRET="1")  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", SCHEDULER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)  # fmt: skip
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(folder), HICACHE_METRICS_INTERVAL="3600")
+    if DEVICE == "cpu":  # Triton's interpreter runs the kernels on CPU pools only; CUDA pools compile them
+        env["TRITON_INTERPRET"] = "1"
+    stderr = tmp_path / "scheduler.stderr"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", SCHEDULER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=err, text=True, env=env)  # fmt: skip
     try:
         line = proc.stdout.readline()
-        assert line, f"the scheduler process exited ({proc.wait(60)})"
+        assert line, f"the scheduler process exited ({proc.wait(60)}):\n{stderr.read_text()[-4000:]}"
         scheduler = json.loads(line)
         scraped = _scrape(folder, monkeypatch)
     finally:

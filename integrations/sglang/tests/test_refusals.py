@@ -78,8 +78,10 @@ def test_layer_sharded_mha_pool():
         build(pool)
 
 
-@pytest.mark.parametrize("name, match", [("MHATokenToKVPoolFP4", r"keeps KV scales beside its K/V \(token\)"),
-                                         ("MHATokenToKVPoolMXFP8", r"keeps KV scales beside its K/V")])  # fmt: skip
+# Per-slot scales (KVScaleLayout.TOKEN: FP4, and MXFP8 below page size 128) stay refused; test_mxfp8.py serves
+# MXFP8 at page size 128.
+@pytest.mark.parametrize("name, match", [("MHATokenToKVPoolFP4", r"keeps per-slot KV scales \('token'"),
+                                         ("MHATokenToKVPoolMXFP8", r"scales .*--page-size 128")])  # fmt: skip
 def test_kv_with_separate_scales(name, match):
     from hicache_sglang import NotServedError
     from sglang.srt.mem_cache import memory_pool
@@ -89,6 +91,17 @@ def test_kv_with_separate_scales(name, match):
                                       layer_num=LAYERS, device=DEVICE, enable_memory_saver=False)  # fmt: skip
     with pytest.raises(NotServedError, match=match):
         build(pool)
+
+
+def test_mla_with_fp4_block_scales():
+    from hicache_sglang import NotServedError
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPoolFP4
+
+    publish_settings(layout="page_first", io_backend="kernel", page_size=4)
+    pool = MLATokenToKVPoolFP4(size=32, page_size=4, dtype=torch.bfloat16, kv_lora_rank=64, qk_rope_head_dim=32,
+                               layer_num=LAYERS, device=DEVICE, enable_memory_saver=False)  # fmt: skip
+    with pytest.raises(NotServedError, match="keeps per-slot FP4 block scales .* refuses too .* serves MXFP8"):
+        build(pool, mla=True)
 
 
 def test_packed_fp8_rows_cannot_split():

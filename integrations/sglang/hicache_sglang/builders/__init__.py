@@ -61,6 +61,7 @@ class Refusal:
 
 _HOST = "sglang.srt.mem_cache.pool_host"
 _ASSEMBLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
+_HISPARSE = "sglang.srt.managers.hisparse_coordinator"
 # Only the modules named here are patched: other modules use SGLang's classes in isinstance checks.
 TAKEOVERS: tuple[Takeover, ...] = (
     Takeover("dsa_indexer", f"{_HOST}.dsa", "DSAIndexerPoolHost", ".dsa:build_dsa_indexer_host_pool",
@@ -85,21 +86,28 @@ TAKEOVERS: tuple[Takeover, ...] = (
     Takeover("qsa_indexer", _ASSEMBLER, "QSAIndexerPoolHost", ".qsa:SGLangQSAIndexerHostPool",
              ".qsa:SGLangQSAIndexerHostPool", "dsv4_paged",
              "QSA sparse-attention models (QSATokenToKVPool): compressed keys beside the KV anchor, and the draft's"),
+    # The HiSparse coordinator builds its host pool itself, from names in its own module (none is used in a check
+    # there). Refused unless hisparse.ENV_SWAP_IN accepts SGLang's swap-in kernels reading hicache's bytes.
+    Takeover("hisparse_mla", _HISPARSE, "MLATokenToKVPoolHost", ".hisparse:SGLangHiSparseMLAHostPool",
+             ".hisparse:SGLangHiSparseMLAHostPool", "mla", "--enable-hisparse (MLA models: DeepSeek-V3.2, GLM-5)"),
+    Takeover("hisparse_mha", _HISPARSE, "HiSparseMHATokenToKVPoolHost", ".hisparse:SGLangHiSparseMHAHostPool",
+             ".hisparse:SGLangHiSparseMHAHostPool", "mha", "--enable-hisparse (MHA models: MiniMax-M3)"),
+    # build_minimax_m3_sparse_stack imports these two by name from their module when it runs.
+    Takeover("minimax_m3_nvfp4", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4MainKVPoolHost",
+             ".minimax:SGLangMiniMaxM3Nvfp4MainKVPoolHost", ".minimax:SGLangMiniMaxM3Nvfp4MainKVPoolHost",
+             "nvfp4_page_rows", "MiniMax-M3 with an NVFP4 KV cache: the main K/V page rows (scales inside)"),
+    Takeover("minimax_m3_nvfp4_index_k", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4IndexKPoolHost",
+             ".minimax:SGLangMiniMaxM3Nvfp4IndexKPoolHost", ".minimax:SGLangMiniMaxM3Nvfp4IndexKPoolHost",
+             "nvfp4_page_rows", "MiniMax-M3 with an NVFP4 KV cache: the sparse index-K page rows (scales inside)"),
+    Takeover("minimax_index_k", _ASSEMBLER, "MHATokenToKOnlyPoolHost", ".minimax:SGLangKOnlyHostPool",
+             ".minimax:SGLangKOnlyHostPool", "mha_k_only",
+             "MiniMax-M3 sparse attention without NVFP4: the index-K pool beside the KV anchor"),
 )  # fmt: skip
 
-_HISPARSE = "sglang.srt.managers.hisparse_coordinator"
 REFUSALS: tuple[Refusal, ...] = (
-    # The HiSparse coordinator builds its host pool itself, from these three names (none is used in a check there).
+    # Its decode backup copies single tokens out of C4 page rows (value and scale apart): no hicache kind yet.
     Refusal("hisparse", _HISPARSE, "DeepSeekV4PagedHostPool", "DeepSeekV4PagedHostPool (HiSparse)",
             "--enable-hisparse (DeepSeek-V4)"),
-    Refusal("hisparse_mha", _HISPARSE, "HiSparseMHATokenToKVPoolHost", "HiSparseMHATokenToKVPoolHost",
-            "--enable-hisparse (MHA models)"),
-    Refusal("hisparse_mla", _HISPARSE, "MLATokenToKVPoolHost", "MLATokenToKVPoolHost (HiSparse)",
-            "--enable-hisparse (MLA models)"),
-    Refusal("minimax_m3_nvfp4", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4MainKVPoolHost",
-            "MiniMaxM3Nvfp4MainKVPoolHost", "MiniMax-M3 with an NVFP4 KV cache"),
-    Refusal("minimax_m3_nvfp4_index_k", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4IndexKPoolHost",
-            "MiniMaxM3Nvfp4IndexKPoolHost", "MiniMax-M3 with an NVFP4 KV cache"),
 )  # fmt: skip
 
 _patched: list[tuple[Any, str, Any]] = []
