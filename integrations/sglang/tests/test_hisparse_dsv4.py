@@ -234,3 +234,37 @@ def test_other_c4_geometries_are_refused(swap_in_accepted):
         SGLangHiSparseDSV4HostPool("dsv4_hisparse_c4", rows, 37440, 8, 32)
     with pytest.raises(NotServedError, match="layout 'page_first'"):
         SGLangHiSparseDSV4HostPool("dsv4_hisparse_c4", rows, 37440, 8, 64, layout="page_first")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="SGLang's token-granular C4 copy (transfer_cache_dsv4_mla) is CUDA's")
+def test_same_bytes_as_sglangs_own_c4_copy(tp_group, swap_in_accepted):
+    """SGLang's own ``DeepSeekV4PagedHostPool`` (its module's class, not replaced) and hicache's, on one device pool."""
+    from sglang.srt.mem_cache import memory_pool_host
+
+    co = v4_stack(tp_group)
+    ours, dev = co.mem_pool_host, co.mem_pool_device
+    theirs = memory_pool_host.DeepSeekV4PagedHostPool(
+        pool_name="dsv4_hisparse_c4", device_buffers=dev.kv_buffer, item_bytes=dev.bytes_per_page_padded,
+        num_host_pages=ours.num_host_pages, slot_page_size=dev.page_size, layout="layer_first",
+    )  # fmt: skip
+    fill_random(list(dev.kv_buffer), seed=21)
+    gen = torch.Generator().manual_seed(22)
+    tokens_h = torch.randperm(ours.size, generator=gen)[:50].to(DEVICE)
+    tokens_d = torch.randperm(8 * P, generator=gen)[:50].to(DEVICE)
+    pages_h = torch.arange(2 * P, 4 * P, device=DEVICE)
+    pages_d = torch.arange(5 * P, 7 * P, device=DEVICE)
+    for pool in (ours, theirs):
+        pool.backup_tokens_from_device_all_layer(tokens_h, tokens_d)
+        pool.backup_from_device_all_layer(dev, pages_h, pages_d, "kernel")
+    synchronize()
+    for layer in range(LAYERS):
+        assert torch.equal(ours.kv_buffer[layer].cpu(), theirs.kv_buffer[layer].cpu()), layer
+    # And back: one layer, token by token, from hicache's host bytes and from SGLang's.
+    back = torch.randperm(8 * P, generator=gen)[:50].to(DEVICE)
+    loaded = []
+    for pool in (ours, theirs):
+        fill_random(list(dev.kv_buffer), seed=23)
+        pool.load_to_device_per_layer(dev, tokens_h, back, 1, "kernel")
+        synchronize()
+        loaded.append(dev.kv_buffer[1].cpu().clone())
+    assert torch.equal(loaded[0], loaded[1])
