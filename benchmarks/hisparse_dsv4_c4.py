@@ -58,13 +58,12 @@ def main() -> None:
     out = {"device": torch.cuda.get_device_name(), "layers": args.layers, "reqs": args.reqs,
            "stage_pages": args.stage_pages, "us_per_call": {}}  # fmt: skip
     for name, pool in pools.items():
-        out["us_per_call"][name] = {
-            "decode_token_backup": _time(lambda pool=pool: pool.backup_tokens_from_device_all_layer(tok_h, tok_d), args.iters),
-            "staging_page_backup": _time(lambda pool=pool: pool.backup_from_device_all_layer(dev_pool, pg_h, pg_d, "kernel"),
-                                         args.iters),  # fmt: skip
-            "token_load_one_layer": _time(lambda pool=pool: pool.load_to_device_per_layer(dev_pool, tok_h, tok_d, 0, "kernel"),
-                                          args.iters),  # fmt: skip
+        calls = {
+            "decode_token_backup": lambda p=pool: p.backup_tokens_from_device_all_layer(tok_h, tok_d),
+            "staging_page_backup": lambda p=pool: p.backup_from_device_all_layer(dev_pool, pg_h, pg_d, "kernel"),
+            "token_load_one_layer": lambda p=pool: p.load_to_device_per_layer(dev_pool, tok_h, tok_d, 0, "kernel"),
         }
+        out["us_per_call"][name] = {what: _time(fn, args.iters) for what, fn in calls.items()}
     ours, theirs = pools["hicache"], pools["sglang"]
     out["host_bytes_equal"] = all(torch.equal(a, b) for a, b in zip(ours.kv_buffer, theirs.kv_buffer))
     print(json.dumps(out, indent=1))
