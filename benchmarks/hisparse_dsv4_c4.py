@@ -57,7 +57,10 @@ def main() -> None:
     pg_d = torch.arange(args.stage_pages * 64, device="cuda") + 64
     out = {"device": torch.cuda.get_device_name(), "layers": args.layers, "reqs": args.reqs,
            "stage_pages": args.stage_pages, "us_per_call": {}}  # fmt: skip
+    original = [t.clone() for t in device]
     for name, pool in pools.items():
+        for t, o in zip(device, original):  # each pool starts from the same device bytes (loads write them)
+            t.copy_(o)
         calls = {
             "decode_token_backup": lambda p=pool: p.backup_tokens_from_device_all_layer(tok_h, tok_d),
             "staging_page_backup": lambda p=pool: p.backup_from_device_all_layer(dev_pool, pg_h, pg_d, "kernel"),
