@@ -76,6 +76,8 @@ FAMILIES: tuple[Family, ...] = (
            ("layer_first",), io_backends=("kernel",)),
     Family("HiSparse, MiniMax-M3 MHA (--enable-hisparse; swap-in by SGLang's kernels, opt-in)",
            "HiSparseMHATokenToKVPoolHost", "mha", ("layer_first",), io_backends=("kernel",)),
+    Family("HiSparse, DeepSeek-V4 C4 (--enable-hisparse; 8-byte words of the page rows; swap-in by SGLang's "
+           "kernels, opt-in)", "DeepSeekV4PagedHostPool", "dsv4_paged", ("layer_first",), io_backends=("kernel",)),
 )  # fmt: skip
 
 

@@ -92,6 +92,8 @@ TAKEOVERS: tuple[Takeover, ...] = (
              ".hisparse:SGLangHiSparseMLAHostPool", "mla", "--enable-hisparse (MLA models: DeepSeek-V3.2, GLM-5)"),
     Takeover("hisparse_mha", _HISPARSE, "HiSparseMHATokenToKVPoolHost", ".hisparse:SGLangHiSparseMHAHostPool",
              ".hisparse:SGLangHiSparseMHAHostPool", "mha", "--enable-hisparse (MHA models: MiniMax-M3)"),
+    Takeover("hisparse_dsv4", _HISPARSE, "DeepSeekV4PagedHostPool", ".hisparse_dsv4:SGLangHiSparseDSV4HostPool",
+             ".hisparse_dsv4:SGLangHiSparseDSV4HostPool", "dsv4_paged", "--enable-hisparse (DeepSeek-V4)"),
     # build_minimax_m3_sparse_stack imports these two by name from their module when it runs.
     Takeover("minimax_m3_nvfp4", _HOST + ".minimax_m3_nvfp4", "MiniMaxM3Nvfp4MainKVPoolHost",
              ".minimax:SGLangMiniMaxM3Nvfp4MainKVPoolHost", ".minimax:SGLangMiniMaxM3Nvfp4MainKVPoolHost",
@@ -104,11 +106,8 @@ TAKEOVERS: tuple[Takeover, ...] = (
              "MiniMax-M3 sparse attention without NVFP4: the index-K pool beside the KV anchor"),
 )  # fmt: skip
 
-REFUSALS: tuple[Refusal, ...] = (
-    # Its decode backup copies single tokens out of C4 page rows (value and scale apart): no hicache kind yet.
-    Refusal("hisparse", _HISPARSE, "DeepSeekV4PagedHostPool", "DeepSeekV4PagedHostPool (HiSparse)",
-            "--enable-hisparse (DeepSeek-V4)"),
-)  # fmt: skip
+#: Every family SGLang 0.5.23 builds is served now; a family added here is refused at start-up, named in one line.
+REFUSALS: tuple[Refusal, ...] = ()
 
 _patched: list[tuple[Any, str, Any]] = []
 
@@ -168,6 +167,8 @@ def uninstall() -> None:
 
 def not_served_line() -> str:
     """One line naming what stays SGLang's (refused when SGLang builds it), with what leads to it."""
+    if not REFUSALS:
+        return "hicache-sglang serves every host pool family SGLang builds; none is refused"
     return "hicache-sglang refuses, when SGLang builds them, the host pools it does not serve yet: " + "; ".join(
         f"{r.family} ({r.pools}; {r.how})" for r in REFUSALS
     )

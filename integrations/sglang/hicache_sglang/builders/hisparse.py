@@ -4,9 +4,9 @@
 ``MLATokenToKVPoolHost`` for DSA models (DeepSeek-V3.2, GLM-5), ``HiSparseMHATokenToKVPoolHost``
 for MiniMax-M3 and ``DeepSeekV4PagedHostPool`` for DeepSeek-V4. The adapter puts
 :class:`SGLangHiSparseMLAHostPool` and :class:`SGLangHiSparseMHAHostPool` in place of the first
-two (same constructors). DeepSeek-V4's stays refused (``builders.REFUSALS``): its decode backup
-copies single tokens out of C4 page rows, where a token is two byte ranges (its value among the
-page's values, its scale among the page's scales), which no hicache pool kind describes yet.
+two (same constructors), and :class:`~hicache_sglang.builders.hisparse_dsv4.SGLangHiSparseDSV4HostPool`
+in place of the third (its decode backup copies single tokens out of C4 page rows, a token being
+two byte ranges: that module says how hicache moves them).
 
 What the coordinator calls on its host pool, and how these pools answer:
 
@@ -62,8 +62,7 @@ def check_swap_in(family: str) -> None:
         f"--enable-hisparse ({family}): hicache-sglang builds HiSparse's host pool and moves its backups and "
         "preloads, but the decode-time swap-in (load_cache_to_device_buffer_mla / load_blocks_to_device_buffer_mha, "
         "copy_cache_planned_mla) is SGLang's kernel reading the host buffer directly, which hicache cannot take "
-        f"over. Set {ENV_SWAP_IN}=sglang to accept that split (DeepSeek-V4's HiSparse pool stays refused either "
-        "way), or run without hicache_sglang.install()"
+        f"over. Set {ENV_SWAP_IN}=sglang to accept that split, or run without hicache_sglang.install()"
         + (f" ({ENV_SWAP_IN}={value!r} is not 'sglang')." if value else ".")
     )
 
