@@ -1,4 +1,4 @@
-"""Host time per 64-token load (issue 12's bar: <= 8 us per call), and the floors beneath it.
+"""Host time per 64-token load (the bar: <= 8 us per call), and the floors beneath it.
 
     python benchmarks/host_time.py --label new --out host-time.json
 

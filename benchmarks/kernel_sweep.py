@@ -1,4 +1,4 @@
-"""GPU sweep of the Triton kernel variants (issue 12): correctness first, then GB/s, host time, overlap.
+"""GPU sweep of the Triton kernel variants: correctness first, then GB/s, host time, overlap.
 
 One call on an H200, about 5-6 minutes (``--budget-s`` trims the optional phases to fit):
 

@@ -1,4 +1,4 @@
-"""Repeated ``hicache bench --storage`` runs, plain and verifying host pools, into one JSON (issue 22, item 4).
+"""Repeated ``hicache bench --storage`` runs, plain and verifying host pools, into one JSON.
 
     python benchmarks/storage_runs.py --out benchmarks/results/storage-l3-cpu.json --runs 3 \\
         file:///tmp/hbench mooncake://127.0.0.1:PORT?segment=1GiB&local_buffer=64MiB

@@ -20,7 +20,7 @@ from hicache_core.implementation import BACKUP_LAYER, LOAD
 from hicache_core.registry import get_registry
 from hicache_core.tools.bench.machine import measure_ceiling
 from hicache_core.tools.bench.records import environment
-from hicache_core.tools.bench.sweep import Case, Timer, _run_op
+from hicache_core.tools.bench.sweep import Case, Timer, run_op
 from hicache_core.tools.shapes import SHAPES
 
 
@@ -50,7 +50,7 @@ def main() -> int:
             for tokens in (4096, 32768):
                 h, d = case.indices(tokens, impl)
                 for op in (LOAD, BACKUP_LAYER):
-                    seconds = timer(_run_op(impl, op, h, d))
+                    seconds = timer(run_op(impl, op, h, d))
                     gbps = case.bytes_moved(tokens, op) / seconds / 1e9
                     link = ceiling["h2d_gbps"] if op == LOAD else ceiling["d2h_gbps"]
                     rows.append({"shape": shape_name, "tile_words": tile, "num_warps": warps, "max_ctas": ctas,

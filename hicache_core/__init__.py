@@ -9,8 +9,9 @@ kit's pytest plugin, the hook markers) does not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_face
 
 if TYPE_CHECKING:
     from .device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
@@ -93,15 +94,4 @@ __all__ = [
     "resolve",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hicache_core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_face(globals(), _EXPORTS)

@@ -195,10 +195,7 @@ def install_hints(registry: Registry, io_backend: str | None) -> list[str]:
         if wanted is not None and wanted not in plugin.io_backends:
             continue
         serves = ", ".join(repr(b) for b in plugin.io_backends)
-        hints.append(
-            f"{plugin.distribution} (io backend {serves}) is not installed; it ships in hicache's source tree "
-            f"and is on no package index: pip install -e {plugin.path}"
-        )
+        hints.append(plugin.install_hint(f"(io backend {serves})"))
     return hints
 
 

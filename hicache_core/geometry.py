@@ -9,15 +9,14 @@ special-cased by name, and neither looks a name up in a registry.
 
 from __future__ import annotations
 
-import importlib
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .lazy import Moved, lazy_face
 from .pool_kinds import PoolKind
 from .validation import positive_int
 
@@ -268,17 +267,8 @@ def pages_for(size_tokens: int, page_size: int) -> int:
     return math.ceil(size_tokens / page_size)
 
 
-_MOVED = ("HostBufferSpec", "HostAlias", "HostPart", "HostLayoutSpec", "host_layout_spec")
-
-
-def __getattr__(name: str) -> Any:
-    # Moved to hicache_core.host_layout in hicache-core 0.2.0; kept here for one minor version.
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"hicache_core.geometry.{name} moved to hicache_core.host_layout.{name} (hicache-core 0.2.0); "
-        "the old path goes in 0.3.0",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module("hicache_core.host_layout"), name)
+# Moved to hicache_core.host_layout in hicache-core 0.2.0; kept here for one minor version.
+_TO_HOST_LAYOUT = Moved("hicache_core.host_layout", "hicache_core.host_layout")
+_MOVED = dict.fromkeys(("HostBufferSpec", "HostAlias", "HostPart", "HostLayoutSpec", "host_layout_spec"),
+                       _TO_HOST_LAYOUT)  # fmt: skip
+__getattr__ = lazy_face(globals(), {}, moved=_MOVED)[0]

@@ -43,6 +43,21 @@ from pathlib import Path
 from typing import Any
 
 _LABEL_OK = frozenset("abcdefghijklmnopqrstuvwxyz_")
+#: The folder where snapshots and outcome memories go by default, and where the tools read them.
+ENV_METRICS_DIR = "HICACHE_METRICS_DIR"
+
+
+def metrics_dir() -> str | None:
+    """The folder ``HICACHE_METRICS_DIR`` names (``None``: unset or empty); read here only."""
+    return os.environ.get(ENV_METRICS_DIR) or None
+
+
+def default_path(file: str, who: str) -> Path:
+    """``<HICACHE_METRICS_DIR>/<file>``, or ``ValueError`` saying that ``who`` needs a path."""
+    folder = metrics_dir()
+    if folder is None:
+        raise ValueError(f"{who} needs a path, or {ENV_METRICS_DIR} set to a folder")
+    return Path(folder) / file
 
 
 class _Metric:
@@ -323,10 +338,7 @@ def merge_snapshots(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
 def write_snapshot(path: str | os.PathLike | None = None) -> Path:
     """Write :func:`snapshot` as JSON (atomically) to ``path``, default ``$HICACHE_METRICS_DIR/hicache-<pid>.json``."""
     if path is None:
-        folder = os.environ.get("HICACHE_METRICS_DIR")
-        if not folder:
-            raise ValueError("write_snapshot needs a path, or HICACHE_METRICS_DIR set to a folder")
-        path = Path(folder) / f"hicache-{os.getpid()}.json"
+        path = default_path(f"hicache-{os.getpid()}.json", "write_snapshot")
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(snapshot(), default=_json_inf))

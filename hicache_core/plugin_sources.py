@@ -28,6 +28,12 @@ class PluginSource:
     io_backends: tuple[str, ...]
     storage_schemes: tuple[str, ...]
 
+    def install_hint(self, serves: str) -> str:
+        """The one sentence that says how to install this plugin: ``<distribution> <serves> is not installed;
+        ...: pip install -e <path>`` (``serves``: what the reader asked for, e.g. ``"(io backend 'kernel')"``)."""
+        return (f"{self.distribution} {serves} is not installed; it ships in hicache's source tree and is on no "
+                f"package index: pip install -e {self.path}")  # fmt: skip
+
 
 def source_tree() -> Path | None:
     """The source tree this hicache_core was installed from (an editable install), if it is one."""

@@ -25,7 +25,7 @@ def test_overlap_summary_compares_auto_with_the_best_non_auto_row():
     text = overlap_summary(rows)
     line = text.splitlines()[-1]
     cells = [c.strip() for c in line.strip(" |").split("|")]
-    assert cells[0] == "interleaved"  # rows from before the modes were named: issue 11's order
+    assert cells[0] == "interleaved"  # rows from before the modes were named: the interleaved order
     assert "direct.copy_engine: 0.95" in cells[2]  # best: never an auto row
     assert cells[-2:] == ["0.989", "1.042"]  # auto 0.94 / 0.95, the static rule 0.99 / 0.95
 
@@ -91,9 +91,9 @@ def test_plots_draw_from_records(tmp_path):
               "page_size": 64, "max_ctas": 8 if impl != "direct.copy_engine" else None, "fraction_of_ceiling": 0.5}
              for impl in ("direct.copy_engine", "jit.one_layer") for layout in ("layer_first", "page_first_direct")
              for t in (64, 4096)]  # fmt: skip
-    records._plot(tmp_path / "sweep.png", sweep)
+    records.plot_records(tmp_path / "sweep.png", sweep)
     overlap = [_row("direct.copy_engine", 0.9), _row("jit.one_layer", 0.8, max_ctas=8, layout="layer_first")]
-    records._plot(tmp_path / "overlap.png", overlap)
+    records.plot_records(tmp_path / "overlap.png", overlap)
     assert (tmp_path / "sweep.png").stat().st_size > 10_000 and (tmp_path / "overlap.png").stat().st_size > 10_000
 
 
@@ -117,3 +117,80 @@ def test_overlap_modes_are_named_and_an_unknown_one_is_refused_before_any_work()
     assert MODES == ("sglang", "interleaved")
     with pytest.raises(ValueError, match="sglang, interleaved"):
         prefill_run(None, 1, None, False, mode="sglang-ish")
+
+
+def test_colours_follow_the_declared_engine_and_plugin_and_old_rows_still_get_one():
+    from hicache_core.tools.bench.plots import FAMILIES, OTHER, identity, palette
+
+    rows = [{"implementation": "kernel.triton_uva", "engine": "sm", "plugin": "kernel"},
+            {"implementation": "jit.one_layer", "engine": "sm", "plugin": "jit"},
+            {"implementation": "direct.copy_engine", "engine": "copy_engine", "plugin": "direct"},
+            {"implementation": "direct.copy_engine caller-thread", "engine": "copy_engine", "plugin": "direct"},
+            {"implementation": "auto", "engine": "auto", "plugin": "hicache_core"},
+            {"implementation": "mine.dma", "engine": "copy_engine", "plugin": "mine"},
+            {"implementation": "old.row"}]  # fmt: skip
+    colours = palette(rows)
+    assert identity(rows[3]) == identity(rows[2]) == ("copy_engine", "direct", "direct.copy_engine")  # a variant
+    assert identity(rows[-1]) == ("?", "old", "old.row")  # from before the fields: plugin from the name
+    sm = FAMILIES["sm"]
+    assert colours[identity(rows[1])] == sm[0] and colours[identity(rows[0])] == sm[1]  # jit, kernel: by plugin
+    dma = FAMILIES["copy_engine"]
+    assert (colours[identity(rows[2])], colours[identity(rows[5])]) == (dma[0], dma[1])
+    assert colours[identity(rows[4])] == FAMILIES["auto"][0] and colours[identity(rows[-1])] == OTHER[0]
+    # The same implementations keep their colours whatever else a plot holds, within their engine:
+    assert palette(rows[2:3])[identity(rows[2])] == dma[0]
+
+
+def test_line_styles_follow_the_layout_declaration():
+    from hicache_core.layouts import Layout
+    from hicache_core.tools.bench.plots import OTHER_STYLES, STYLES, layout_styles
+
+    registry = hc.get_registry()
+    declared = dict(registry.layouts)
+    # A plugin's layout that lays bytes out as layer_first does gets layer_first's style, by declaration.
+    declared["mine_layers"] = Layout("mine_layers", registry.layouts["layer_first"].axes, merge_slots=True)
+    styles = layout_styles(["page_first_direct", "layer_first", "page_first", "page_first_kv_split", "page_head",
+                            "mine_layers", "not_here"], declared)  # fmt: skip
+    assert styles == {"page_first_direct": STYLES["per (page, layer)"], "layer_first": STYLES["layer-major"],
+                      "page_first": STYLES["token-major"], "page_first_kv_split": STYLES["split"],
+                      "page_head": STYLES["per (page, head)"], "mine_layers": STYLES["layer-major"],
+                      "not_here": OTHER_STYLES[0]}  # fmt: skip
+
+
+def test_one_row_label_for_the_summary_the_log_and_the_plots():
+    from hicache_core.tools.bench.plots import row_label
+
+    assert row_label(_row("auto", 0.9, chosen="jit.one_layer 8 CTAs")) == "auto (jit.one_layer 8 CTAs)"
+    assert row_label(_row("kernel.triton_uva", 0.9, max_ctas=0)) == "kernel.triton_uva all CTAs"
+    rows = [_row("direct.copy_engine", 0.95), _row("auto", 0.94, chosen="direct.copy_engine")]
+    assert "auto (direct.copy_engine): 0.94" in overlap_summary(rows)
+
+
+def test_rows_name_the_engine_and_plugin_that_moved_the_bytes():
+    registry = hc.get_registry()
+    assert records.made_by(registry, registry.implementations["reference"]) == {"engine": "cpu",
+                                                                                 "plugin": "hicache_core"}  # fmt: skip
+    from hicache_core.autoselect import AutoChooser
+
+    assert records.made_by(registry, AutoChooser) == {"engine": "auto", "plugin": "hicache_core"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_committed_records_from_before_engine_and_plugin_still_plot(tmp_path):
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).parents[1] / "benchmarks" / "results"
+    for name in ("direct-bench-h200", "overlap-sglang-h200"):
+        rows = json.loads((results / f"{name}.json").read_text())["records"]
+        assert not any("engine" in r for r in rows)  # written before the fields existed
+        records.plot_records(tmp_path / f"{name}.png", rows)
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+
+
+def test_rows_from_before_the_fields_take_the_registered_declaration():
+    from hicache_core.tools.bench.plots import identity
+
+    registry = hc.get_registry()
+    assert identity({"implementation": "reference"}, registry) == ("cpu", "hicache_core", "reference")
+    assert identity({"implementation": "gone.impl"}, registry) == ("?", "gone", "gone.impl")

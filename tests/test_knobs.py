@@ -54,3 +54,28 @@ def test_the_environment_goes_through_the_same_check(monkeypatch):
     t = Tuned()
     read_knobs(t, "X")
     assert (t.width, t.mode, t.log) == (4, 0, [])  # blank or unset: the value stays, nothing is redone
+
+
+class Preset:
+    size = Knob(checked(lambda v: isinstance(v, int) and v >= 1, "an int >= 1"), env="SIZE", minimum=1,
+                default=2, changed=None)  # fmt: skip
+    style = Knob(checked(lambda v: v in ("small", "large"), "'small' or 'large'"), env="STYLE",
+                 parse=lambda _, text: text, preset=True, changed="_apply")  # fmt: skip
+
+    def _apply(self):
+        self._size = {"small": 1, "large": 64}[self._style]
+
+
+def test_defaults_presets_first_and_variables_named_in_check_errors(monkeypatch):
+    p = Preset()
+    assert p.size == 2  # the declared default, checked once, until the first set
+    assert [k.name for k in knobs_of(Preset)] == ["style", "size"]  # a preset is read before what it sets
+    monkeypatch.setenv("P_STYLE", "large")
+    monkeypatch.setenv("P_SIZE", "3")
+    read_knobs(p, "P")
+    assert (p.style, p.size) == ("large", 3)  # the variable overrides the preset's value
+    monkeypatch.setenv("P_STYLE", "huge")
+    with pytest.raises(ValueError, match=r"^P_STYLE='huge': style must be 'small' or 'large', got 'huge'$"):
+        read_knobs(Preset(), "P")
+    with pytest.raises(ValueError, match=r"^size must be an int >= 1, got 0$"):
+        Knob(checked(lambda v: v >= 1, "an int >= 1"), default=0).__set_name__(Preset, "size")

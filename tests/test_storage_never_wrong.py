@@ -1,4 +1,4 @@
-"""Issue 21's L3 defects, each pinned: namespaces, token ids, batch checks, format versions, abandoned
+"""The L3 defects that were silently wrong, each pinned: namespaces, token ids, batch checks, format versions, abandoned
 prefetches, explain_miss's reasons and the metrics (memory:// and file://, the real backends in the plugins)."""
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def test_ranks_agree_on_hits_and_loads_without_deadlock(world, tmp_path):
 
 @pytest.mark.parametrize("mode", ["delay", "extra"])
 def test_ranks_agree_or_all_fail_never_a_stale_pairing(mode, tmp_path):
-    """Issue 21 item 2 (a rank late past the bound) and item 15 (a prefetch only one rank submitted)."""
+    """A rank late past the bound, and a prefetch only one rank submitted: every rank fails alike."""
     from hicache_core.testing.storage_procs import late_rank
 
     ranks = run_ranks(late_rank, 2, tmp_path, timeout=90, mode=mode, op_timeout=2.0, delay=4.0)

@@ -1,10 +1,12 @@
-"""Knobs of GPU implementations: integers from the environment, and the SM budget."""
+"""Knobs of GPU implementations, each declared once (:class:`Knob`): checks, environment variables, the SM budget."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from typing import Any
+
+_NO_DEFAULT = object()
 
 
 def env_int(name: str, default: int | None, *, minimum: int) -> int | None:
@@ -21,31 +23,6 @@ def env_int(name: str, default: int | None, *, minimum: int) -> int | None:
     return value
 
 
-
-class SMBudget:
-    """The SM budget knob of a kernel implementation: at most ``max_ctas`` CTAs per launch.
-
-    ``0`` or ``None`` means one CTA per tile, up to the SM count (``self._sm_count``, set by the
-    subclass before the budget). A small budget leaves the SMs to the attention kernels beside it.
-    """
-
-    _sm_count: int
-    _max_ctas: int | None = None
-    _cap: int = 1
-
-    @property
-    def max_ctas(self) -> int | None:
-        """At most this many CTAs per launch (``0``/``None``: one per tile, up to the SM count)."""
-        return self._max_ctas
-
-    @max_ctas.setter
-    def max_ctas(self, value: int | None) -> None:
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"max_ctas must be None or an int >= 0, got {value!r}")
-        self._max_ctas = value
-        self._cap = value or self._sm_count
-
-
 class Knob:
     """A tuning knob, declared once: its check, its environment variable, and what a change redoes.
 
@@ -53,7 +30,10 @@ class Knob:
     its range (:func:`checked` builds one). ``env`` is the variable's suffix after the owner's
     ``env_prefix`` (``"NUM_WARPS"``: ``HICACHE_KERNEL_NUM_WARPS``); ``parse(variable, text)`` reads
     its text (default: an integer of at least ``minimum``). Every set, the environment's included,
-    goes through the check and then calls the owner's ``changed`` method.
+    goes through the check and then calls the owner's ``changed`` method (``None``: nothing to
+    redo). A ``default``, where given, is checked once and is the value until the first set.
+    ``preset=True`` marks a knob that sets others: :func:`read_knobs` reads it first, so that the
+    other knobs' variables override what it set.
     """
 
     def __init__(
@@ -63,21 +43,27 @@ class Knob:
         env: str | None = None,
         minimum: int = 0,
         parse: Callable[[str, str], Any] | None = None,
-        changed: str = "_reconfigure",
+        changed: str | None = "_reconfigure",
+        default: Any = _NO_DEFAULT,
+        preset: bool = False,
         doc: str = "",
     ) -> None:
         self.check, self.env, self.minimum, self.parse, self.changed = check, env, minimum, parse, changed
+        self.default, self.preset = default, preset
         self.__doc__ = doc
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name, self.slot = name, "_" + name
+        if self.default is not _NO_DEFAULT:
+            setattr(owner, self.slot, self.check(name, self.default))
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         return self if obj is None else getattr(obj, self.slot)
 
     def __set__(self, obj: Any, value: Any) -> None:
         setattr(obj, self.slot, self.check(self.name, value))
-        getattr(obj, self.changed)()
+        if self.changed is not None:
+            getattr(obj, self.changed)()
 
     def read_environment(self, obj: Any, prefix: str) -> None:
         """Set the knob from ``<prefix>_<env>`` where that is set (unset or blank: keep the value)."""
@@ -87,7 +73,11 @@ class Knob:
         raw = os.environ.get(variable)
         if raw is None or raw.strip() == "":
             return
-        self.__set__(obj, self.parse(variable, raw) if self.parse else env_int(variable, None, minimum=self.minimum))
+        value = self.parse(variable, raw) if self.parse else env_int(variable, None, minimum=self.minimum)
+        try:
+            self.__set__(obj, value)
+        except ValueError as exc:  # the variable is what the user wrote: name it beside the knob's range
+            raise ValueError(f"{variable}={raw.strip()!r}: {exc}") from None
 
 
 def checked(ok: Callable[[Any], bool], expected: str, keep: Callable[[Any], Any] | None = None):
@@ -102,16 +92,47 @@ def checked(ok: Callable[[Any], bool], expected: str, keep: Callable[[Any], Any]
 
 
 def knobs_of(cls: type) -> list[Knob]:
-    """Every :class:`Knob` of ``cls`` and its bases, base classes' first."""
+    """Every :class:`Knob` of ``cls`` and its bases, presets first, then base classes' first."""
     seen: dict[str, Knob] = {}
     for klass in reversed(cls.__mro__):
         for name, value in vars(klass).items():
             if isinstance(value, Knob):
                 seen[name] = value
-    return list(seen.values())
+    return sorted(seen.values(), key=lambda knob: not knob.preset)
 
 
 def read_knobs(obj: Any, prefix: str) -> None:
     """Set every knob of ``obj`` that declares an environment variable from ``<prefix>_<env>``."""
     for knob in knobs_of(type(obj)):
         knob.read_environment(obj, prefix)
+
+
+def int_at_least(minimum: int) -> Callable[[str, Any], Any]:
+    """A :class:`Knob` check for a whole number of at least ``minimum`` (a bool is not one)."""
+    return checked(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum, f"an int >= {minimum}")
+
+
+def flag() -> Callable[[str, Any], bool]:
+    """A :class:`Knob` check for an on/off switch: ``True``/``False`` or ``1``/``0``, kept as a bool."""
+    return checked(lambda v: isinstance(v, int) and v in (0, 1), "True or False (1 or 0)", keep=bool)
+
+
+class SMBudget:
+    """The SM budget knob of a kernel implementation: at most ``max_ctas`` CTAs per launch.
+
+    ``0`` or ``None`` means one CTA per tile, up to the SM count (``self._sm_count``, set by the
+    subclass before the budget). A small budget leaves the SMs to the attention kernels beside it.
+    """
+
+    _sm_count: int
+    _cap: int = 1
+
+    max_ctas = Knob(
+        checked(lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                "None or an int >= 0"),
+        env="MAX_CTAS", default=None, changed="_budget_changed",
+        doc="At most this many CTAs per launch (``0``/``None``: one per tile, up to the SM count).",
+    )  # fmt: skip
+
+    def _budget_changed(self) -> None:
+        self._cap = self._max_ctas or self._sm_count

@@ -45,7 +45,7 @@ from .device import (
     interpreting,
     triton_available,
 )
-from .knobs import Knob, SMBudget, checked, env_int, read_knobs
+from .knobs import Knob, SMBudget, checked, read_knobs
 
 #: The parameters every kernel starts with, in this order (checked when a kernel is loaded).
 CALL_PARAMS = ("anchor", "hidx", "didx", "h_stride", "d_stride", "n", "seq", "drop")
@@ -249,7 +249,6 @@ class TritonImplementation(SMBudget, Implementation):
             self._get_device, self._get_stream = cuda_current_functions()
         self._groups: list[LaunchGroup] = []
         self._max_items = 1
-        self._max_ctas = None
         self._cap = self._sm_count
         self._num_warps = self.default_num_warps
         self._stages = self.default_stages
@@ -265,10 +264,9 @@ class TritonImplementation(SMBudget, Implementation):
 
     def _read_knobs(self) -> None:
         """Set the shared knobs from the environment (through the setters, so values are checked alike)."""
-        prefix = self.env_prefix
-        self.max_ctas = env_int(f"{prefix}_MAX_CTAS", self.default_max_ctas, minimum=0)
+        self.max_ctas = self.default_max_ctas
         self.fast_launch = 2
-        read_knobs(self, prefix)
+        read_knobs(self, self.env_prefix)
 
     def _finish_init(self) -> None:
         """Configure once every knob is set (subclasses call this at the end of ``__init__``)."""
@@ -277,9 +275,8 @@ class TritonImplementation(SMBudget, Implementation):
 
     # ---- knobs ----------------------------------------------------------------------------------
 
-    @SMBudget.max_ctas.setter  # type: ignore[attr-defined]
-    def max_ctas(self, value: int | None) -> None:
-        SMBudget.max_ctas.fset(self, value)  # type: ignore[attr-defined]
+    def _budget_changed(self) -> None:
+        super()._budget_changed()
         for group in self._groups:  # scratch is sized by the budget
             group.fast.clear()
             group.scratch.clear()

@@ -13,7 +13,7 @@ makes a stale or shifted pairing visible to *every* rank at once (each field red
 * the collective's sequence number on each rank (ranks that issued different numbers of
   collectives disagree),
 * a digest of the request (the prefetch's keys: a rank that submitted a prefetch the
-  others did not, item 15 of issue 21),
+  others did not disagrees),
 * the wall-clock time each rank entered. A rank waits ``timeout + grace`` for the result;
   when the entries are ``timeout`` or more apart, the earliest rank has given up or will,
   so every rank that sees the result fails too.

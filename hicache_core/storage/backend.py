@@ -297,7 +297,7 @@ class StorageBackend:
 
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """How many leading page hashes of ``keys`` are stored (a prefix length, as SGLang's)."""
-        hashes = _check_keys(keys)
+        hashes = check_keys(keys)
         if self.namespace is None:
             self._bound()
         full = self.namespace.keys(hashes)
@@ -333,7 +333,7 @@ class StorageBackend:
 
     def write_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[PageResult]:
         """Store pages; one :class:`PageResult` per key. Checks every argument before a byte moves."""
-        hashes = _check_keys(keys)
+        hashes = check_keys(keys)
         pages = self._pages_of(hashes, host_indices)
         pm = self._bound()
         refused: dict[int, PageResult] = {}
@@ -364,7 +364,7 @@ class StorageBackend:
         zero-copy the bytes land in the page first and are checked there, so the slots of a
         page that failed hold unspecified bytes: they were reserved for it, nothing else is touched.
         """
-        hashes = _check_keys(keys)
+        hashes = check_keys(keys)
         pages = self._pages_of(hashes, host_indices)
         pm = self._bound()
         work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
@@ -377,7 +377,7 @@ class StorageBackend:
         """Store one flat page (as ``host_pool.get_data_page(i, flat=True)`` returns it)."""
         pages = self._bound()
         flat = _flat_bytes(value, pages.page_bytes)
-        (h,) = _check_keys([key])
+        (h,) = check_keys([key])
         full = self.namespace.key(h)
         ptr = flat.data_ptr()
         span = Span(ptr, pages.page_bytes, memoryview(flat.numpy()).cast("B"))
@@ -388,7 +388,7 @@ class StorageBackend:
     ) -> torch.Tensor | None:
         """Load one flat page into ``target_location`` (default: a new dummy flat page); ``None`` on any miss."""
         pages = self._bound()
-        (h,) = _check_keys([key])
+        (h,) = check_keys([key])
         target = target_location if target_location is not None else self.host_pool.get_dummy_flat_data_page()
         flat = _flat_bytes(target, pages.page_bytes)
         span = Span(flat.data_ptr(), pages.page_bytes, memoryview(flat.numpy()).cast("B"))
@@ -411,7 +411,7 @@ class StorageBackend:
         Every key and every value is checked before the first page is written.
         """
         pages = self._bound()
-        hashes = _check_keys(keys)
+        hashes = check_keys(keys)
         if values is None or isinstance(values, torch.Tensor) or not isinstance(values, Sequence):
             raise TypeError(f"batch_set needs one flat page tensor per key, got {type(values).__name__}")
         if len(values) != len(hashes):
@@ -424,7 +424,7 @@ class StorageBackend:
                   **_: Any) -> list[torch.Tensor | None]:  # fmt: skip
         """Load flat pages (SGLang's generic path); every key and target is checked before the first read."""
         pages = self._bound()
-        hashes = _check_keys(keys)
+        hashes = check_keys(keys)
         if target_locations is None:
             targets = [self.host_pool.get_dummy_flat_data_page() for _ in hashes]
         else:
@@ -763,7 +763,7 @@ def _page_slots(pages: list[int], page_size: int) -> torch.Tensor:
     return (torch.tensor(pages, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
 
 
-def _check_keys(keys: Sequence[str]) -> list[str]:
+def check_keys(keys: Sequence[str]) -> list[str]:
     """Every key checked before any byte of the batch moves (one bad key never leaves half a batch written)."""
     if isinstance(keys, str) or not isinstance(keys, Sequence):
         raise TypeError(f"keys must be a list of page hashes (str), got {type(keys).__name__}")

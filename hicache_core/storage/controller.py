@@ -378,10 +378,7 @@ class StorageController:
         trace in the store. A server calls this when it writes its metrics snapshot.
         """
         if path is None:
-            folder = os.environ.get("HICACHE_METRICS_DIR")
-            if not folder:
-                raise ValueError("write_outcomes needs a path, or HICACHE_METRICS_DIR set to a folder")
-            path = Path(folder) / f"hicache-outcomes-{os.getpid()}-rank{self.tp_rank}.json"
+            path = _metrics.default_path(f"hicache-outcomes-{os.getpid()}-rank{self.tp_rank}.json", "write_outcomes")
         return self.outcomes.write(path, namespace=self.storage.namespace.prefix, rank=self.tp_rank,
                                    broken=self._broken)  # fmt: skip
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .backend import PageStatus, StorageBackend, _check_keys
+from .backend import PageStatus, StorageBackend, check_keys
 from .keys import Namespace, fingerprint, geometry_description, page_hashes
 
 LOADED = "loaded"
@@ -218,7 +218,7 @@ def explain_miss(
     if storage.namespace is None:
         raise ValueError("explain_miss needs a bound backend (make_storage(url, host_pool, model_id=...))")
     pool = storage.host_pool
-    keys = _check_keys(page_hashes(token_ids, pool.page_size, prior_hash)) if token_ids is not None else None
+    keys = check_keys(page_hashes(token_ids, pool.page_size, prior_hash)) if token_ids is not None else None
     if keys is None:
         raise TypeError("token_ids must be a sequence of token ids")
     in_host = _host_flags(host_pages, len(keys))

@@ -74,10 +74,7 @@ def _unknown_scheme_message(url: StorageURL, registry: Registry) -> str:
     # Install hints from the plugins' own metadata in hicache's source tree: they are on no package index.
     for plugin in source_tree_plugins():
         if url.scheme in plugin.storage_schemes:
-            lines.append(
-                f"{plugin.distribution} serves {url.scheme}:// and is not installed; it ships in hicache's source "
-                f"tree and is on no package index: pip install -e {plugin.path}"
-            )
+            lines.append(plugin.install_hint(f"serves {url.scheme}:// and"))
     others = [
         f"{p.distribution} ({', '.join(s + '://' for s in p.storage_schemes)})"
         for p in source_tree_plugins()

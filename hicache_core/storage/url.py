@@ -1,13 +1,13 @@
-"""Storage URLs and the option parsers every storage plugin uses (a leaf: it imports nothing of hicache)."""
+"""Storage URLs and the option parsers every storage plugin uses (a leaf: it imports only hicache_core.lazy)."""
 
 from __future__ import annotations
 
-import importlib
 import re
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
+
+from ..lazy import Moved, lazy_face
 
 #: Query options whose values are secrets: never printed (see :func:`redact_url`).
 SECRET_OPTIONS = frozenset({"password", "passwd", "pass", "token", "secret", "auth"})
@@ -112,18 +112,7 @@ def option_float(value: Any, name: str) -> float:
         raise ValueError(f"option {name}={value!r} is not a number") from None
 
 
-_MOVED = {"make_storage": "hicache_core.storage.make", "UnknownStorageScheme": "hicache_core.storage.make"}
-
-
-def __getattr__(name: str) -> Any:
-    # Moved in hicache-core 0.2.0; kept here for one minor version (docs/plugins.md, "Versions").
-    target = _MOVED.get(name)
-    if target is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"hicache_core.storage.url.{name} moved to hicache_core.storage.{name} (hicache-core 0.2.0); "
-        "the old path goes in 0.3.0",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(target), name)
+# Moved in hicache-core 0.2.0; kept here for one minor version (docs/plugins.md, "Versions").
+_TO_MAKE = Moved("hicache_core.storage.make", "hicache_core.storage")
+_MOVED = {"make_storage": _TO_MAKE, "UnknownStorageScheme": _TO_MAKE}
+__getattr__ = lazy_face(globals(), {}, moved=_MOVED)[0]

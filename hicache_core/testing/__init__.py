@@ -15,7 +15,9 @@ Attributes are loaded lazily, so importing the pytest plugin stays cheap.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_face
 
 if TYPE_CHECKING:
     from .cases import Case, build_device_pools
@@ -29,11 +31,4 @@ _EXPORTS = {
     "ConformanceTests": "conformance",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from importlib import import_module
-
-    return getattr(import_module(f".{module}", __name__), name)
+__getattr__, __dir__ = lazy_face(globals(), _EXPORTS)

@@ -1,4 +1,4 @@
-"""Shared pieces of the L3 sharing and fault tests (issue 14): run by each storage plugin's tests."""
+"""Shared pieces of the L3 sharing and fault tests: run by each storage plugin's tests."""
 
 from __future__ import annotations
 
@@ -93,9 +93,9 @@ def kill_mid_prefetch(url: str, pause, kill, **options: Any) -> None:
 
 def _page_of(image, host, page):
     from .cases import as_bytes
-    from .storage_kit import _flat_from
+    from .storage_kit import flat_from
 
-    return as_bytes(_flat_from(image, host, page))
+    return as_bytes(flat_from(image, host, page))
 
 
 def slow_store_timeout(url: str, slow_down=None, **options: Any) -> None:

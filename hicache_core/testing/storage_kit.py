@@ -393,7 +393,7 @@ class StorageConformanceTests:
         after = pool_image(host)
         restore = {p: page_bytes(host, p) for p in except_pages}
         for p in except_pages:  # compare with those pages put back as they were
-            host.set_from_flat_data_page(p * host.page_size, _flat_from(before, host, p))
+            host.set_from_flat_data_page(p * host.page_size, flat_from(before, host, p))
         try:
             for name, image in before.items():
                 assert torch.equal(C.as_bytes(host.plan.host_buffers[name]), image), f"host {name} changed"
@@ -403,7 +403,7 @@ class StorageConformanceTests:
         del after
 
 
-def _flat_from(image: dict[str, torch.Tensor], host: Any, page: int) -> torch.Tensor:
+def flat_from(image: dict[str, torch.Tensor], host: Any, page: int) -> torch.Tensor:
     """Page ``page`` as it was in ``image`` (a pool image from :func:`pool_image`), flat, in the pool's dtype."""
     saved = {name: C.as_bytes(t).clone() for name, t in host.plan.host_buffers.items()}
     try:

@@ -203,7 +203,7 @@ def server(rank: int, world: int, init_file: str, out_file: str, **kw: Any) -> N
     _guarded(_server, rank, world, init_file, out_file, **kw)
 
 
-# ---- scenario: ranks either agree or all fail (issue 21, items 2 and 15) ------------------------
+# ---- scenario: ranks either agree or all fail ------------------------
 
 
 def _late_rank(rank: int, world: int, init_file: str, *, mode: str, op_timeout: float = 2.0,

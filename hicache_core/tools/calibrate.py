@@ -31,7 +31,7 @@ from ..host_pool import make_host_pool
 from ..implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, Implementation, TransferRequest
 from ..registry import get_registry
 from .bench.machine import measure_ceiling
-from .bench.sweep import Timer, _storable
+from .bench.sweep import Timer, storable
 from .demo import random_pages
 from .shapes import SHAPES
 
@@ -120,7 +120,7 @@ def run_calibrate(shapes=("llama-8b", "deepseek-mla"), tokens=(64, 512, 4096, 32
         most = max(tokens)
         dev = shape.device_pool(most + 2 * page_size, page_size=page_size, device="cuda")
         for layout, decl in sorted(registry.layouts.items()):
-            if not _storable(shape, decl) or (layouts and layout not in layouts):
+            if not storable(shape, decl) or (layouts and layout not in layouts):
                 continue
             host = make_host_pool(dev, layout=layout, io_backend="reference", size=dev.size, operations=())
             from .bench.overlap import fill_random_fast

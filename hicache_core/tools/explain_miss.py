@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..host_pool import make_host_pool
+from ..metrics import metrics_dir
 from ..registry import get_registry
 from ..storage.explain import Outcomes, explain_miss
 from .shapes import SHAPES
-from .storage_check import _open
+from .storage_check import open_store
 
 EPILOG = """reasons from the store: in_store, not_in_store, checksum_failed, layout_mismatch, earlier_page_missing;
 in_host with --host-pages. timed_out, ranks_disagreed, host_pool_full, queue_full and cancelled (and each page's
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicache explain-miss: {exc}")
         return 2
 
-    backend = _open(args.url, pool, model_id=args.model_id, tp_rank=args.rank, tp_size=args.tp_size)
+    backend = open_store(args.url, pool, model_id=args.model_id, tp_rank=args.rank, tp_size=args.tp_size)
     if backend is None:
         return 2
     try:
@@ -137,7 +137,7 @@ def _pool(args: argparse.Namespace) -> Any:
 def _outcomes(path: str | None, rank: int) -> tuple[dict[str, Any], dict[str, str]]:
     """Namespace prefix -> the merged outcome memory of ``rank`` (newest entry of a key wins), and broken notes."""
 
-    source = path or os.environ.get("HICACHE_METRICS_DIR")
+    source = path or metrics_dir()
     if not source:
         return {}, {}
     p = Path(source)

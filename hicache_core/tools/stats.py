@@ -9,7 +9,6 @@ command sums the snapshots it is given (files, or every ``hicache-*.json`` in a 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from .. import metrics
@@ -17,7 +16,8 @@ from .. import metrics
 
 def run_stats(paths: list[str], as_json: bool = False) -> int:
     files: list[Path] = []
-    sources = paths or ([os.environ["HICACHE_METRICS_DIR"]] if os.environ.get("HICACHE_METRICS_DIR") else [])
+    folder = metrics.metrics_dir()
+    sources = paths or ([folder] if folder else [])
     for p in sources:
         path = Path(p)
         if path.is_dir():

@@ -16,7 +16,7 @@ from ..storage.url import redact_url
 from ..testing.cases import as_bytes, build_device_pools, fill_random, pages_of
 
 
-def _open(url: str, host: Any = None, **kw: Any) -> Any:
+def open_store(url: str, host: Any = None, **kw: Any) -> Any:
     """The backend of ``url``, reachable; or ``None`` after printing why not (never a traceback)."""
     try:
         backend = make_storage(url, host, **kw)
@@ -46,7 +46,7 @@ def run_check(url: str, as_json: bool = False) -> int:
     host = _small_pool()
     model_id = f"hicache-check-{uuid.uuid4().hex[:12]}"
     steps: list[tuple[str, bool, str]] = []
-    backend = _open(url, host, model_id=model_id)
+    backend = open_store(url, host, model_id=model_id)
     if backend is None:
         return 2
     try:
@@ -90,7 +90,7 @@ def run_check(url: str, as_json: bool = False) -> int:
 
 def run_stats(url: str) -> int:
     """Print the store's own figures (and this process's counters, which start at zero) as JSON."""
-    backend = _open(url)
+    backend = open_store(url)
     if backend is None:
         return 2
     try:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The direct plugin's GPU check, in one command (issue 11), for an H200 machine with python3,
+# The direct plugin's GPU check, in one command, for an H200 machine with python3,
 # torch (CUDA), triton, numpy and matplotlib installed and no network:
 #
 #     bash scripts/gpu/direct-check.sh            # writes to $OUT (else /tmp/hicache-direct-check)

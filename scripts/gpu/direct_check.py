@@ -233,7 +233,7 @@ def run_checks(memcheck: bool, out: Path | None = None, only_2d: bool = False, r
 
 
 def bars(recs: list[dict]) -> list[str]:
-    """Issue 11's bars for direct (default settings), each with the best variant beside it."""
+    """The bars for direct (default settings), each with the best variant beside it."""
     out = []
 
     def rows(shape, layouts, ops, tokens):

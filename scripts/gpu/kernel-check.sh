@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12's GPU run, in one command, on an H200 machine with python3, torch (CUDA), triton, ninja and
+# The kernel plugins' GPU run, in one command, on an H200 machine with python3, torch (CUDA), triton, ninja and
 # nvcc, and no network:
 #
 #     bash scripts/gpu/kernel-check.sh            # writes to $OUT (else /tmp/hicache-kernel-check)

@@ -1,4 +1,4 @@
-"""A compact table of a ``hicache bench`` JSON for issue 12: per-layer loads and backups beside SGLang's kernel.
+"""A compact table of a ``hicache bench`` JSON: per-layer loads and backups beside SGLang's kernel.
 
     python scripts/gpu/kernel_table.py benchmarks/results/kernel-bench-h200.json
 """

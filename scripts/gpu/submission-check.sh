@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 22's GPU run, in one command, on an H200 machine with python3, torch (CUDA), triton, pytest and no
+# The submission check's GPU run, in one command, on an H200 machine with python3, torch (CUDA), triton, pytest and no
 # network:
 #
 #     bash scripts/gpu/submission-check.sh        # writes to $OUT (else /tmp/hicache-submission-check)

@@ -1,4 +1,4 @@
-"""Issue 22's submission measurements on a GPU: one JSON, every figure beside a ceiling of the same run.
+"""The copy engine's submission measurements on a GPU: one JSON, every figure beside a ceiling of the same run.
 
     python3 scripts/gpu/submission_check.py --out DIR
 
@@ -35,7 +35,7 @@ from hicache_core.tools.shapes import SHAPES
 
 PAGE = 64
 SETTINGS = {  # name: (thread, first_batch, max_batch)
-    "caller-thread, batches of 32 (issue 11)": (False, 0, 32),
+    "caller-thread, batches of 32 (before the worker)": (False, 0, 32),
     "caller-thread, 32 then the rest": (False, 32, 0),
     "caller-thread, one batch per layer": (False, 0, 0),
     "worker, batches of 32": (True, 0, 32),

@@ -46,7 +46,7 @@ def _interleaved_seconds(fn: Callable[[], None], nbytes: int, *, reps: int = 15)
 
 def run_cpu_bench(out: str = "benchmarks/results", quick: bool = False, layers: int = 4) -> int:
     """Measure every CPU implementation on every shape and layout; write ``cpu-bench.json``."""
-    from .records import environment
+    from .records import environment, made_by
 
     registry = get_registry()
     tokens, page = (1024 if quick else 4096), 64
@@ -80,6 +80,7 @@ def run_cpu_bench(out: str = "benchmarks/results", quick: bool = False, layers: 
                     seconds, ceiling = _interleaved_seconds(functools.partial(getattr(impl, op), *args), moved)
                     rows.append({
                         "shape": shape.name, "layout": layout, "operation": op, "implementation": cls.name,
+                        **made_by(registry, cls),
                         "tokens": tokens, "page_size": page, "bytes": moved, "seconds": seconds,
                         "gbps": moved / seconds / 1e9, "memcpy_gbps": moved / ceiling / 1e9,
                         "fraction_of_memcpy": ceiling / seconds,

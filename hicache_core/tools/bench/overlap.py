@@ -14,7 +14,7 @@ on a per-layer event (SGLang's layer-done counter). Reported per implementation:
 Per-layer compute is the layer's dense GEMM work, ``2 * N * params_per_layer`` FLOPs for
 ``N`` new tokens, run as bf16 GEMMs of ``[N, hidden] @ [hidden, 8192]``; attention over
 the ``M`` cached tokens runs in attention kernels, not GEMMs, and is left out, so the
-regimes match issue 11's: llama-8b with 2048 new tokens is compute-bound at 8192 cached
+regimes are: llama-8b with 2048 new tokens is compute-bound at 8192 cached
 tokens and transfer-bound at 32768. DeepSeek-V3's layer is ~3x llama's and its MLA rows
 are small, so its transfer-bound case has few new tokens (128).
 
@@ -99,7 +99,7 @@ class Streams:
 #: How the benchmark issues a prefill's loads: ``sglang`` as SGLang's ``L2TransferEngine`` does
 #: (every layer's load submitted on the load stream before the forward is queued, one event per
 #: layer that the forward's layer waits on), or ``interleaved`` (each layer's load, then that
-#: layer's GEMMs, as issue 11's benchmark did: it hides the host's submission time behind the GEMMs).
+#: layer's GEMMs, as this benchmark's first version did: it hides the host's submission time behind the GEMMs).
 MODES = ("sglang", "interleaved")
 
 
@@ -161,7 +161,8 @@ def prefill_run(streams: Streams, layers: int, load: Callable[[int], None] | Non
     return out
 
 
-def _median_run(fn: Callable[[], dict], reps: int) -> dict:
+def median_run(fn: Callable[[], dict], reps: int) -> dict:
+    """The run of median ``seconds`` among ``reps`` runs of ``fn``, after one warm-up."""
     fn()  # warm-up: kernels compiled, pages touched
     runs = [fn() for _ in range(reps)]
     runs.sort(key=lambda r: r["seconds"])
@@ -177,9 +178,9 @@ def prefill_overlap(impl: Implementation, streams: Streams, h: torch.Tensor, d: 
         impl.load_to_device_per_layer(h, d, layer)
 
     if compute_alone is None:
-        compute_alone = _median_run(lambda: prefill_run(streams, layers, None, True), reps)
-    transfer = _median_run(lambda: prefill_run(streams, layers, load, False, mode), reps)
-    both = _median_run(lambda: prefill_run(streams, layers, load, True, mode), reps)
+        compute_alone = median_run(lambda: prefill_run(streams, layers, None, True), reps)
+    transfer = median_run(lambda: prefill_run(streams, layers, load, False, mode), reps)
+    both = median_run(lambda: prefill_run(streams, layers, load, True, mode), reps)
     ideal = max(compute_alone["seconds"], nbytes / (ceiling_gbps * 1e9))
     per_layer_transfer = transfer["seconds"] / layers
     return {
@@ -197,7 +198,7 @@ def prefill_overlap(impl: Implementation, streams: Streams, h: torch.Tensor, d: 
         "first_gemm_start_s": both["first_gemm_start_s"],
         "one_layer_transfer_s": per_layer_transfer,
         # The first GEMM waits for layer 0's load; waiting much longer means the host was still
-        # submitting other layers' copies (what issue 11 saw: 82 ms).
+        # submitting other layers' copies (82 ms, once, on the H200).
         "host_held_compute": both["first_gemm_start_s"] > 3 * per_layer_transfer + 1e-3,
         "bytes": nbytes,
     }

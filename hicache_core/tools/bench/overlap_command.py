@@ -19,26 +19,27 @@ from .overlap import (
     MODELS,
     MODES,
     Streams,
-    _median_run,
     decode_backup,
     fill_random_fast,
+    median_run,
     prefill_overlap,
     prefill_run,
 )
-from .records import _write, environment
-from .sweep import _implementations
+from .plots import row_label
+from .records import environment, made_by, write_records
+from .sweep import implementations_to_time
 
 
 def _sglang_note() -> dict:
-    """Issue 12's anchor: SGLang's own transfer functions, where ``sgl_kernel`` is importable."""
+    """The baseline: SGLang's own transfer functions, where ``sgl_kernel`` is importable."""
     try:
         import sgl_kernel
     except Exception as exc:  # noqa: BLE001 - any import failure means: no anchor in this run
         return {"sglang": "skipped", "why": f"sgl_kernel is not importable here ({type(exc).__name__}: {exc})"}
     found = sorted(n for n in dir(sgl_kernel) if n.startswith("transfer_kv"))
     return {"sglang": "skipped", "functions_found": found,
-            "why": "sgl_kernel is importable, but this benchmark does not call its transfer_kv_* functions yet "
-                   "(issue 12): the row lists what this build exports"}  # fmt: skip
+            "why": "sgl_kernel is importable, but this benchmark does not call its transfer_kv_* functions yet: "
+                   "the row lists what this build exports"}  # fmt: skip
 
 
 def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str | None = None,
@@ -52,7 +53,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
         print("hicache bench --overlap needs a GPU")
         return 1
     registry = get_registry()
-    impls = _implementations(registry, only)
+    impls = implementations_to_time(registry, only)
     env = environment()
     ceiling = measure_ceiling(1 << 30)
     print(f"ceiling: H2D {ceiling['h2d_gbps']:.1f} GB/s, D2H {ceiling['d2h_gbps']:.1f} GB/s")
@@ -105,7 +106,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                 dp = random_pages(dev.size // page, m // page, page, gen)
                 nbytes = m * shape.item_bytes() * host.layer_num
                 layers = host.layer_num
-                alone = _median_run(lambda s=streams, n=layers: prefill_run(s, n, None, True), reps)
+                alone = median_run(lambda s=streams, n=layers: prefill_run(s, n, None, True), reps)
                 for mode, (impl_name, impl) in ((mo, it) for mo in modes for it in made.items()):
                     where = host.plan.device if impl.index_device == "device" else torch.device("cpu")
                     h, d = hp.to(where), dp.to(where)
@@ -122,20 +123,21 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                             continue
                         chosen = _chosen(impl, m) if impl_name.startswith("auto") else None
                         records.append({
-                            "implementation": impl_name, "layout": layout, "model": model_name, "shape": shape.name,
+                            "implementation": impl_name, **made_by(registry, impl), "layout": layout,
+                            "model": model_name, "shape": shape.name,
                             "new_tokens": new_tokens, "cached_tokens": m, "regime": regime, "page_size": page,
                             "max_ctas": budget, "chosen": chosen,
                             "path": getattr(getattr(impl, "copier", None), "path", None), **result,
                         })  # fmt: skip
                         r = records[-1]
-                        print(f"{mode:11} {model_name:12} {m:6} {layout:18} {_row_label(r):34} "
+                        print(f"{mode:11} {model_name:12} {m:6} {layout:18} {row_label(r):34} "
                               f"eff {r['efficiency']:.2f} "
                               f"overlapped {r['overlapped_s'] * 1e3:7.1f} ms (compute {r['compute_s'] * 1e3:6.1f}, "
                               f"transfer {r['transfer_s'] * 1e3:6.1f}) GEMM {r['gemm_slowdown']:+.0%} "
                               f"first GEMM at {r['first_gemm_start_s'] * 1e3:.1f} ms, loads submitted in "
                               f"{r['load_submit_s'] * 1e3:.2f} ms", flush=True)  # fmt: skip
                 del streams
-                _write(Path(out), name or "overlap", {**meta, "complete": False}, records, plot=False)
+                write_records(Path(out), name or "overlap", {**meta, "complete": False}, records, plot=False)
             # All-layer backups during decode (4096 tokens), on the same pool.
             if layout == "page_first_direct" and (not quick or model_name == "llama-8b"):
                 tokens = 4096
@@ -162,7 +164,8 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                         except Exception as exc:  # noqa: BLE001
                             print(f"{impl_name} decode backup failed: {type(exc).__name__}: {exc}")
                             continue
-                        records.append({"implementation": impl_name, "layout": layout, "model": model_name,
+                        records.append({"implementation": impl_name, **made_by(registry, impl), "layout": layout,
+                                        "model": model_name,
                                         "shape": shape.name, "tokens": tokens, "max_ctas": budget,
                                         "metric": "backup_during_decode", **result})  # fmt: skip
                         r = records[-1]
@@ -175,7 +178,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
         torch.cuda.empty_cache()
     summary = overlap_summary(records)
     print(summary)
-    path = _write(Path(out), name or "overlap", {**meta, "summary": summary, "complete": True}, records)
+    path = write_records(Path(out), name or "overlap", {**meta, "summary": summary, "complete": True}, records)
     print(f"wrote {path}")
     return 0
 
@@ -185,15 +188,6 @@ def _chosen(impl: Implementation, tokens: int) -> str:
     picked = impl.pick(tokens) if hasattr(impl, "pick") else impl
     ctas = getattr(picked, "max_ctas", None)
     return picked.name + (f" {ctas or 'all'} CTAs" if ctas is not None else "")
-
-
-def _row_label(r: dict) -> str:
-    label = r["implementation"]
-    if r.get("max_ctas") is not None:
-        label += f" {r['max_ctas'] or 'all'} CTAs"
-    if r.get("chosen"):
-        label += f" ({r['chosen']})"
-    return label
 
 
 def overlap_summary(records: list[dict]) -> str:
@@ -213,7 +207,7 @@ def overlap_summary(records: list[dict]) -> str:
         rule = next((r for r in rows if r["implementation"] == "auto-rule"), None)
 
         def cell(r):
-            return "-" if r is None else f"{_row_label(r)}: {r['efficiency']:.2f}, GEMM {r['gemm_slowdown']:+.0%}"
+            return "-" if r is None else f"{row_label(r)}: {r['efficiency']:.2f}, GEMM {r['gemm_slowdown']:+.0%}"
 
         def ratio(r, best=best):
             return f"{r['efficiency'] / best['efficiency']:.3f}" if r and best else "-"

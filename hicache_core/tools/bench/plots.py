@@ -1,21 +1,92 @@
-"""Plots a person reads at a glance: fractions of the ceiling, the ceiling drawn, one colour per
-implementation and one line style per layout."""
+"""Plots a person reads at a glance: fractions of the ceiling, the ceiling drawn, a colour family per
+engine (what moves the bytes) with one shade per implementation, and one line style per kind of layout.
+
+Colours come from what the bench writes in each row: the implementation's declared ``engine`` and
+its ``plugin``. Rows from before those fields were written still plot: an implementation registered
+here answers from its declaration; any other's plugin is the name's first part
+(``"<plugin>.<what>"``) and its engine unknown. Line styles come from the layout's declaration (its
+axes and ``split``) where the layout is registered here.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
-#: Fixed colours, so an implementation keeps its colour from plot to plot.
-COLOURS = {
-    "direct.copy_engine": "#d62728",
-    "kernel.triton_uva": "#1f77b4",
-    "jit.one_layer": "#2ca02c",
-    "auto": "#9467bd",
-    "sglang": "#7f7f7f",
+from ...registry import Registry, get_registry
+
+#: Per engine, the shades its implementations take in turn (sorted by plugin, then name).
+FAMILIES = {
+    "copy_engine": ("#d62728", "#ff9896", "#8c1c13"),
+    "sm": ("#1f77b4", "#2ca02c", "#17becf", "#aec7e8", "#98df8a"),
+    "cpu": ("#ff7f0e", "#8c564b", "#c49c94"),
+    "auto": ("#9467bd", "#c5b0d5"),
 }
-EXTRA_COLOURS = ("#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22")
-STYLES = {"page_first_direct": "-", "layer_first": "--", "page_first": ":", "page_first_kv_split": "-.",
-          "page_head": (0, (1, 1))}  # fmt: skip
+#: Shades for engines without a family (and rows that do not say their engine).
+OTHER = ("#7f7f7f", "#e377c2", "#bcbd22", "#c7c7c7")
+#: Line styles by what a layout's declaration says about its bytes (see :func:`layout_style`).
+STYLES = {"per (page, layer)": "-", "layer-major": "--", "token-major": ":", "split": "-.",
+          "per (page, head)": (0, (1, 1))}  # fmt: skip
+OTHER_STYLES = ((0, (3, 1, 1, 1, 1, 1)), (0, (5, 2)), (0, (1, 3)))
+
+
+def identity(row: Mapping[str, Any], registry: Registry | None = None) -> tuple[str, str, str]:
+    """``(engine, plugin, implementation)`` of a row: what its colour follows (variants share their base's).
+
+    A row without ``engine`` (written before the field) asks ``registry`` for the declaration, where given.
+    """
+    name = str(row["implementation"]).split(" ")[0]
+    if "engine" not in row and registry is not None and name in registry.implementations:
+        return registry.implementations[name].engine, registry.plugin_of(name), name
+    return row.get("engine") or "?", row.get("plugin") or name.split(".")[0], name
+
+
+def palette(rows: Iterable[Mapping[str, Any]], registry: Registry | None = None) -> dict[tuple[str, str, str], str]:
+    """A colour per :func:`identity` of ``rows``: its engine's family, shades in (plugin, name) order."""
+    found = sorted({identity(r, registry) for r in rows})
+    colours, taken = {}, {}
+    for key in found:
+        shades = FAMILIES.get(key[0], OTHER)
+        family = key[0] if key[0] in FAMILIES else "?"
+        colours[key] = shades[taken.get(family, 0) % len(shades)]
+        taken[family] = taken.get(family, 0) + 1
+    return colours
+
+
+def layout_style(layout: Any) -> str | tuple | None:
+    """The line style a layout declaration calls for (``None``: not a declaration this knows)."""
+    axes = [a for a in getattr(layout, "axes", ()) if a != "component"]
+    if len(axes) < 2:
+        return None
+    if axes[0] == "layer":
+        return STYLES["layer-major"]
+    if getattr(layout, "split", False):
+        return STYLES["split"]
+    return {"layer": STYLES["per (page, layer)"], "token": STYLES["token-major"],
+            "head": STYLES["per (page, head)"]}.get(axes[1])  # fmt: skip
+
+
+def layout_styles(names: Iterable[str], declared: Mapping[str, Any]) -> dict[str, str | tuple]:
+    """A line style per layout name: from its declaration in ``declared`` (a registry's layouts), else the
+    next of :data:`OTHER_STYLES`."""
+    styles, spare = {}, 0
+    for name in sorted(set(names)):
+        style = layout_style(declared.get(name))
+        if style is None:
+            style, spare = OTHER_STYLES[spare % len(OTHER_STYLES)], spare + 1
+        styles[name] = style
+    return styles
+
+
+def row_label(r: Mapping[str, Any]) -> str:
+    """A row's label in the summary table, the log and the plots: implementation, SM budget, what auto chose."""
+    label = str(r["implementation"])
+    if r.get("max_ctas") is not None:
+        label += f" {r['max_ctas'] or 'all'} CTAs"
+    if r.get("chosen"):
+        label += f" ({r['chosen']})"
+    return label
 
 
 def _pyplot():
@@ -30,22 +101,15 @@ def _pyplot():
     return plt
 
 
-def colour(name: str, seen: dict[str, str]) -> str:
-    if name in COLOURS:
-        return COLOURS[name]
-    if name not in seen:
-        seen[name] = EXTRA_COLOURS[len(seen) % len(EXTRA_COLOURS)]
-    return seen[name]
-
-
-def _legends(ax, impls: list[str], layouts: list[str], seen: dict[str, str]) -> None:
+def _legends(ax, impls: list[str], colours: Mapping[str, str], layouts: list[str],
+             styles: Mapping[str, str | tuple]) -> None:  # fmt: skip
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], color=colour(i, seen), lw=2, label=i) for i in impls]
+    handles = [Line2D([], [], color=colours[i], lw=2, label=i) for i in impls]
     first = ax.legend(handles=handles, fontsize=7, loc="lower right", title="implementation", title_fontsize=7)
     ax.add_artist(first)
-    styles = [Line2D([], [], color="black", ls=STYLES.get(x, "-"), label=x) for x in layouts]
-    ax.legend(handles=styles, fontsize=7, loc="lower center", title="layout", title_fontsize=7)
+    lines = [Line2D([], [], color="black", ls=styles[x], label=x) for x in layouts]
+    ax.legend(handles=lines, fontsize=7, loc="lower center", title="layout", title_fontsize=7)
 
 
 def plot_sweep(path: Path, records: list[dict]) -> None:
@@ -61,7 +125,10 @@ def plot_sweep(path: Path, records: list[dict]) -> None:
     cols = min(3, len(panels))
     nrows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4 * nrows), squeeze=False)
-    seen: dict[str, str] = {}
+    registry = get_registry()  # the CLI's: loaded already when a bench plots
+    shades = palette(rows, registry)
+    colour = {r["implementation"]: shades[identity(r, registry)] for r in rows}
+    styles = layout_styles((r["layout"] for r in rows), registry.layouts)
     for ax, (shape, op) in zip(axes.flat, panels):
         mine = [r for r in rows if (r["shape"], r["operation"]) == (shape, op)]
         impls = sorted({r["implementation"] for r in mine})
@@ -71,19 +138,19 @@ def plot_sweep(path: Path, records: list[dict]) -> None:
                 pts = sorted((r["tokens"], r["fraction_of_ceiling"]) for r in mine
                              if r["implementation"] == impl and r["layout"] == layout)  # fmt: skip
                 if pts:
-                    ax.plot([t for t, _ in pts], [f for _, f in pts], color=colour(impl, seen),
-                            ls=STYLES.get(layout, "-"), marker="o", ms=3, lw=1.5)  # fmt: skip
+                    ax.plot([t for t, _ in pts], [f for _, f in pts], color=colour[impl],
+                            ls=styles[layout], marker="o", ms=3, lw=1.5)  # fmt: skip
         ax.axhline(1.0, color="black", lw=1)
         ax.text(0.01, 1.01, "ceiling (pinned 2 GiB memcpy)", fontsize=7,
                 transform=ax.get_yaxis_transform())  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 1.1)
-        ax.set_title(f"{shape}: {op}" + (" (kernels at 8 CTAs)" if any("kernel" in i or "jit" in i for i in impls)
+        ax.set_title(f"{shape}: {op}" + (" (kernels at 8 CTAs)" if any(r.get("max_ctas") == 8 for r in mine)
                                           else ""), fontsize=9)  # fmt: skip
         ax.set_xlabel("tokens per call")
         ax.set_ylabel("fraction of the ceiling")
         ax.grid(alpha=0.3)
-        _legends(ax, impls, layouts, seen)
+        _legends(ax, impls, colour, layouts, styles)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.tight_layout()
@@ -106,7 +173,8 @@ def plot_overlap(path: Path, records: list[dict]) -> None:
     if not cases:
         return
     fig, axes = plt.subplots(len(cases), 2, figsize=(13, 2.6 * len(cases)), squeeze=False)
-    seen: dict[str, str] = {}
+    registry = get_registry()
+    shades = palette(rows, registry)
     for (ax_eff, ax_gemm), case in zip(axes, cases):
         best: dict[str, dict] = {}
         for r in rows:
@@ -114,9 +182,9 @@ def plot_overlap(path: Path, records: list[dict]) -> None:
                                        or r["efficiency"] > best[r["implementation"]]["efficiency"]):  # fmt: skip
                 best[r["implementation"]] = r
         mine = sorted(best.values(), key=lambda r: r["implementation"])
-        labels = [_label(r).rsplit(" [", 1)[0] for r in mine]
+        labels = [row_label(r) for r in mine]
         y = list(range(len(mine)))
-        colours = [colour(r["implementation"].split(" ")[0], seen) for r in mine]
+        colours = [shades[identity(r, registry)] for r in mine]
         hatches = ["//" if " " in r["implementation"] else "" for r in mine]
         for ax, key, title in ((ax_eff, "efficiency", "fraction of ideal"), (ax_gemm, "gemm_slowdown",
                                                                               "GEMMs' own slowdown")):  # fmt: skip
@@ -137,17 +205,8 @@ def plot_overlap(path: Path, records: list[dict]) -> None:
     plt.close(fig)
 
 
-def _label(r: dict) -> str:
-    name = r["implementation"]
-    if r.get("max_ctas") is not None:
-        name += f" {r['max_ctas'] or 'all'} CTAs"
-    if r.get("chosen"):
-        name += f" -> {r['chosen']}"
-    return f"{name} [{r['layout']}]"
-
-
 def plot_submission(path: Path, records: list[dict]) -> None:
-    """Issue 22's submission figures: the prefix load's host time (the 1.5 ms bar as a line) and its GPU
+    """The copy engine's submission figures: the prefix load's host time (the 1.5 ms bar as a line) and its GPU
     time as a fraction of the link, and MLA loads as a fraction of the copy engine at their size (1 = the
     ceiling, a line); one colour per submission path (caller's thread, worker)."""
     plt = _pyplot()

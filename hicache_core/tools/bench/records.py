@@ -10,6 +10,10 @@ from pathlib import Path
 
 import torch
 
+from ...autoselect import AutoChooser
+from ...implementation import Implementation
+from ...registry import CORE_PLUGIN, Registry
+
 
 def environment() -> dict:
     def version(dist: str) -> str | None:
@@ -34,16 +38,25 @@ def environment() -> dict:
     return env
 
 
-def _write(out: Path, name: str, meta: dict, records: list[dict], plot: bool = True) -> Path:
+def made_by(registry: Registry, impl: Implementation | type[Implementation]) -> dict[str, str]:
+    """The row fields that say what moved the bytes: the implementation's declared ``engine`` and its plugin
+    (``auto`` is the core's chooser: engine ``"auto"``, whatever it picks per call)."""
+    if isinstance(impl, AutoChooser) or (isinstance(impl, type) and issubclass(impl, AutoChooser)):
+        return {"engine": "auto", "plugin": CORE_PLUGIN}
+    return {"engine": impl.engine, "plugin": registry.plugin_of(impl.name)}
+
+
+def write_records(out: Path, name: str, meta: dict, records: list[dict], plot: bool = True) -> Path:
+    """Write ``<out>/<name>.json`` (``meta`` and the records) and, with ``plot``, its figure beside it."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     path.write_text(json.dumps({**meta, "records": records}, indent=1, default=str))
     if records and plot:
-        _plot(out / f"{name}.png", records)
+        plot_records(out / f"{name}.png", records)
     return path
 
 
-def _plot(path: Path, records: list[dict]) -> None:
+def plot_records(path: Path, records: list[dict]) -> None:
     from .plots import plot_overlap, plot_sweep
 
     if any("efficiency" in r for r in records):

@@ -25,7 +25,7 @@ from ..progress import progress
 from ..shapes import SHAPES, ModelShape
 from .clock import Timer, batch_for, host_us, queued_seconds
 from .machine import measure_ceiling, measure_dispatch_overhead
-from .records import _write, environment
+from .records import environment, made_by, write_records
 
 TOKENS = (64, 512, 4096, 32768)
 PAGE_SIZES = (1, 16, 64)
@@ -37,7 +37,7 @@ class Case:
     """One pool (shape, layout, page size) with every implementation that claims it bound to it."""
 
     def __init__(self, registry: Registry, shape: ModelShape, layout: str, page_size: int, tokens: int, impls):
-        self.shape, self.layout, self.page_size = shape, layout, page_size
+        self.shape, self.layout, self.page_size, self.registry = shape, layout, page_size, registry
         # Every device page is used (in random order); the host pool is as large as the device pool.
         self.dev = shape.device_pool(tokens, page_size=page_size, device="cuda")
         self.host = make_host_pool(
@@ -72,7 +72,7 @@ class Case:
         return tokens * per_token * (self.host.layer_num if op == BACKUP_ALL else 1)
 
 
-def _storable(shape: ModelShape, layout) -> bool:
+def storable(shape: ModelShape, layout) -> bool:
     """Whether ``layout`` can store pools of ``shape`` (a layout's kinds, a split it needs)."""
     return TransferRequest("reference", LOAD, shape.geometry(page_size=64), layout).storable
 
@@ -82,7 +82,8 @@ def _variants(impl: Implementation, tokens: int) -> dict[str, dict]:
     return {"default": {}} | (impl.tuning_variants() if tokens >= 4096 else {})
 
 
-def _run_op(impl: Implementation, op: str, h: torch.Tensor, d: torch.Tensor, layer: int = 0) -> Callable[[], None]:
+def run_op(impl: Implementation, op: str, h: torch.Tensor, d: torch.Tensor, layer: int = 0) -> Callable[[], None]:
+    """A call of ``op`` on ``impl`` with these indices, ready to time (layer ``layer`` for per-layer ops)."""
     if op == LOAD:
         return lambda: impl.load_to_device_per_layer(h, d, layer)
     if op == BACKUP_LAYER:
@@ -154,10 +155,10 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
     if not torch.cuda.is_available():
         overhead = measure_dispatch_overhead()
         print(f"No GPU: measured the core dispatch overhead only: {overhead['overhead_us']:.3f} us per call")
-        _write(Path(out), "dispatch-cpu", {"environment": environment(), "dispatch_overhead": overhead}, [])
+        write_records(Path(out), "dispatch-cpu", {"environment": environment(), "dispatch_overhead": overhead}, [])
         return 0
     registry = get_registry()
-    impls = _implementations(registry, only)
+    impls = implementations_to_time(registry, only)
     env = environment()
     ceiling = measure_ceiling()
     overhead = measure_dispatch_overhead(50_000 if quick else 200_000)
@@ -175,7 +176,7 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
     plan = []
     for shape in shape_list:
         for layout, decl in sorted(registry.layouts.items()):
-            if not _storable(shape, decl) or (layouts and layout not in layouts):
+            if not storable(shape, decl) or (layouts and layout not in layouts):
                 continue
             # The page-size effect is measured on page_first only: the other layouts follow it.
             small_pages = not shape.declaration().items_are_pages and not quick and layout == "page_first"
@@ -199,15 +200,15 @@ def run_bench(out: str = "benchmarks/results", quick: bool = False, only: str | 
         del case
         torch.cuda.empty_cache()
         # Written after every pool, so a run cut short by a time limit still leaves its results.
-        _write(Path(out), file_name, {**meta, "complete": False}, records, plot=False)
+        write_records(Path(out), file_name, {**meta, "complete": False}, records, plot=False)
     summary = _summary(records)
     print(summary)
-    path = _write(Path(out), file_name, {**meta, "summary": summary, "complete": True}, records)
+    path = write_records(Path(out), file_name, {**meta, "summary": summary, "complete": True}, records)
     print(f"wrote {path}")
     return 0
 
 
-def _implementations(registry: Registry, only: str | None) -> list[type[Implementation]]:
+def implementations_to_time(registry: Registry, only: str | None) -> list[type[Implementation]]:
     """The implementations a sweep times: those ``auto`` may pick, or the comma-separated names in ``only``."""
     wanted = set(only.split(",")) if only else None
     return [c for n, c in sorted(registry.implementations.items())
@@ -250,11 +251,12 @@ def _time_implementation(case: Case, name: str, impl: Implementation, token_coun
                 for variant, settings in _variants(impl, tokens).items():
                     with impl.tuned(settings):
                         if tokens >= 4096 and op != BACKUP_ALL:  # one all-layer call outlasts its submission
-                            seconds, queued = time_both(partial(_run_op, impl, op, h, d), layers, timer)
+                            seconds, queued = time_both(partial(run_op, impl, op, h, d), layers, timer)
                         else:
-                            seconds, queued = timer(_run_op(impl, op, h, d)), None
+                            seconds, queued = timer(run_op(impl, op, h, d)), None
                     row = {
-                        "implementation": name, "io_backend": impl.io_backend, "shape": case.shape.name,
+                        "implementation": name, **made_by(case.registry, impl), "io_backend": impl.io_backend,
+                        "shape": case.shape.name,
                         "pool_kind": case.shape.kind, "layout": case.layout, "page_size": p, "tokens": tokens,
                         "operation": op, "layers": layers if op == BACKUP_ALL else 1,
                         "max_ctas": getattr(impl, "max_ctas", None), "variant": variant, "bytes": nbytes,
@@ -268,8 +270,8 @@ def _time_implementation(case: Case, name: str, impl: Implementation, token_coun
             if hasattr(impl, "max_ctas"):
                 impl.max_ctas = 8
             records.append({
-                "implementation": name, "shape": case.shape.name, "layout": case.layout, "page_size": p,
-                "tokens": 64, "operation": LOAD, "metric": "host_time_us",
+                "implementation": name, **made_by(case.registry, impl), "shape": case.shape.name,
+                "layout": case.layout, "page_size": p, "tokens": 64, "operation": LOAD, "metric": "host_time_us",
                 "host_time_us": host_time_us(impl, h, d),
                 # fresh index tensors every call (no reuse of an earlier call's runs or copies)
                 "host_time_fresh_us": host_time_us(impl, h, d, fresh=True),
@@ -307,7 +309,9 @@ def _time_anchor(case: Case, anchor, token_counts, ceiling: dict, timer: Timer) 
         index_device = "device"
 
     for op in (LOAD, BACKUP_ALL):
-        base = {"implementation": "sglang." + calls.function(op), "io_backend": "sglang-anchor",
+        # SGLang's transfer kernels: GPU threads, from SGLang rather than a plugin.
+        base = {"implementation": "sglang." + calls.function(op), "engine": "sm", "plugin": "sglang",
+                "io_backend": "sglang-anchor",
                 "shape": case.shape.name, "pool_kind": case.shape.kind, "layout": case.layout,
                 "page_size": case.page_size, "operation": op, "variant": "default"}  # fmt: skip
         h, d = case.indices(min(token_counts), OnGpu())
@@ -353,9 +357,9 @@ def _gemm_rows(case: Case) -> list[dict]:
         for budget in (8, None) if hasattr(impl, "max_ctas") else (None,):
             if hasattr(impl, "max_ctas"):
                 impl.max_ctas = budget or 0
-            result = gemm_interference(impl, _run_op(impl, LOAD, h, d), case.bytes_moved(4096, LOAD))
-            records.append({"implementation": name, "shape": case.shape.name, "layout": case.layout,
-                            "page_size": case.page_size, "tokens": 4096, "operation": LOAD,
+            result = gemm_interference(impl, run_op(impl, LOAD, h, d), case.bytes_moved(4096, LOAD))
+            records.append({"implementation": name, **made_by(case.registry, impl), "shape": case.shape.name,
+                            "layout": case.layout, "page_size": case.page_size, "tokens": 4096, "operation": LOAD,
                             "metric": "gemm_interference", "max_ctas": budget, **result})  # fmt: skip
     return records
 

@@ -13,19 +13,19 @@ backend, ratio and size come from SGLang's own resolved server settings
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import hicache_core as hc
+
+# ``1`` makes every KV host pool validate indices and layer ownership on each call, which SGLang cannot
+# pass through: make_host_pool reads it (the one reading); the name stays importable from here.
+from hicache_core.host_pool import ENV_VALIDATE as ENV_VALIDATE
 
 from . import metrics, scales
 from .errors import NotServedError
 from .identity import log_pool
 from .pool import DeviceView, SGLangHostPool, SGLangMHAHostPool, SGLangMLAHostPool
 
-#: Environment variable: ``1`` makes every KV host pool validate indices and layer ownership
-#: on each call (hicache's ``HICACHE_VALIDATE``), which SGLang cannot pass through.
-ENV_VALIDATE = "HICACHE_VALIDATE"
 #: The layouts SGLang 0.5.23's controller can prepare indices for under io backend 'direct'.
 _DIRECT_LAYOUTS = ("layer_first", "page_first_direct")
 
@@ -158,12 +158,11 @@ def build_kv_host_pool(
     else:  # a sidecar on another pool's slots (SGLang's non-packed drafts): exactly that many, no padding page
         tokens = _exact_tokens(host_token_capacity, page_size, label)
     _check_host_memory(tokens * bytes_per_token, label)
-    validate = os.environ.get(ENV_VALIDATE, "") not in ("", "0")
     if scaled is not None:  # first: its layout and io backend are the narrower ones
         scale_view, scale_core = scales.make_scale_core(scaled, layout=layout, io_backend=io_backend, tokens=tokens,
                                                         label=label)  # fmt: skip
     core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size, size=tokens,
-                             draft_pools=draft_views, validate=validate)  # fmt: skip
+                             draft_pools=draft_views)  # fmt: skip
     metrics.start()  # hicache's figures beside SGLang's /metrics, when SGLang's metrics are on
     common = dict(
         view=view,

@@ -19,7 +19,6 @@ stays refused at construction, as SGLang's own host pool refuses it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -87,10 +86,9 @@ def scale_bytes_per_token(info: Any) -> int:
 def make_scale_core(info: Any, *, layout: str, io_backend: str, tokens: int, label: str) -> tuple[ScaleView, Any]:
     """hicache's pool for the scales: ``tokens`` host slots, the payload's, in the payload's layout."""
     view = ScaleView(list(info.scales.k), list(info.scales.v), page_size=info.page_size)
-    validate = os.environ.get("HICACHE_VALIDATE", "") not in ("", "0")
     try:
-        core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=info.page_size, size=tokens,
-                                 validate=validate)  # fmt: skip
+        core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=info.page_size,
+                                 size=tokens)  # fmt: skip
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(the scale sidecar of the {label}; hicache-sglang serves {SERVED})")
         raise

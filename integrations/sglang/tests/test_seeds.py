@@ -1,4 +1,4 @@
-"""The five errors this project began with (``/work/shared/design.md``), inside SGLang 0.5.23.
+"""The five errors this project began with, inside SGLang 0.5.23.
 
 Each stack is built by SGLang's own code (its device pool classes, its assembler entry
 points) with the adapter installed, and SGLang's controllers drive it. 000, 001 and 004

@@ -13,8 +13,7 @@ vLLM loads the spec by name::
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from hicache_core.lazy import lazy_face
 
 from .errors import NotServedError
 from .version import SERVED_VLLM_VERSIONS
@@ -31,11 +30,4 @@ _LAZY = {
 
 __all__ = ["NotServedError", "SERVED_VLLM_VERSIONS", *_LAZY]
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hicache_vllm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_face(globals(), _LAZY)

@@ -21,12 +21,13 @@ from typing import Any, ClassVar
 import torch
 
 from hicache_core import OPERATIONS, Implementation, TransferPlan, TransferRequest
+from hicache_core.gpu.knobs import knobs_of
 
 from .descriptors import DescriptorBuilder, PartAddresses
-from .memcpy import copier_for
+from .memcpy import CudaCopier, copier_for
 
-_COPIER_KNOBS = ("streams", "max_batch", "prefer_overlap", "batch", "batch_2d", "thread", "thread_max")
-_BATCH_KNOBS = _COPIER_KNOBS[:5]  # the CUDA copier's; the worker's two are there where it can run
+#: The settings :meth:`DirectCopy.tuned` takes: the CUDA copier's declared knobs.
+_COPIER_KNOBS = tuple(knob.name for knob in knobs_of(CudaCopier))
 
 
 class DirectCopy(Implementation):
@@ -37,8 +38,9 @@ class DirectCopy(Implementation):
     what a server passes layer after layer; an in-place change through torch bumps the counter and
     is seen, but a write through a numpy view of the tensor is not (pass a new tensor instead).
 
-    Tuning, per instance (``host.implementation_for(op).copier``): ``max_batch``, ``streams``,
-    ``prefer_overlap``, ``batch``, ``batch_2d`` (see :class:`hicache_direct.memcpy.CudaCopier`).
+    Tuning, per instance (``host.implementation_for(op).copier``): the knobs
+    :class:`hicache_direct.memcpy.CudaCopier` declares (``max_batch``, ``streams``, ``prefer_overlap``,
+    ``batch``, ``batch_2d``, ``thread``, ...); :meth:`tuned` sets any of them for a while.
     """
 
     name = "direct.copy_engine"
@@ -72,11 +74,9 @@ class DirectCopy(Implementation):
     }
 
     def tuning_variants(self) -> dict[str, dict[str, Any]]:
-        if not all(hasattr(self.copier, knob) for knob in _BATCH_KNOBS):
-            return {}  # the host copier (CPU pools) has no submission knobs
-        variants = dict(self.VARIANTS)
-        if all(hasattr(self.copier, knob) for knob in ("thread", "thread_max")):
-            variants |= self.SUBMISSION_VARIANTS
+        # The variants whose knobs this copier has: none for the host copier (CPU pools).
+        variants = {name: settings for name, settings in (self.VARIANTS | self.SUBMISSION_VARIANTS).items()
+                    if all(hasattr(self.copier, knob) for knob in settings)}  # fmt: skip
         # 2-D copies as one cudaMemcpy3DBatchAsync: only where there are 2-D copies, and only when the
         # bench is asked to (scripts/gpu/direct-check.sh asks once its byte-exact check of that path passed).
         if self.builder.sliced and os.environ.get("HICACHE_BENCH_BATCH_2D") == "1":

@@ -26,11 +26,13 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from hicache_core.gpu.device import cuda_current_functions
+from hicache_core.gpu.knobs import Knob, flag, int_at_least, read_knobs
 
 from .descriptors import Batch
 
@@ -105,41 +107,69 @@ class HostCopier:
 class CudaCopier:
     """Submits copy lists on the caller's current CUDA stream through the runtime torch loaded.
 
-    Knobs (instance attributes; the environment sets their defaults):
-
-    * ``batch`` (``HICACHE_DIRECT_BATCH``, default 1): use ``cudaMemcpyBatchAsync`` where the
-      runtime has it; 0 forces one ``cudaMemcpyAsync`` per run (the measured fallback).
-    * ``max_batch`` (``HICACHE_DIRECT_MAX_BATCH``, default 32; 0 = no limit): at most this many
-      copies per batch call, so the copy engine starts on the first ones while the host
-      submits the rest. 32 measured best on the H200 (``benchmarks/results/direct-bench-h200.json``):
-      llama-8b load of 4096 tokens 0.81 -> 0.90 of the ceiling, MLA 0.63 -> 0.73, all-layer
-      backups 0.84 -> 0.97, against one unbounded batch.
-    * ``first_batch`` (``HICACHE_DIRECT_FIRST_BATCH``, default 0 = as ``max_batch``): the size of
-      an operation's first batch call, the rest going in calls of ``max_batch``; with
-      ``max_batch=0`` the copy engine starts on a small first batch while one call submits
-      the rest (fewer calls per operation).
-    * ``streams`` (``HICACHE_DIRECT_STREAMS``, default 1): spread one operation's copies over
-      this many streams (the caller's plus side streams joined back by events), so that
-      several copy engines work at once.
-    * ``prefer_overlap`` (``HICACHE_DIRECT_PREFER_OVERLAP``, default 1): the batch attribute
-      that asks the driver to keep the copies on the copy engine, beside compute.
-    * ``batch_2d`` (``HICACHE_DIRECT_BATCH_2D``, default 0 until measured on a GPU): submit the
-      2-D copies (``page_first_kv_split``'s halves) as one ``cudaMemcpy3DBatchAsync`` instead of
-      one ``cudaMemcpy2DAsync`` per run.
-    * ``thread`` (``HICACHE_DIRECT_THREAD``, default 1), ``thread_min`` (``HICACHE_DIRECT_THREAD_MIN``,
-      default 64) and ``thread_max`` (``HICACHE_DIRECT_THREAD_MAX``, default 384; 0 = no limit):
-      calls of ``thread_min`` copies or more, and fewer than ``thread_max``, are built and
-      submitted by a worker thread on a side stream, gated on the caller's stream by stream
-      memory operations (:mod:`hicache_direct.submitter`), so the caller returns after two
-      stream operations. Fewer copies cost less to submit than to hand over. Larger calls stay
-      on the caller's thread. Measured on the H200 in SGLang's order
-      (``benchmarks/results/overlap-sglang-h200-run1.json`` and ``overlap-sglang-h200.json``, both
-      paths in every case): the driver queues the caller's stream operations and the forward's
-      launches behind the worker's batch calls, which costs the transfer-bound prefixes (32768
-      cached tokens: llama-8b's 1024 copies per layer, DeepSeek-V3's ~500) 0.01-0.08 of ideal,
-      while the compute-bound ones (8192: 256 and 128 copies) gain 0.01-0.11, their first GEMM
-      queued after 2-12 ms instead of 6-35. 384 lies between the two groups.
+    Knobs, per instance, each declared once below (:class:`~hicache_core.gpu.knobs.Knob`: its
+    check and its variable ``HICACHE_DIRECT_<NAME>``, which sets the instance's starting value):
+    ``batch``, ``max_batch``, ``first_batch``, ``streams``, ``prefer_overlap``, ``batch_2d``,
+    ``thread``, ``thread_min``, ``thread_max``. A bad value raises ``ValueError`` naming the knob
+    (and the variable) and the range.
     """
+
+    #: Prefix of the knobs' environment variables.
+    env_prefix: ClassVar[str] = "HICACHE_DIRECT"
+
+    batch = Knob(
+        flag(), env="BATCH", default=True, changed=None,
+        doc="Use ``cudaMemcpyBatchAsync`` where the runtime has it; off forces one ``cudaMemcpyAsync`` per run "
+            "(the measured fallback).",
+    )  # fmt: skip
+    max_batch = Knob(
+        int_at_least(0), env="MAX_BATCH", default=32, changed=None,
+        doc="At most this many copies per batch call (0: no limit), so the copy engine starts on the first ones "
+            "while the host submits the rest. 32 measured best on the H200 "
+            "(``benchmarks/results/direct-bench-h200.json``): llama-8b load of 4096 tokens 0.81 -> 0.90 of the "
+            "ceiling, MLA 0.63 -> 0.73, all-layer backups 0.84 -> 0.97, against one unbounded batch.",
+    )  # fmt: skip
+    first_batch = Knob(
+        int_at_least(0), env="FIRST_BATCH", default=0, changed=None,
+        doc="The size of an operation's first batch call (0: as ``max_batch``), the rest going in calls of "
+            "``max_batch``; with ``max_batch=0`` the copy engine starts on a small first batch while one call "
+            "submits the rest (fewer calls per operation).",
+    )  # fmt: skip
+    streams = Knob(
+        int_at_least(1), env="STREAMS", minimum=1, default=1, changed=None,
+        doc="Spread one operation's copies over this many streams (the caller's plus side streams joined back "
+            "by events), so that several copy engines work at once.",
+    )  # fmt: skip
+    prefer_overlap = Knob(
+        flag(), env="PREFER_OVERLAP", default=True, changed="_overlap_changed",
+        doc="The batch attribute that asks the driver to keep the copies on the copy engine, beside compute.",
+    )  # fmt: skip
+    batch_2d = Knob(
+        flag(), env="BATCH_2D", default=False, changed=None,
+        doc="Submit the 2-D copies (``page_first_kv_split``'s halves) as one ``cudaMemcpy3DBatchAsync`` instead "
+            "of one ``cudaMemcpy2DAsync`` per run (off until measured on a GPU).",
+    )  # fmt: skip
+    thread = Knob(
+        flag(), env="THREAD", default=True, changed=None,
+        doc="Calls of ``thread_min`` copies or more, and fewer than ``thread_max``, are built and submitted by a "
+            "worker thread on a side stream, gated on the caller's stream by stream memory operations "
+            "(:mod:`hicache_direct.submitter`), so the caller returns after two stream operations. Fewer copies "
+            "cost less to submit than to hand over; larger calls stay on the caller's thread.",
+    )  # fmt: skip
+    thread_min = Knob(
+        int_at_least(0), env="THREAD_MIN", default=64, changed=None,
+        doc="The fewest copies a call needs to go through the worker thread.",
+    )  # fmt: skip
+    thread_max = Knob(
+        int_at_least(0), env="THREAD_MAX", default=384, changed=None,
+        doc="Calls of this many copies or more stay on the caller's thread (0: no limit). Measured on the H200 in "
+            "SGLang's order (``benchmarks/results/overlap-sglang-h200-run1.json`` and "
+            "``overlap-sglang-h200.json``, both paths in every case): the driver queues the caller's stream "
+            "operations and the forward's launches behind the worker's batch calls, which costs the "
+            "transfer-bound prefixes (32768 cached tokens: llama-8b's 1024 copies per layer, DeepSeek-V3's ~500) "
+            "0.01-0.08 of ideal, while the compute-bound ones (8192: 256 and 128 copies) gain 0.01-0.11, their "
+            "first GEMM queued after 2-12 ms instead of 6-35. 384 lies between the two groups.",
+    )  # fmt: skip
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -169,26 +199,14 @@ class CudaCopier:
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._local = threading.local()
         self._get_device, self._get_stream = cuda_current_functions()
-        self.batch = _env_int("HICACHE_DIRECT_BATCH", 1) != 0
-        self.max_batch = _env_int("HICACHE_DIRECT_MAX_BATCH", 32)
-        self.first_batch = _env_int("HICACHE_DIRECT_FIRST_BATCH", 0)
-        self.streams = max(1, _env_int("HICACHE_DIRECT_STREAMS", 1))
-        self.prefer_overlap = _env_int("HICACHE_DIRECT_PREFER_OVERLAP", 1) != 0
-        self.batch_2d = _env_int("HICACHE_DIRECT_BATCH_2D", 0) != 0
-        self.thread = _env_int("HICACHE_DIRECT_THREAD", 1) != 0
-        self.thread_min = _env_int("HICACHE_DIRECT_THREAD_MIN", 64)
-        self.thread_max = _env_int("HICACHE_DIRECT_THREAD_MAX", 384)
+        read_knobs(self, self.env_prefix)
+        self._overlap_changed()  # the attributes carry the flag, default or not
         self._worker = None
         self.no_thread: str | None = None  # why the worker cannot be used here, once found out
 
-    @property
-    def prefer_overlap(self) -> bool:
-        return bool(self._attrs_h2d.flags & _PREFER_OVERLAP)
-
-    @prefer_overlap.setter
-    def prefer_overlap(self, value: bool) -> None:
+    def _overlap_changed(self) -> None:
         for attrs in (self._attrs_h2d, self._attrs_d2h):
-            attrs.flags = _PREFER_OVERLAP if value else 0
+            attrs.flags = _PREFER_OVERLAP if self._prefer_overlap else 0
 
     @property
     def path(self) -> str:
@@ -492,16 +510,6 @@ def runtime_version(lib: ctypes.CDLL) -> int:
     version = ctypes.c_int(0)
     lib.cudaRuntimeGetVersion(ctypes.byref(version))
     return version.value
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
 @functools.lru_cache(maxsize=1)

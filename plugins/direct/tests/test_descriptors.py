@@ -460,3 +460,55 @@ def test_vectorised_descriptors_are_the_per_item_copies_of_a_scattered_prefix(la
                     want.append((p.device_bases[layer] + row * p.row_bytes, src_addr, p.item_bytes))
             assert sorted(got) == sorted(want), (layout, rep, layer)
             assert batch.copies_2d == []
+
+
+def test_copier_knobs_are_declared_once_with_their_checks_and_variables(monkeypatch):
+    from hicache_core.gpu.knobs import knobs_of, read_knobs
+
+    knobs = {k.name: k for k in knobs_of(memcpy.CudaCopier)}
+    assert list(knobs) == ["batch", "max_batch", "first_batch", "streams", "prefer_overlap", "batch_2d",
+                           "thread", "thread_min", "thread_max"]  # fmt: skip
+    assert {name: k.env for name, k in knobs.items()} == {name: name.upper() for name in knobs}
+    c = _fake_copier("13.0", 0)
+    # Declared defaults (the copier's starting values where no variable is set):
+    fresh = memcpy.CudaCopier.__new__(memcpy.CudaCopier)
+    assert [getattr(fresh, name) for name in knobs] == [True, 32, 0, 1, True, False, True, 64, 384]
+    with pytest.raises(ValueError, match=r"^streams must be an int >= 1, got 0$"):
+        c.streams = 0
+    with pytest.raises(ValueError, match=r"^max_batch must be an int >= 0, got -1$"):
+        c.max_batch = -1
+    with pytest.raises(ValueError, match=r"^batch must be True or False \(1 or 0\), got 2$"):
+        c.batch = 2
+    c.batch = 0
+    assert c.batch is False
+    c.prefer_overlap = 0
+    assert c.prefer_overlap is False and c._attrs_h2d.flags == c._attrs_d2h.flags == 0
+    # The environment goes through the same checks, and an error names the variable:
+    monkeypatch.setenv("HICACHE_DIRECT_MAX_BATCH", "8")
+    monkeypatch.setenv("HICACHE_DIRECT_PREFER_OVERLAP", "1")
+    read_knobs(c, c.env_prefix)
+    assert c.max_batch == 8 and c.prefer_overlap is True and c._attrs_h2d.flags == memcpy._PREFER_OVERLAP
+    monkeypatch.setenv("HICACHE_DIRECT_STREAMS", "0")
+    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_STREAMS=0 must be >= 1$"):
+        read_knobs(c, c.env_prefix)
+    monkeypatch.setenv("HICACHE_DIRECT_STREAMS", "two")
+    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_STREAMS='two' is not an integer$"):
+        read_knobs(c, c.env_prefix)
+    monkeypatch.delenv("HICACHE_DIRECT_STREAMS")
+    monkeypatch.setenv("HICACHE_DIRECT_THREAD", "2")
+    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_THREAD='2': thread must be True or False"):
+        read_knobs(c, c.env_prefix)
+
+
+def test_tuned_takes_every_declared_knob_and_restores_it():
+    impl, _ = _a_batch()
+    impl.copier = _fake_copier("13.0", 0)
+    with impl.tuned({"first_batch": 4, "thread_min": 1}):
+        assert (impl.copier.first_batch, impl.copier.thread_min) == (4, 1)
+    assert (impl.copier.first_batch, impl.copier.thread_min) == (0, 64)
+    with pytest.raises(ValueError, match=r"streams must be an int >= 1"):
+        with impl.tuned({"streams": 0}):
+            pass
+    assert impl.copier.streams == 1
+    variants = impl.tuning_variants()
+    assert variants["worker"] == {"thread_max": 0} and variants["streams2"] == {"streams": 2}

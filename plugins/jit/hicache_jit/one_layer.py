@@ -19,7 +19,6 @@ imported on the first transfer.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 
 from hicache_core import BACKUP_ALL, BACKUP_LAYER, LOAD, TransferPlan, TransferRequest
 from hicache_core.gpu import uva
-from hicache_core.gpu.knobs import Knob, checked
+from hicache_core.gpu.knobs import Knob, checked, int_at_least
 from hicache_core.gpu.triton_base import (
     CALL_PARAMS,
     LaunchGroup,
@@ -218,6 +217,12 @@ def _split_words(words: int) -> tuple[int, int, int]:
     return main, tail, (1 << (tail - 1).bit_length()) if tail else 0
 
 
+def _known_variant(name: str) -> str:
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r} ({ENV_VARIANT}); variants: {', '.join(VARIANTS)}")
+    return name
+
+
 @dataclass(eq=False)
 class _Group(LaunchGroup):
     """Up to two parts of the plan moved by one launch, with what every call needs precomputed."""
@@ -328,24 +333,22 @@ class JitOneLayer(TritonImplementation):
             strides = _fold_strides(plan.tokens_per_page, parts)
             self._groups.append(_Group(chosen, words=words, strides=strides, layer_args=layer_args))
 
-        self.variant = os.environ.get(ENV_VARIANT) or DEFAULT_VARIANT
-        # Environment overrides of the preset (every knob's variable), checked like values set later.
+        self.variant = DEFAULT_VARIANT
+        # The environment's preset, then its overrides of the preset (every knob's variable), checked like
+        # values set later.
         self._read_knobs()
         self._finish_init()
 
     # ---- tuning ------------------------------------------------------------------------------
 
-    @property
-    def variant(self) -> str:
-        """The preset last applied (see :data:`VARIANTS`); setting it resets the knobs it sets."""
-        return self._variant
+    variant = Knob(
+        lambda _, name: _known_variant(name), env="VARIANT", parse=lambda _, text: text, preset=True,
+        changed="_apply_variant",
+        doc="The preset last applied (see :data:`VARIANTS`); setting it resets the knobs it sets.",
+    )  # fmt: skip
 
-    @variant.setter
-    def variant(self, name: str) -> None:
-        preset = VARIANTS.get(name)
-        if preset is None:
-            raise ValueError(f"unknown variant {name!r} ({ENV_VARIANT}); variants: {', '.join(VARIANTS)}")
-        self._variant = name
+    def _apply_variant(self) -> None:
+        preset = VARIANTS[self._variant]
         self._kernel_kind = preset.kernel
         self._tile_bytes = preset.tile_bytes
         self._num_warps = preset.num_warps
@@ -355,7 +358,7 @@ class JitOneLayer(TritonImplementation):
         self._reconfigure()
 
     tile_bytes = Knob(
-        checked(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
+        int_at_least(1),
         env="TILE_BYTES", minimum=1,
         doc="Bytes one CTA moves per loop iteration (rounded to whole items, a power of two of them).",
     )  # fmt: skip

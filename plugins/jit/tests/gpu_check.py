@@ -32,6 +32,7 @@ import time
 import torch
 
 import hicache_core as hc
+from hicache_core.tools.bench.clock import Timer
 from hicache_core.tools.shapes import SHAPES
 
 ONE_LAYER = (hc.LOAD, hc.BACKUP_LAYER)
@@ -67,23 +68,14 @@ def same(a, b) -> bool:
 
 
 def time_it(fn, budget_s: float = 0.15, min_reps: int = 5, max_reps: int = 50) -> float:
-    """Median seconds per call between CUDA events on the current stream."""
-    for _ in range(2):
-        fn()
-    sync()
+    """Median seconds per call between CUDA events (the bench's clock); one timed call off CUDA (a dry run)."""
     if DEVICE != "cuda":
+        for _ in range(2):
+            fn()
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
-    times, t0 = [], time.perf_counter()
-    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - t0 < budget_s):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    return Timer(warmup=2, min_reps=min_reps, max_reps=max_reps, budget_s=budget_s)(fn)
 
 
 def ceiling(nbytes: int = 1 << 30) -> dict[str, float]:

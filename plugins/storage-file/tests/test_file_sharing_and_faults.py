@@ -1,4 +1,4 @@
-"""Issue 13/14 for file://: two servers share pages; a writer killed mid-backup; restart; capacity; slow store."""
+"""file://, shared and faulted: two servers share pages; a writer killed mid-backup; restart; capacity; slow store."""
 
 from __future__ import annotations
 

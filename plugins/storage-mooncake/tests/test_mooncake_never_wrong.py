@@ -1,4 +1,4 @@
-"""Issue 21 for Mooncake (real mooncake_master): a missing master, close(), clear(), short objects."""
+"""Never silently wrong, on Mooncake (real mooncake_master): a missing master, close(), clear(), short objects."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 14 for Mooncake Store: two servers share pages; kill, restart, full and slow stores (real mooncake_master)."""
+"""Mooncake Store, shared and faulted: two servers share pages; kill, restart, full, slow (a real mooncake_master)."""
 
 from __future__ import annotations
 

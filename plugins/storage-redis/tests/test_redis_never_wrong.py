@@ -1,4 +1,4 @@
-"""Issue 21 for Redis (real redis-server): credentials, bounded calls, per-key errors, a literal clear, TLS."""
+"""Never silently wrong on Redis (a real server): credentials, bounded calls, per-key errors, a literal clear, TLS."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 14 for Redis: two servers share pages; kill, restart, full and slow stores (real redis-server)."""
+"""Redis, shared and faulted: two servers share pages; kill, restart, full and slow stores (real redis-server)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ pages; the buffer keeps SGLang's ``(size + page_size + 1) // page_size`` page ro
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import hicache_core as hc
@@ -94,10 +93,9 @@ def build_dsa_indexer_host_pool(
                    for b in draft_buffers]  # fmt: skip
     row_bytes = target_buffers[0][0].nbytes
     check_host_memory(page_rows * row_bytes * (len(target_buffers) + len(draft_buffers)), label)
-    validate = os.environ.get("HICACHE_VALIDATE", "") not in ("", "0")
     core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size,
                              size=page_rows * page_size, draft_pools=draft_views, pin_memory=pin_memory,
-                             operations=sidecar_operations(layer_shard), validate=validate)  # fmt: skip
+                             operations=sidecar_operations(layer_shard))  # fmt: skip
     return SGLangDSAIndexerHostPool(
         core,
         decl=decl,

@@ -21,7 +21,6 @@ call raises before any byte moves.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -148,10 +147,9 @@ def _make_core(kind: str, attr: str, buffers: list[torch.Tensor], *, pages: int,
     io_backend = get_memory().hicache_io_backend
     check_host_memory(len(buffers) * pages * buffers[0][0].nbytes, label)
     view = SidecarView(kind=kind, attr=attr, buffers=buffers, page_size=page_size, size=pages * page_size)
-    validate = os.environ.get("HICACHE_VALIDATE", "") not in ("", "0")
     try:
         core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size,
-                                 size=pages * page_size, pin_memory=pin_memory, validate=validate)  # fmt: skip
+                                 size=pages * page_size, pin_memory=pin_memory)  # fmt: skip
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(SGLang asked for the {label} with --hicache-mem-layout {layout} "
                      f"--hicache-io-backend {io_backend})")  # fmt: skip

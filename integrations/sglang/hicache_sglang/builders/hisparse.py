@@ -166,10 +166,9 @@ def _core(view: DeviceView, tokens: int, bytes_per_token: int, label: str, pin_m
             f"load could be verified. Unset {ENV_VERIFY} for HiSparse."
         )
     check_host_memory(tokens * bytes_per_token, label)
-    validate = os.environ.get("HICACHE_VALIDATE", "") not in ("", "0")
     try:
         return hc.make_host_pool(view, layout="layer_first", io_backend=IO_BACKEND, page_size=1, size=tokens,
-                                 pin_memory=pin_memory, validate=validate, verify=False)  # fmt: skip
+                                 pin_memory=pin_memory, verify=False)  # fmt: skip
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(SGLang's HiSparse coordinator asked for the {label}: layout layer_first, io backend kernel)")
         raise

@@ -23,8 +23,6 @@ Cost: a word per index, so a token takes ``value/WORD + 1`` indices (73) and a p
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 import hicache_core as hc
@@ -91,10 +89,9 @@ class SGLangHiSparseDSV4HostPool(_HiSparseSlots):
         # against the device rows themselves.
         self._view = SidecarView(kind="dsv4_paged", attr="device_buffers", buffers=words, page_size=1,
                                  size=min(words[0].shape[0], host_words))  # fmt: skip
-        validate = os.environ.get("HICACHE_VALIDATE", "") not in ("", "0")
         try:
             self.core = hc.make_host_pool(self._view, layout="layer_first", io_backend=IO_BACKEND, page_size=1,
-                                          size=host_words, pin_memory=pin_memory, validate=validate,
+                                          size=host_words, pin_memory=pin_memory,
                                           verify=False)  # fmt: skip
         except hc.UnsupportedCombinationError as exc:
             exc.add_note(f"(SGLang's HiSparse coordinator asked for the {label}: layout layer_first, io backend "

@@ -16,7 +16,6 @@ conv-only models (no temporal state) and registered slot side states.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -149,7 +148,5 @@ def build_mamba_host_pool(mamba_pool: Any, pool_info: Any, *, host_size: float, 
     size += 1  # SGLang's padding slot (page size 1)
     check_host_memory(size * per_slot, label)
     view = _MambaView(temporal, conv, size)
-    validate = os.environ.get("HICACHE_VALIDATE", "") not in ("", "0")
-    core = hc.make_host_pool(view, layout=layout, io_backend=get_memory().hicache_io_backend, page_size=1, size=size,
-                             validate=validate)  # fmt: skip
+    core = hc.make_host_pool(view, layout=layout, io_backend=get_memory().hicache_io_backend, page_size=1, size=size)
     return SGLangMambaHostPool(core, buffer_info=info, drafts=tuple(drafts), view=view, size=size)

@@ -21,7 +21,6 @@ not packed into these pools (SGLang raises for ``is_draft``, and so do these).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -41,10 +40,9 @@ def _core(view: SidecarView, *, layout: str, page_size: int, size: int, pin_memo
 
     io_backend = get_memory().hicache_io_backend
     check_layout_io(layout, io_backend, label)
-    validate = os.environ.get("HICACHE_VALIDATE", "") not in ("", "0")
     try:
         return hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size, size=size,
-                                 pin_memory=pin_memory, validate=validate)  # fmt: skip
+                                 pin_memory=pin_memory)  # fmt: skip
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(SGLang asked for the {label} with --hicache-mem-layout {layout} "
                      f"--hicache-io-backend {io_backend})")  # fmt: skip
