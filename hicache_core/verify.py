@@ -14,7 +14,8 @@ host, verification checks the bytes, and costs a table and a pass of device time
   pinned failure word and in the failing host pages' slots, as a kernel that masks indices
   reports them (:mod:`hicache_core.drops`): no host sync, no host hashing, nothing on the link
   when every page is good.
-* **Reporting.** The pool's next transfer call reads the word (a plain host load) and raises
+* **Reporting.** The pool's first transfer call after the check ran on the device (it runs behind the
+  load, so on a busy GPU that may be a later call than the next one) reads the word (a plain host load) and raises
   :class:`PageVerificationError` before any byte of the new call moves, naming the failing host
   pages (``.pages``, and their token slots, ``.host_indices``), the call, its operation and layer.
   ``HostPool.check_verified()`` waits for the device and raises at once.

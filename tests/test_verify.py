@@ -139,6 +139,7 @@ def test_a_byte_flipped_in_host_memory_is_caught_naming_pages_layer_and_call(kin
     _flip_host_byte(host, bad_page, layer=1, part=len(host.plan.parts) - 1)
     host.load_to_device_per_layer(dp, slots, dev, 0, "auto")  # layer 0 is clean
     host.load_to_device_per_layer(dp, slots, dev, 1, "auto")  # the bad layer: reported, not raised here
+    _sync()  # the check runs on the device, behind the load: the first call after it ran raises
     with pytest.raises(PageVerificationError) as info:
         host.load_to_device_per_layer(dp, slots, dev, 2, "auto")  # the next call raises, before moving a byte
     err = info.value

@@ -22,7 +22,7 @@ step install 60 "$PY" -m pip install -q --no-deps --no-build-isolation --disable
   -e . -e plugins/direct -e plugins/kernel -e plugins/jit -e plugins/portable
 # The kit through direct's worker for every call (its cases are small: under the default span they stay on the
 # caller's thread), then the kit's stream cases for every implementation at the defaults.
-step kit-worker 90 env HICACHE_TEST_DEVICE=cuda HICACHE_DIRECT_THREAD_MIN=1 HICACHE_DIRECT_THREAD_MAX=0 \
+step kit-worker 90 env HICACHE_TEST_DEVICE=cuda HICACHE_DIRECT_THREAD=1 HICACHE_DIRECT_THREAD_MIN=1 HICACHE_DIRECT_THREAD_MAX=0 \
   "$PY" -m pytest -q -p no:cacheprovider -n 8 plugins/direct/tests -k "submitter or layer_events or beside_compute or round_trip"
 step tests 120 env HICACHE_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider -n 8 \
   plugins/direct/tests plugins/kernel/tests/test_kernel_conformance.py plugins/jit/tests/test_jit_conformance.py \

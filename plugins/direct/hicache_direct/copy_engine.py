@@ -51,10 +51,10 @@ class DirectCopy(Implementation):
     index_dtypes = frozenset({torch.int32, torch.int64})
     index_device = "cpu"
     engine = "copy_engine"
-    description = ("copy engine: one cudaMemcpyBatchAsync of merged contiguous runs per operation; on CUDA, calls of "
-                   "64-383 copies are submitted by a worker thread on a side stream gated on the caller's stream by "
-                   "stream memory operations (the caller returns after two of them; the stream order is kept), "
-                   "fewer or more on the caller's thread (HICACHE_DIRECT_THREAD=0: always)")
+    description = ("copy engine: one cudaMemcpyBatchAsync of merged contiguous runs per operation, submitted on the "
+                   "caller's thread; opt-in (HICACHE_DIRECT_THREAD=1), calls of 64-383 copies go to a worker thread "
+                   "on a side stream gated on the caller's stream by stream memory operations (the caller returns "
+                   "after two of them), which can deadlock where a stream sharing its hardware queue waits on them")
 
     #: Submission settings a benchmark times beside the defaults (knobs of :class:`~hicache_direct.memcpy.CudaCopier`).
     VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -66,11 +66,11 @@ class DirectCopy(Implementation):
         "no_overlap_hint": {"prefer_overlap": False},
         "one_by_one": {"batch": False},
     }
-    #: The submission paths an overlap benchmark compares beside the default (``thread`` routes calls of
-    #: ``thread_min`` to ``thread_max`` copies through the worker): always the caller's thread, always the worker.
+    #: The submission paths an overlap benchmark compares beside the default (the caller's thread): always the
+    #: caller's thread, and the opt-in worker for every call of ``thread_min`` copies or more.
     SUBMISSION_VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {
         "caller-thread": {"thread": False},
-        "worker": {"thread_max": 0},
+        "worker": {"thread": True, "thread_max": 0},
     }
 
     def tuning_variants(self) -> dict[str, dict[str, Any]]:

@@ -150,11 +150,15 @@ class CudaCopier:
             "of one ``cudaMemcpy2DAsync`` per run (off until measured on a GPU).",
     )  # fmt: skip
     thread = Knob(
-        flag(), env="THREAD", default=True, changed=None,
-        doc="Calls of ``thread_min`` copies or more, and fewer than ``thread_max``, are built and submitted by a "
-            "worker thread on a side stream, gated on the caller's stream by stream memory operations "
-            "(:mod:`hicache_direct.submitter`), so the caller returns after two stream operations. Fewer copies "
-            "cost less to submit than to hand over; larger calls stay on the caller's thread.",
+        flag(), env="THREAD", default=False, changed=None,
+        doc="Opt-in (off by default since hicache-direct 0.2.1). Calls of ``thread_min`` copies or more, and fewer "
+            "than ``thread_max``, are built and submitted by a worker thread on a side stream, gated on the "
+            "caller's stream by stream memory operations (:mod:`hicache_direct.submitter`), so the caller returns "
+            "after two stream operations. Off by default because it can deadlock: the caller's wait for the "
+            "copies is queued before they are, and a stream that shares a hardware queue with the side stream "
+            "and waits on that wait (a consumer of the layer's event) holds the copies back for ever. On the H200 "
+            "``scripts/gpu/direct_aliasing_check.py`` deadlocked with 2, 8 (the default, and SGLang's setting) "
+            "and 32 CUDA_DEVICE_MAX_CONNECTIONS, with 32 consumer streams.",
     )  # fmt: skip
     thread_min = Knob(
         int_at_least(0), env="THREAD_MIN", default=64, changed=None,
@@ -220,7 +224,8 @@ class CudaCopier:
     def thread_path(self) -> str:
         """Where calls of many copies are submitted from, in words."""
         if not self.thread:
-            return "on the caller's thread (thread=0)"
+            return ("on the caller's thread (the worker thread is opt-in, HICACHE_DIRECT_THREAD=1: it can deadlock "
+                    "where a stream sharing its hardware queue waits on its copies)")  # fmt: skip
         if self.no_thread:
             return f"on the caller's thread: {self.no_thread}"
         span = f">= {self.thread_min}" + (f" and < {self.thread_max}" if self.thread_max else "")

@@ -37,7 +37,11 @@ thread as before.
 One caveat: the worker needs the GIL between driver calls. A thread that blocks on the
 GPU while holding the GIL (a C extension that synchronises without releasing it) before
 the worker has submitted would wait forever; torch's own synchronising calls release
-the GIL. ``HICACHE_DIRECT_THREAD=0`` turns the worker off.
+the GIL. A worse one, measured on the H200 (``scripts/gpu/direct_aliasing_check.py``): the caller's
+wait for ``done`` is queued before the worker's copies, so a stream that shares a hardware queue
+with the side stream and waits on that wait (a consumer of a layer's event) holds the copies back
+for ever, with 2, 8 or 32 CUDA_DEVICE_MAX_CONNECTIONS. The worker is therefore opt-in
+(``HICACHE_DIRECT_THREAD=1``), for processes that know their streams.
 
 A second caveat, from the driver's documentation of stream memory operations: the order they
 set up is invisible to CUDA's scheduler, which may serialise work "in an improper order". The

@@ -472,7 +472,8 @@ def test_copier_knobs_are_declared_once_with_their_checks_and_variables(monkeypa
     c = _fake_copier("13.0", 0)
     # Declared defaults (the copier's starting values where no variable is set):
     fresh = memcpy.CudaCopier.__new__(memcpy.CudaCopier)
-    assert [getattr(fresh, name) for name in knobs] == [True, 32, 0, 1, True, False, True, 64, 384]
+    # thread: opt-in since hicache-direct 0.2.1 (it can deadlock; memcpy.CudaCopier.thread)
+    assert [getattr(fresh, name) for name in knobs] == [True, 32, 0, 1, True, False, False, 64, 384]
     with pytest.raises(ValueError, match=r"^streams must be an int >= 1, got 0$"):
         c.streams = 0
     with pytest.raises(ValueError, match=r"^max_batch must be an int >= 0, got -1$"):
@@ -511,4 +512,4 @@ def test_tuned_takes_every_declared_knob_and_restores_it():
             pass
     assert impl.copier.streams == 1
     variants = impl.tuning_variants()
-    assert variants["worker"] == {"thread_max": 0} and variants["streams2"] == {"streams": 2}
+    assert variants["worker"] == {"thread": True, "thread_max": 0} and variants["streams2"] == {"streams": 2}

@@ -386,8 +386,8 @@ def test_worker_loads_land_before_each_layers_event_with_the_stream_held_back(la
     h = (hp[:, None] * page + torch.arange(page)).reshape(-1)
     d = (dp[:, None] * page + torch.arange(page)).reshape(-1)
     impl = host.implementation_for(hc.LOAD)
-    assert impl.copier.thread
-    impl.copier.thread_max = 0  # 256 copies per layer: the worker, whatever the default span
+    assert not impl.copier.thread  # opt-in: off by default (it can deadlock, see memcpy.CudaCopier.thread)
+    impl.copier.thread, impl.copier.thread_max = True, 0  # 256 copies per layer: the worker, whatever the default span
     for layer in range(layers):
         ref.load_to_device_per_layer(twin, h, d.cuda(), layer, "reference")
     torch.cuda.synchronize()
@@ -432,7 +432,7 @@ def test_every_new_gates_first_call_finishes_on_an_idle_stream():
     h = (hp[:, None] * page + torch.arange(page)).reshape(-1)
     d = (dp[:, None] * page + torch.arange(page)).reshape(-1)
     copier = host.implementation_for(hc.LOAD).copier
-    copier.thread_min, copier.thread_max = 1, 0
+    copier.thread, copier.thread_min, copier.thread_max = True, 1, 0
     stream = torch.cuda.Stream()
     for attempt in range(40):
         if copier._worker is not None:
