@@ -6,30 +6,9 @@ machine). On the CPU the ``kernel`` io backend's Triton kernels run under the in
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
+from sglang_platform import DEVICE, SGLANG_SEES_NO_GPU, apply
 
-DEVICE = os.environ.get("HICACHE_TEST_DEVICE", "cpu")
-if DEVICE == "cpu":
-    # Before anything imports triton: the interpreter is chosen at import time.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-elif importlib.util.find_spec("sgl_kernel") is None:
-    # On a GPU SGLang imports sgl_kernel at module level (its own host pools' transfer kernels), and
-    # sglang-kernel 0.4.10 loads only beside torch 2.14.1. Where it is missing (the GPU machine's
-    # image holds torch 2.11), SGLang is shown no CUDA device, so it takes the code paths it takes on
-    # a CPU machine, as in the CPU runs of this suite; everything else (hicache, its plugins, torch
-    # itself, these tests) sees the GPU, so the device pools are CUDA tensors and the bytes move
-    # through hicache's CUDA implementations.
-    import torch
-
-    _is_available = torch.cuda.is_available
-
-    def _cuda_is_available() -> bool:
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        return False if caller == "sglang" or caller.startswith("sglang.") else _is_available()
-
-    torch.cuda.is_available = _cuda_is_available
+apply()
 
 import pytest  # noqa: E402
 
@@ -56,8 +35,7 @@ def adapter():
 def pytest_report_header(config) -> list[str]:
     import hicache_sglang
 
-    mode = "CPU-platform mode (no sgl_kernel)" if DEVICE != "cpu" and importlib.util.find_spec("sgl_kernel") is None \
-        else "as installed"  # fmt: skip
+    mode = "CPU-platform mode (no sgl_kernel)" if SGLANG_SEES_NO_GPU else "as installed"
     return [f"hicache-sglang: SGLang {hicache_sglang.sglang_version()}, device pools on {DEVICE}, SGLang {mode}"]
 
 

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import test_hisparse as hisparse_suite
 import torch
+from sglang_platform import SGLANG_SEES_NO_GPU
 from sglang_setup import DEVICE, fill_random, publish_settings, synchronize
 
 # The MLA / MHA suite's fixtures: one gloo TP group, SGLang's host reserve lowered, the swap-in opt-in.
@@ -237,6 +238,8 @@ def test_other_c4_geometries_are_refused(swap_in_accepted):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="SGLang's token-granular C4 copy (transfer_cache_dsv4_mla) is CUDA's")
+@pytest.mark.skipif(SGLANG_SEES_NO_GPU, reason="SGLang's own C4 copy is sgl_kernel's, which cannot load beside this "
+                    "torch (sglang_platform): on the GPU machine its transfer_kv_all_layer_mla is undefined")
 def test_same_bytes_as_sglangs_own_c4_copy(tp_group, swap_in_accepted):
     """SGLang's own ``DeepSeekV4PagedHostPool`` (its module's class, not replaced) and hicache's, on one device pool."""
     from sglang.srt.mem_cache import memory_pool_host

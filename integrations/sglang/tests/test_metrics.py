@@ -27,6 +27,8 @@ BACKUP, LOAD = "backup_from_device_all_layer", "load_to_device_per_layer"  # hic
 SCHEDULER = f"""
 import json, sys
 sys.path.insert(0, {str(HERE)!r})
+import sglang_platform
+sglang_platform.apply()  # what the suite's conftest shows SGLang of the machine, in this process too
 import hicache_sglang
 hicache_sglang.install()
 from hicache_core import metrics as hm
