@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import workload
-from server import RedisServer, Server, start_all
+from server import RedisServer, Server, start_all, stop_all
 from tiny_model import make_llama
 
 PARALLEL = int(os.environ.get("HICACHE_E2E_PARALLEL", "3"))
@@ -161,8 +161,7 @@ def fleet():
         start_all(list(f.servers.values()), PARALLEL)
         yield f
     finally:
-        for srv in f.servers.values():
-            srv.stop()
+        stop_all(list(f.servers.values()))
         if f.redis is not None:
             f.redis.stop()
         shutil.rmtree(root, ignore_errors=True)

@@ -13,7 +13,7 @@ import socket
 import tempfile
 
 import pytest
-from server import Server, start_all
+from server import Server, start_all, stop_all
 from tiny_model import make_llama
 
 #: (name, HiCache arguments, what the log must say, who refuses)
@@ -44,8 +44,7 @@ def refused():
         start_all(list(servers.values()), parallel=3)
         yield servers
     finally:
-        for srv in servers.values():
-            srv.stop()
+        stop_all(list(servers.values()))
         shutil.rmtree(root, ignore_errors=True)
 
 
