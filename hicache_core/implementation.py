@@ -151,6 +151,12 @@ class Implementation:
     engine: ClassVar[str] = "sm"
     description: ClassVar[str] = ""
 
+    @property
+    def path(self) -> str | None:
+        """How this instance submits its operations, in words, as it is set now (the bench records it beside
+        its timings); ``None``: nothing beyond :attr:`description`."""
+        return None
+
     @classmethod
     def not_supported_reasons(cls, request: TransferRequest) -> list[str]:
         """Why this implementation cannot serve ``request`` (empty: it can)."""

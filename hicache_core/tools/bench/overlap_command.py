@@ -127,7 +127,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                             "model": model_name, "shape": shape.name,
                             "new_tokens": new_tokens, "cached_tokens": m, "regime": regime, "page_size": page,
                             "max_ctas": budget, "chosen": chosen,
-                            "path": getattr(getattr(impl, "copier", None), "path", None), **result,
+                            "path": impl.path, **result,
                         })  # fmt: skip
                         r = records[-1]
                         print(f"{mode:11} {model_name:12} {m:6} {layout:18} {row_label(r):34} "

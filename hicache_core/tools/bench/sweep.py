@@ -277,9 +277,9 @@ def _time_implementation(case: Case, name: str, impl: Implementation, token_coun
                 "host_time_fresh_us": host_time_us(impl, h, d, fresh=True),
                 "through_pool_us": _pool_host_time_us(case, impl, h, d),
             })  # fmt: skip
-    if hasattr(impl, "copier") and hasattr(impl.copier, "path"):
+    if impl.path is not None:
         records.append({"implementation": name, "shape": case.shape.name, "layout": case.layout, "page_size": p,
-                        "metric": "path", "path": impl.copier.path})  # fmt: skip
+                        "metric": "path", "path": impl.path})  # fmt: skip
     return records
 
 
