@@ -27,18 +27,18 @@ from .identity import log_pool
 from .pool import DeviceView, SGLangHostPool, SGLangMHAHostPool, SGLangMLAHostPool
 
 #: The layouts SGLang 0.5.23's controller can prepare indices for under io backend 'direct'.
-_DIRECT_LAYOUTS = ("layer_first", "page_first_direct")
+DIRECT_LAYOUTS = ("layer_first", "page_first_direct")
 
 
 def check_layout_io(layout: str, io_backend: str, label: str) -> None:
     """Refuse a layout SGLang's controller cannot drive with ``io_backend`` (at start-up and at pool build).
 
-    :raises NotServedError: io backend ``direct`` with a layout other than ``_DIRECT_LAYOUTS``.
+    :raises NotServedError: io backend ``direct`` with a layout other than ``DIRECT_LAYOUTS``.
     """
-    if io_backend == "direct" and layout not in _DIRECT_LAYOUTS:
+    if io_backend == "direct" and layout not in DIRECT_LAYOUTS:
         raise NotServedError(
             f"SGLang's cache controller prepares indices for io backend 'direct' only with layouts "
-            f"{' and '.join(_DIRECT_LAYOUTS)} (HiCacheController.move_indices raises for any other at the first "
+            f"{' and '.join(DIRECT_LAYOUTS)} (HiCacheController.move_indices raises for any other at the first "
             f"write), so the {label} could never be driven. Use --hicache-io-backend kernel, or layout "
             "page_first_direct or layer_first."
         )

@@ -21,7 +21,7 @@ import torch
 import hicache_core as hc
 
 from . import builders
-from .build import _DIRECT_LAYOUTS
+from .build import DIRECT_LAYOUTS
 
 BEGIN, END = "<!-- sglang-matrix:begin -->", "<!-- sglang-matrix:end -->"
 IO_BACKENDS = ("kernel", "direct")
@@ -105,7 +105,7 @@ def served(family: Family, layout: str) -> list[str]:
     ops = (hc.LOAD, hc.BACKUP_LAYER) if family.sharded else (hc.LOAD, hc.BACKUP_ALL)
     out = []
     for io in family.io_backends:
-        if io == "direct" and layout not in _DIRECT_LAYOUTS:
+        if io == "direct" and layout not in DIRECT_LAYOUTS:
             continue
         try:
             for geometry in geometries:

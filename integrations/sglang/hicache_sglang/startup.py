@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .build import _DIRECT_LAYOUTS, check_layout_io
+from .build import DIRECT_LAYOUTS, check_layout_io
 from .errors import NotServedError
 
 #: Environment variables the adapter and hicache read in a server.
@@ -121,7 +121,7 @@ def help_text() -> str:
         "  With --enable-hierarchical-cache, SGLang's KV host pools are hicache pools: the layout is",
         "  --hicache-mem-layout, the io backend --hicache-io-backend (after SGLang's own resolution), sized by",
         "  --hicache-ratio / --hicache-size. Works on CPU servers too (SGLANG_USE_CPU_ENGINE=1 --device cpu).",
-        f"  io backend 'direct' drives only layouts {' and '.join(_DIRECT_LAYOUTS)} (SGLang's controller).",
+        f"  io backend 'direct' drives only layouts {' and '.join(DIRECT_LAYOUTS)} (SGLang's controller).",
         "  Each pool built logs one line 'hicache-sglang host pool: ...' naming class, layout, io backend",
         "  and the implementation per operation.",
     ]
