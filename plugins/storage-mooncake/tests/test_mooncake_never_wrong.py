@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -52,10 +53,22 @@ def test_demo_storage_says_why_a_mooncake_prefix_left_with_its_writer(mooncake_u
     """Item 16: process 1's pages live in its own segment and leave with it; the demo says so and how to keep them."""
     from hicache_core.cli import main
 
-    assert main(["demo", "--storage", mooncake_url, "--device", "cpu", "--tokens", "64"]) == 1
-    out = capfd.readouterr().out
+    # The master drops a departed client's segment once it has seen the client go; the demo's second process
+    # can look the prefix up before that: then it finds the pages but cannot read them, and, rarely (one
+    # full-suite run in five here), reads them all. A run that reads them proves nothing about the
+    # explanation, so the demo is run again (at most three times).
+    outs = []
+    for _ in range(3):
+        rc = main(["demo", "--storage", mooncake_url, "--device", "cpu", "--tokens", "64"])
+        outs.append(capfd.readouterr().out)
+        if rc != 0:
+            break
+    assert rc == 1, f"the prefix outlived its writer in 3 demo runs:\n{outs[-1][-3000:]}"
+    out = outs[-1]
     assert "backed up 4 pages (0 failed)" in out  # process 1 wrote the whole prefix
-    assert "found 0 of 4 pages" in out  # ... and it was gone once process 1 exited
+    # ... and it was gone once process 1 exited: not found, or (the master not yet told) found but not readable
+    found = re.search(r"found (\d) of 4 pages, prefetched (\d)", out)
+    assert found is not None and int(found.group(2)) < 4, out
     assert "the load process failed (exit 1)" in out
     assert "keeps a page in the segment of the client that stored it" in out
     assert "mooncake_client -master_server_address=HOST:PORT" in out
