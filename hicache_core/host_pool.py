@@ -28,6 +28,7 @@ from .geometry import PoolGeometry, pages_for
 from .host_layout import HostLayoutSpec, host_layout_spec
 from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
 from .indices import IndexCache, check_bounds, check_whole_pages, reject_indices, whole_pages_mask
+from .layer_loads import LayerLoad, layer_loader
 from .page_access import PageAccess
 from .plan import TransferPlan
 from .pool_kinds import PoolKind
@@ -451,6 +452,61 @@ class HostPool(PageAccess):
             self._call(entry[0], BACKUP_ALL, h, d)
             if self.verifier is not None:
                 self.verifier.backup(h, d, None, self._drops.seq)
+
+    def submit_load(
+        self,
+        device_pool: Any,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        io_backend: str,
+        *,
+        layer_ids: Sequence[int] | None = None,
+        start_event: Any = None,
+    ) -> LayerLoad:
+        """Load the given slots host -> device for every owned layer (or ``layer_ids``, in order), off
+        the caller's thread; returns at once (:mod:`hicache_core.layer_loads`).
+
+        The copies follow what the caller's current stream holds now (or ``start_event``, already
+        recorded). ``load.wait(i)`` orders the current stream after the ``i``-th layer of the list;
+        a layer's error is raised there. Arguments are checked here, before anything is queued.
+        """
+        self._impl(LOAD, io_backend)
+        ids = list(range(self.start_layer, self.end_layer)) if layer_ids is None else list(layer_ids)
+        for layer_id in ids:
+            self._host_layer(device_pool, layer_id, False)
+        self._check_indices(host_indices, device_indices)
+
+        def step(i: int) -> None:
+            self._per_layer(LOAD, device_pool, host_indices, device_indices, ids[i], io_backend, False)
+
+        return layer_loader(self.plan.device).submit(
+            len(ids), step, start_event=start_event, keep=(host_indices, device_indices),
+            what=f"load of {host_indices.shape[0]} slots into {len(ids)} layers",
+        )  # fmt: skip
+
+    def _check_indices(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        """The checks a call makes before any byte moves, without converting anything."""
+        try:
+            ok = (
+                host_indices.dtype in (_INT64, _INT32)
+                and device_indices.dtype in (_INT64, _INT32)
+                and host_indices.dim() == 1
+                and device_indices.shape == host_indices.shape
+            )
+        except (AttributeError, TypeError):
+            ok = False
+        if not ok:
+            reject_indices(host_indices, device_indices)
+        if self._items_are_pages:
+            for what, slots in (("host_indices", host_indices), ("device_indices", device_indices)):
+                if slots.is_meta:
+                    raise ValueError(f"{what} is on the meta device, which holds no values: pass real indices")
+                if self.page_size > 1 and (self.validate or not slots.is_cuda):
+                    check_whole_pages(slots, self.page_size, what)
+        if self.validate:
+            per_item = self.page_size if self._items_are_pages else 1
+            check_bounds(host_indices, self.size, "host_indices")
+            check_bounds(device_indices, min(self._rows) * per_item, "device_indices")
 
     def _per_layer(self, op, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft) -> None:
         entry = self._impls.get((op, io_backend)) or self._impl(op, io_backend)

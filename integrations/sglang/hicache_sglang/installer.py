@@ -92,6 +92,10 @@ def install() -> None:
 
         builders.install()
         _log.info(builders.not_served_line())
+        # Layer-wise loads of hicache pools off the scheduler thread (HICACHE_SGLANG_LAYER_LOADS).
+        from . import layer_loads
+
+        layer_loads.install()
         _original = original
 
 
@@ -99,8 +103,9 @@ def uninstall() -> None:
     """Give SGLang its own ``build_kv_host_pool`` back (pools already built stay hicache's)."""
     global _original
     with _lock:
-        from . import builders
+        from . import builders, layer_loads
 
+        layer_loads.uninstall()
         builders.uninstall()
         for module, name in _patched:
             setattr(module, name, _original)
