@@ -50,8 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--overlap", action="store_true",
                    help="layer-wise loads under prefill GEMMs, backups under decode (hicache_core.tools.bench.overlap)")
     p.add_argument("--overlap-mode", help="with --overlap, comma-separated: sglang (every layer's load issued before "
-                   "the forward, as SGLang does), interleaved (each layer's load, then its GEMMs); default: sglang "
-                   "with --quick, else both")
+                   "the forward, as SGLang does), loader (the same order through hicache's layer loader, as SGLang's "
+                   "adapter runs it), interleaved (each layer's load, then its GEMMs); default: sglang and loader "
+                   "with --quick, else all three")
     p.add_argument("--tokens", help="comma-separated tokens per call (default: 64,4096 quick, else 64,512,4096,32768)")
     p.add_argument("--shapes", help="comma-separated shape names (default: all; quick: deepseek-mla,llama-8b)")
     p.add_argument("--name", help="file name of the JSON and PNG (default: quick, sweep or overlap)")

@@ -302,7 +302,8 @@ class LayerLoader:
         if current is None:
             return "the loader's thread is idle"
         load, layer, since = current
-        return f"the loader's thread has been submitting layer {layer} of {load.what!r} for {time.monotonic() - since:.3f} s"
+        busy = time.monotonic() - since
+        return f"the loader's thread has been submitting layer {layer} of {load.what!r} for {busy:.3f} s"
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop taking jobs; the thread ends after the jobs already queued."""
