@@ -199,7 +199,7 @@ def main() -> int:
         pass
     ceiling = None
     if cuda:
-        from hicache_core.tools.bench.ceilings import measure_ceiling
+        from hicache_core.tools.bench.machine import measure_ceiling
 
         ceiling = measure_ceiling(1 << 30)
         print(f"ceiling: H2D {ceiling['h2d_gbps']:.1f} GB/s", flush=True)

@@ -45,7 +45,7 @@ def _pools(pages: int = 64, page: int = 64):
     import hicache_core as hc
 
     dev = hc.MHADevicePool(4 * pages * page, page, torch.bfloat16, 8, 128, LAYERS, "cuda")
-    host = hc.make_host_pool(dev, layout="page_first_direct", io_backend="direct", size=2 * pages * page)
+    host = hc.make_host_pool(dev, layout="page_first_direct", io_backend="direct", size=dev.size)
     gen = torch.Generator().manual_seed(5)
     for t in host.plan.host_buffers.values():
         flat = t.view(torch.uint8).reshape(-1)
