@@ -157,7 +157,8 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=256, help="new tokens after the prefix")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backends", default="direct:page_first_direct,kernel:page_first_direct,kernel:page_first,"
-                    "jit:page_first,auto:page_first_direct,auto:page_first")  # fmt: skip
+                    "kernel/jit.one_layer:page_first,auto:page_first_direct,auto:page_first",
+                    help="comma-separated io_backend[/implementation]:layout")  # fmt: skip
     ap.add_argument("--l3", default="file", help="'file' (a file:// store under --l3-dir) or 'none'")
     ap.add_argument("--l3-dir", default=None)
     args = ap.parse_args()
@@ -223,9 +224,10 @@ def main() -> int:
         rows.append({"row": "recompute", "prefix": m, "new": args.new, "ttft_s": t, "wait_s": 0.0, "compute_s": t})
         print(f"recompute            {m:6}: {t * 1e3:8.1f} ms", flush=True)
 
-    def host_pool(backend: str, layout: str):
+    def host_pool(backend: str, layout: str, implementation: str | None = None):
         """A host pool of ``layout`` resolved for ``backend``, holding the prefix's pages in slots [0, top)."""
-        host = hc.make_host_pool(dev, layout=layout, io_backend=backend, size=dev.size,
+        forced = {"load_to_device_per_layer": implementation} if implementation else None
+        host = hc.make_host_pool(dev, layout=layout, io_backend=backend, size=dev.size, implementation=forced,
                                  operations=("load_to_device_per_layer", "backup_from_device_all_layer"))  # fmt: skip
         slots = host.alloc(top)
         assert torch.equal(slots, torch.arange(top)), "a fresh pool hands out its slots in order"
@@ -275,7 +277,14 @@ def main() -> int:
 
     for spec in args.backends.split(","):
         backend, layout = spec.split(":")
-        host = host_pool(backend, layout)
+        backend, _, implementation = backend.partition("/")
+        label = implementation or backend
+        try:
+            host = host_pool(backend, layout, implementation or None)
+        except Exception as exc:  # noqa: BLE001 - one row failing must not end the run
+            print(f"host {label} {layout}: not built: {type(exc).__name__}: {exc}", flush=True)
+            rows.append({"row": f"host {label} {layout}", "error": f"{type(exc).__name__}: {exc}"})
+            continue
         orders = ("loader", "sglang-order") if backend in ("direct", "auto") else ("loader",)
         for order in orders:
             for m in prefixes:
@@ -283,17 +292,17 @@ def main() -> int:
                     cached_forward(m, host, backend, order)
                     runs = [cached_forward(m, host, backend, order) for _ in range(args.reps)]
                 except Exception as exc:  # noqa: BLE001 - one row failing must not end the run
-                    print(f"host {backend} {layout} {order} {m}: failed: {type(exc).__name__}: {exc}", flush=True)
-                    rows.append({"row": f"host {backend} {layout} {order}", "prefix": m, "error": str(exc)})
+                    print(f"host {label} {layout} {order} {m}: failed: {type(exc).__name__}: {exc}", flush=True)
+                    rows.append({"row": f"host {label} {layout} {order}", "prefix": m, "error": str(exc)})
                     continue
                 runs.sort(key=lambda r: r[0])
                 t, w, logits = runs[len(runs) // 2]
-                row = {"row": f"host {backend} {layout} {order}", "io_backend": backend, "layout": layout,
+                row = {"row": f"host {label} {layout} {order}", "io_backend": backend, "layout": layout,
                        "order": order, "prefix": m, "new": args.new, "ttft_s": t, "wait_s": w, "compute_s": t - w,
-                       "implementation": host.implementations.get("load_to_device_per_layer") if backend == "auto"
-                       else backend, **check(m, logits)}  # fmt: skip
+                       "implementation": host.implementations.get("load_to_device_per_layer"),
+                       **check(m, logits)}  # fmt: skip
                 rows.append(row)
-                print(f"host {backend:6} {layout:18} {order:12} {m:6}: {t * 1e3:8.1f} ms (wait {w * 1e3:7.1f} ms) "
+                print(f"host {label:17} {layout:18} {order:12} {m:6}: {t * 1e3:8.1f} ms (wait {w * 1e3:7.1f} ms) "
                       f"next token same: {row['same_next_token']}", flush=True)  # fmt: skip
         host.destroy()
 
