@@ -449,9 +449,12 @@ class HostPool(PageAccess):
             raise ValueError("device_pool is not the device pool this host pool was made for")
         h, d = self._indices(BACKUP_ALL, None, host_indices, device_indices, entry, None)
         if h is not None:
+            verifier = self.verifier
+            if verifier is not None:
+                verifier.before_backup()
             self._call(entry[0], BACKUP_ALL, h, d)
-            if self.verifier is not None:
-                self.verifier.backup(h, d, None, self._drops.seq)
+            if verifier is not None:
+                verifier.backup(h, d, None, self._drops.seq)
 
     def submit_load(
         self,
@@ -462,6 +465,7 @@ class HostPool(PageAccess):
         *,
         layer_ids: Sequence[int] | None = None,
         start_event: Any = None,
+        timing: bool = False,
     ) -> LayerLoad:
         """Load the given slots host -> device for every owned layer (or ``layer_ids``, in order), off
         the caller's thread; returns at once (:mod:`hicache_core.layer_loads`).
@@ -469,6 +473,7 @@ class HostPool(PageAccess):
         The copies follow what the caller's current stream holds now (or ``start_event``, already
         recorded). ``load.wait(i)`` orders the current stream after the ``i``-th layer of the list;
         a layer's error is raised there. Arguments are checked here, before anything is queued.
+        ``timing``: the load's start and finish events time it (``load.start_event.elapsed_time``).
         """
         self._impl(LOAD, io_backend)
         ids = list(range(self.start_layer, self.end_layer)) if layer_ids is None else list(layer_ids)
@@ -480,7 +485,7 @@ class HostPool(PageAccess):
             self._per_layer(LOAD, device_pool, host_indices, device_indices, ids[i], io_backend, False)
 
         return layer_loader(self.plan.device).submit(
-            len(ids), step, start_event=start_event, keep=(host_indices, device_indices),
+            len(ids), step, start_event=start_event, keep=(host_indices, device_indices), timing=timing,
             what=f"load of {host_indices.shape[0]} slots into {len(ids)} layers",
         )  # fmt: skip
 
@@ -519,6 +524,9 @@ class HostPool(PageAccess):
         if h is None:
             return
         impl = entry[0]
+        verifier = self.verifier
+        if verifier is not None and op != LOAD:
+            verifier.before_backup()
         t0 = perf_counter()
         try:  # inline rather than through _call: this is the per-layer hot path
             getattr(impl, op)(h, d, layer)
@@ -530,7 +538,6 @@ class HostPool(PageAccess):
         except Exception as exc:
             _refuse_meta(h, d)
             raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
-        verifier = self.verifier
         if verifier is not None:
             if op == LOAD:
                 verifier.check(h, d, layer, self._drops.seq)
