@@ -14,11 +14,16 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..lazy import Moved, lazy_face
 from .legacy import LegacyPageAPI
+from .outcomes import NotAPage, ObjectMissing, PageResult, PageStatus, SizeMismatch, StorageError, StorageFull
+
+__all__ = [  # the outcomes are part of the contract: a backend returns or raises them
+    "Capabilities", "NotAPage", "ObjectMissing", "PageResult", "PageStatus", "SizeMismatch", "StorageBackend",
+    "StorageError", "StorageFull",
+]  # fmt: skip
 
 if TYPE_CHECKING:
     from .keys import Namespace
@@ -40,53 +45,6 @@ class Capabilities:
     zero_copy: bool = False
     durable: bool = False
     shared: bool = False
-
-
-class PageStatus(str, Enum):
-    """The outcome of one page of a read or a write."""
-
-    OK = "ok"
-    MISSING = "missing"  # the store has no object under the key
-    CORRUPT = "corrupt"  # header or payload checksum wrong
-    MISMATCH = "mismatch"  # a sound page, but another format version, geometry, key or size
-    FULL = "full"  # the store refused the write for lack of space
-    ERROR = "error"  # the backend raised or reported an error
-    TIMEOUT = "timeout"  # not done within the time the caller allowed
-    CANCELLED = "cancelled"  # the caller cancelled before it ran
-    SKIPPED = "skipped"  # not attempted (e.g. already stored, or an earlier page of the prefix failed)
-
-
-@dataclass(frozen=True)
-class PageResult:
-    """One page's outcome; ``detail`` says why when it is not ``ok``."""
-
-    key: str
-    status: PageStatus
-    detail: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status is PageStatus.OK
-
-
-class StorageError(RuntimeError):
-    """A storage backend could not do what was asked (connect, reach its server, ...)."""
-
-
-class StorageFull(StorageError):
-    """A backend refuses a write because the store is full; the page reports ``full``."""
-
-
-class ObjectMissing(KeyError):
-    """Returned (not raised) by ``get_objects_into`` for a key the store does not hold."""
-
-
-class SizeMismatch(ValueError):
-    """Returned by ``get_objects_into`` when the stored object's size differs from the targets'."""
-
-
-class NotAPage(ValueError):
-    """Returned (not raised) for a key whose stored value is not a hicache page (e.g. a Redis list): ``mismatch``."""
 
 
 #: A URL scheme (RFC 3986): a letter, then letters, digits, ``+``, ``-`` or ``.``, lower case here.

@@ -16,25 +16,17 @@ import os
 import re
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import metrics as _metrics
-from .backend import (
-    NotAPage,
-    ObjectMissing,
-    PageResult,
-    PageStatus,
-    SizeMismatch,
-    StorageBackend,
-    StorageError,
-    StorageFull,
-)
+from ..lazy import Moved
 from .keys import Namespace, fingerprint, geometry_description
-from .legacy import _OLD_ALIASES, MOVED_METHODS, LegacyPageAPI, warn_moved
+from .outcomes import NotAPage, ObjectMissing, PageResult, PageStatus, SizeMismatch, StorageError, StorageFull
 from .page_format import (
     CHECKSUM_DEVICE,
     CHECKSUM_XXH3_64,
@@ -52,6 +44,9 @@ from .page_format import (
     unpack_header,
 )
 from .pages import PageMap, Span
+
+if TYPE_CHECKING:
+    from .backend import StorageBackend
 
 #: The most pages one backend call moves (SGLang's ``STORAGE_BATCH_SIZE``).
 STORAGE_BATCH_SIZE = 128
@@ -106,7 +101,7 @@ class PageStore:
     """
 
     def __init__(self, backend: StorageBackend, host_pool: Any = None, namespace: Namespace | None = None) -> None:
-        if not isinstance(backend, StorageBackend):
+        if not callable(getattr(backend, "exists_objects", None)) or not hasattr(backend, "url"):
             raise TypeError(f"PageStore wraps a hicache_core.storage.StorageBackend, got {type(backend).__name__}")
         if host_pool is not None and namespace is None:
             raise ValueError("PageStore needs the namespace of its keys with a host pool (make_storage makes both)")
@@ -576,22 +571,26 @@ class PageStore:
         if backend is None or name.startswith("__"):
             raise AttributeError(f"'PageStore' object has no attribute {name!r}", name=name, obj=self)
         value = getattr(backend, name)  # AttributeError: the backend lacks it too
-        warn_moved(f"make_storage(...).{name} (a member of the backend)", f"make_storage(...).backend.{name}")
+        _TO_BACKEND.warn("make_storage(...)", name)
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in self.__dict__ and not hasattr(type(self), name) and _backend_has(self.backend, name):
-            warn_moved(f"setting make_storage(...).{name} (a member of the backend)", f"...backend.{name}")
+            _TO_BACKEND.warn("make_storage(...)", f"{name} (set)")
             setattr(self.backend, name, value)
             return
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name: str) -> None:
         if name not in self.__dict__ and name in self.backend.__dict__:
-            warn_moved(f"deleting make_storage(...).{name} (a member of the backend)", f"...backend.{name}")
+            _TO_BACKEND.warn("make_storage(...)", f"{name} (deleted)")
             delattr(self.backend, name)
             return
         object.__delattr__(self, name)
+
+
+#: Backend members read through the store: 0.2's make_storage returned the backend itself.
+_TO_BACKEND = Moved("hicache_core.storage.page_store", "make_storage(...).backend", since="0.3.0", until="0.4.0")
 
 
 def _backend_has(backend: StorageBackend, name: str) -> bool:
@@ -601,12 +600,14 @@ def _backend_has(backend: StorageBackend, name: str) -> bool:
 def _adopt_overrides(store: PageStore, backend: StorageBackend) -> tuple[str, ...]:
     """A 0.2 backend that overrides a page method (``batch_exists``, ``get_stats``, ...) keeps it, with a warning."""
     adopted = []
-    for name in (*MOVED_METHODS, *_OLD_ALIASES):
-        if getattr(type(backend), name) is getattr(LegacyPageAPI, name):
-            continue
-        target = _OLD_ALIASES.get(name, name)
-        warn_moved(f"{type(backend).__name__}.{name} (a page method overridden on the backend)",
-                   f"PageStore.{target}; the store calls the override until then", stacklevel=4)  # fmt: skip
+    cls = type(backend)
+    for name, target in getattr(cls, "legacy_page_methods", {}).items():
+        member = getattr(cls, name, None)
+        if member is None or getattr(member, "hicache_forwarder", False):
+            continue  # the base class's forwarder: not overridden
+        warnings.warn(f"{cls.__name__}.{name} overrides a page method that moved to PageStore.{target} "
+                      "(hicache-core 0.3.0): the store calls the override until 0.4.0, then only its own",
+                      DeprecationWarning, stacklevel=4)  # fmt: skip
         store.__dict__[target] = getattr(backend, name)
         adopted.append(name)
     return tuple(adopted)

@@ -178,10 +178,10 @@ class StorageConformanceTests:
 
         registry = get_registry()
         scheme = StorageURL.parse(storage_url).scheme
-        assert scheme in registry.storage_stores, f"no store registered for {scheme}://"
-        cls = registry.storage_stores[scheme]
+        assert scheme in registry.storage_backends, f"no backend registered for {scheme}://"
+        cls = registry.storage_backends[scheme]
         assert isinstance(cls.capabilities, Capabilities)
-        assert cls.description, "a storage store describes itself in one line"
+        assert cls.description, "a storage backend describes itself in one line"
 
     def test_round_trip(self, storage_case, open_storage):
         """Pages written out of one host pool land byte-exact in another, and nothing else changes."""
@@ -202,7 +202,7 @@ class StorageConformanceTests:
         assert flat is not None and torch.equal(C.as_bytes(flat), page_bytes(src, 2))
 
     def test_flat_page_set_and_get(self, open_storage):
-        """``set`` of a flat page and ``get`` of it round-trip, for stores and callers without zero-copy."""
+        """``set`` of a flat page and ``get`` of it round-trip, for backends and callers without zero-copy."""
         case = StorageCase("mha", "page_first", "plain", 4)
         host = make_pool(case, seed=3)
         store = open_storage(host)
@@ -300,7 +300,7 @@ class StorageConformanceTests:
         assert forced.get_stats().read_mismatch == 2
 
     def test_per_page_failures_are_reported(self, open_storage):
-        """A store failing some pages of a batch: exactly those report failure; the rest are stored and loaded."""
+        """A backend failing some pages of a batch: exactly those report failure; the rest are stored and loaded."""
         case = StorageCase("page_rows", "page_first", "plain", 4)
         host = make_pool(case, seed=11)
         store = open_storage(host)
@@ -382,7 +382,7 @@ class StorageConformanceTests:
         stats = store.get_stats().as_dict()
         assert stats["pages_written"] == 3 and stats["pages_read"] == 3
         assert stats["bytes_written"] == stats["bytes_read"] == 3 * (store.page_bytes + 80)
-        assert isinstance(stats["store"], dict) and "error" not in stats["store"], stats["store"]
+        assert isinstance(stats["backend"], dict) and "error" not in stats["backend"], stats["backend"]
 
     # ---- assertions ----------------------------------------------------------------------------
 
