@@ -118,7 +118,7 @@ class PageStore:
         own["_io_pool"] = None
         own["checksum_threads"] = checksum_threads()
         own["device_checked"] = False
-        own["_overrides"] = _adopt_overrides(self, backend)
+        _adopt_overrides(self, backend)
         backend.__dict__["_page_store"] = self  # the 0.2 page API on the backend reaches this store (legacy.py)
         if host_pool is None:
             return
@@ -175,6 +175,7 @@ class PageStore:
         return hits
 
     def exists(self, key: str) -> bool:
+        """Whether the page ``key`` is stored."""
         return self.batch_exists([key]) == 1
 
     def batch_set_from(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
@@ -597,9 +598,8 @@ def _backend_has(backend: StorageBackend, name: str) -> bool:
     return name in backend.__dict__ or hasattr(type(backend), name)
 
 
-def _adopt_overrides(store: PageStore, backend: StorageBackend) -> tuple[str, ...]:
+def _adopt_overrides(store: PageStore, backend: StorageBackend) -> None:
     """A 0.2 backend that overrides a page method (``batch_exists``, ``get_stats``, ...) keeps it, with a warning."""
-    adopted = []
     cls = type(backend)
     for name, target in getattr(cls, "legacy_page_methods", {}).items():
         member = getattr(cls, name, None)
@@ -609,8 +609,6 @@ def _adopt_overrides(store: PageStore, backend: StorageBackend) -> tuple[str, ..
                       "(hicache-core 0.3.0): the store calls the override until 0.4.0, then only its own",
                       DeprecationWarning, stacklevel=4)  # fmt: skip
         store.__dict__[target] = getattr(backend, name)
-        adopted.append(name)
-    return tuple(adopted)
 
 
 #: What a page hash may be: every backend can store it as a name (a file, a Redis key, a Mooncake key).
