@@ -21,6 +21,7 @@ def test_matrix_reflects_the_registry():
     split = by_name["KV, MLA, layer-split (--enable-dsa-cache-layer-split)"]
     assert "kernel" in matrix.served(split, "page_first_kv_split")  # seed 001
     assert "kernel" in matrix.served(by_name["DSA indexer, layer-split"], "page_first")  # seed 004
+    assert "kernel" in matrix.served(by_name["DSA indexer, layer-split"], "page_first_kv_split")  # seed 001's stack
     assert matrix.served(by_name["KV, MHA"], "page_head") == ["kernel"]  # SGLang's controller: no direct there
     table = matrix.table()
     assert all(f"| {r.family}: refused at start-up |" in table for r in builders.REFUSALS)
