@@ -209,18 +209,6 @@ class SGLangSidecarHostPool(pool_api.CoreSlots):
         return f"<{type(self).__name__} {self.pool_label!r} {self.core!r}>"
 
 
-def check_host_memory(requested: int, label: str) -> None:
-    """SGLang's host-memory budget (free memory within cgroup limits, less its reserve), checked before allocating."""
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_bytes
-
-    available = host_memory_budget_bytes(requested)
-    if requested > available:
-        raise ValueError(
-            f"Not enough host memory for the {label}: requesting {requested / 1e9:.2f} GB but only "
-            f"{available / 1e9:.2f} GB are free. Reduce --hicache-size or --hicache-ratio."
-        )
-
-
 def sidecar_operations(layer_shard: bool) -> tuple[str, ...]:
     """What a sidecar runs: loads, and all-layer backups or (LayerSplit) per-layer ones."""
     from hicache_core import BACKUP_ALL, LOAD

@@ -102,10 +102,24 @@ def test_sglang_plugin_failure_is_never_silent(uninstalled, monkeypatch):
     monkeypatch.setenv("HICACHE_SGLANG", "1")
     with pytest.raises(uninstalled.NotServedError, match="SGLang 0.4.0 is installed"):
         activate()
-    with pytest.raises(RuntimeError, match="HICACHE_SGLANG=1 asked for hicache host pools, but installing "
+    with pytest.raises(RuntimeError, match="HICACHE_SGLANG asked for hicache host pools, but installing "
                                            "hicache-sglang failed") as info:  # fmt: skip
         assembler().build_kv_host_pool(kv_pool=None, page_size=1)
     assert isinstance(info.value.__cause__, uninstalled.NotServedError)
+
+
+def test_sglang_plugin_refuses_a_value_it_does_not_take(uninstalled, monkeypatch):
+    """HICACHE_SGLANG=maybe is neither on nor off: never a silent "off", so SGLang's own pools are refused too."""
+    from hicache_core.settings import SettingError
+    from hicache_sglang._sglang_plugin import activate
+
+    monkeypatch.setattr(assembler(), "build_kv_host_pool", assembler().build_kv_host_pool)  # restored after
+    monkeypatch.setenv("HICACHE_SGLANG", "maybe")
+    with pytest.raises(SettingError, match=r"^HICACHE_SGLANG='maybe' is not 1 or 0"):
+        activate()
+    with pytest.raises(RuntimeError, match="HICACHE_SGLANG asked for hicache host pools"):
+        assembler().build_kv_host_pool(kv_pool=None, page_size=1)
+    assert not uninstalled.is_installed()
 
 
 # The subprocesses import SGLang with the GPU visible: on a GPU machine without sgl_kernel (see
