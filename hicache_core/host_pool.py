@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import operator
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from numbers import Real
 from time import perf_counter
@@ -33,10 +32,12 @@ from .page_access import PageAccess
 from .plan import TransferPlan
 from .pool_kinds import PoolKind
 from .registry import Registry, get_registry
+from .settings import flag
 from .validation import positive_int, strict_int
 from .verify import PageVerifier, verify_default
 
 ENV_VALIDATE = "HICACHE_VALIDATE"
+VALIDATE = flag(ENV_VALIDATE, doc="1 checks indices, page structure and layer ownership on every host-pool call")
 DEFAULT_HOST_TO_DEVICE_RATIO = 2.0
 
 
@@ -141,7 +142,7 @@ def make_host_pool(
     device_layers = _device_layers(device_pool, tuple(draft_pools), geometry)
     plan = TransferPlan(geometry, spec, buffers, device_layers, DropReport(pinned))
     if validate is None:
-        validate = os.environ.get(ENV_VALIDATE, "") not in ("", "0")
+        validate = VALIDATE.read()
     if verify is None:
         verify = verify_default()
     elif not isinstance(verify, bool):

@@ -29,7 +29,6 @@ is the same, which is what the CPU tests check.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -38,8 +37,12 @@ from typing import Any
 
 import torch
 
-ENV_TIMEOUT = "HICACHE_LOAD_TIMEOUT_S"
+from .settings import number
+
 DEFAULT_TIMEOUT_S = 60.0
+TIMEOUT = number("HICACHE_LOAD_TIMEOUT_S", above=True, default=DEFAULT_TIMEOUT_S, unit="seconds",
+                 doc="seconds a consumer waits on the host for its layer to be submitted before it raises")  # fmt: skip
+ENV_TIMEOUT = TIMEOUT.name
 
 
 class LayerLoadError(RuntimeError):
@@ -52,16 +55,7 @@ class LayerLoadTimeout(TimeoutError):
 
 def timeout_from_env() -> float:
     """``HICACHE_LOAD_TIMEOUT_S`` (seconds, > 0), or the default; a bad value names the variable."""
-    raw = os.environ.get(ENV_TIMEOUT)
-    if raw is None or raw == "":
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{ENV_TIMEOUT}={raw!r}: must be a finite number of seconds > 0")
-    return value
+    return TIMEOUT.read()
 
 
 class LayerLoad:

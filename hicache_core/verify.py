@@ -35,7 +35,6 @@ CPU pools compute the same checksum in torch (:func:`hicache_core.page_checksum.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -44,13 +43,15 @@ import torch
 
 from . import metrics as _metrics
 from .page_checksum import GROUP_TOKENS, checksum_rows, groups_per_page, row_words, seed
+from .settings import flag
 
 ENV_VERIFY = "HICACHE_VERIFY"
+VERIFY = flag(ENV_VERIFY, doc="1 checks every load of every host pool against checksums taken at its backup")
 
 
 def verify_default() -> bool:
-    """Whether ``HICACHE_VERIFY`` asks for verification (unset, empty or ``0``: no)."""
-    return os.environ.get(ENV_VERIFY, "") not in ("", "0")
+    """Whether ``HICACHE_VERIFY`` asks for verification (unset or blank: no; a value it does not take raises)."""
+    return VERIFY.read()
 
 
 class PageVerificationError(RuntimeError):

@@ -21,26 +21,26 @@ are not all hicache's, or whose per-layer callback is not SGLang's counter, runs
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from hicache_core.layer_loads import LayerLoad, layer_loader
+from hicache_core.settings import choice
 
 from .pool_api import CoreSlots
 
-ENV = "HICACHE_SGLANG_LAYER_LOADS"
 CHOICES = ("hicache", "sglang")
+MODE = choice("HICACHE_SGLANG_LAYER_LOADS", CHOICES, default="hicache",
+              doc="who submits hicache pools' layer-wise loads: hicache (its layer loader, off the scheduler thread; "
+                  "the default) or sglang (SGLang's own loop)")  # fmt: skip
+ENV = MODE.name
 _installed: list[tuple[type, str, Any]] = []
 
 
 def mode() -> str:
     """Who submits hicache pools' layer-wise loads: ``hicache`` (the default) or ``sglang``."""
-    value = os.environ.get(ENV, "hicache")
-    if value not in CHOICES:
-        raise ValueError(f"{ENV}={value!r}: allowed values are {', '.join(CHOICES)}")
-    return value
+    return MODE.read()
 
 
 def _served(transfers: list, on_layer_done: Any) -> bool:

@@ -17,15 +17,18 @@ here, and the other way round: the formats differ.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from hicache_core.settings import text
+
 from .errors import NotServedError
 
-#: Environment variable: the storage URL when the extra config names none.
-ENV_URL = "HICACHE_SGLANG_STORAGE_URL"
+#: The storage URL when the extra config names none.
+URL = text("HICACHE_SGLANG_STORAGE_URL", doc="hicache storage's URL when --hicache-storage-backend-extra-config "
+           "names none")  # fmt: skip
+ENV_URL = URL.name
 
 
 def extra_config(url: str, **options: Any) -> str:
@@ -49,7 +52,7 @@ class HicacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        self.url = extra.get("url") or os.environ.get(ENV_URL, "")
+        self.url = extra.get("url") or URL.read()
         if not self.url:
             raise NotServedError(
                 'hicache storage needs a URL: put "url" (file:///dir, redis://host:port/db, mooncake://host:port) '

@@ -230,8 +230,8 @@ def test_sglang_own_submission_on_request(monkeypatch):
     layer_loads.uninstall()
     try:
         monkeypatch.setenv(layer_loads.ENV, "fast")
-        with pytest.raises(ValueError, match=r"^HICACHE_SGLANG_LAYER_LOADS='fast': allowed values are hicache, "
-                                             r"sglang$"):  # fmt: skip
+        with pytest.raises(ValueError, match=r"^HICACHE_SGLANG_LAYER_LOADS='fast' is not one of: 'hicache', "
+                                             r"'sglang'$"):  # fmt: skip
             layer_loads.install()
         monkeypatch.setenv(layer_loads.ENV, "sglang")
         layer_loads.install()

@@ -479,10 +479,10 @@ def test_copier_knobs_are_declared_once_with_their_checks_and_variables(monkeypa
     read_knobs(c, c.env_prefix)
     assert c.max_batch == 8 and c.prefer_overlap is True and c._attrs_h2d.flags == memcpy._PREFER_OVERLAP
     monkeypatch.setenv("HICACHE_DIRECT_STREAMS", "0")
-    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_STREAMS=0 must be >= 1$"):
+    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_STREAMS='0' is not an integer >= 1$"):
         read_knobs(c, c.env_prefix)
     monkeypatch.setenv("HICACHE_DIRECT_STREAMS", "two")
-    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_STREAMS='two' is not an integer$"):
+    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_STREAMS='two' is not an integer >= 1$"):
         read_knobs(c, c.env_prefix)
     monkeypatch.delenv("HICACHE_DIRECT_STREAMS")
     monkeypatch.setenv("HICACHE_DIRECT_BATCH", "2")
