@@ -11,6 +11,7 @@ before any byte moves, per-page results and the statistics.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import re
 import threading
@@ -37,9 +38,36 @@ from .page_format import (
     unpack_header,
 )
 from .pages import PageMap, Span
+from .url import redact_text, scrub_exception, secrets_of
 
 if TYPE_CHECKING:
     from .url import StorageURL
+
+#: The methods a plugin writes (its primitives and ``__init__``): every exception that leaves one is
+#: redacted (:func:`~hicache_core.storage.url.scrub_exception`), so no plugin has to remember to.
+_PLUGIN_METHODS = ("__init__", "exists_objects", "put_objects", "get_objects_into", "get_objects", "ping",
+                   "register_memory", "remove_objects", "clear", "close", "backend_stats", "raw_put_from",
+                   "raw_get_into", "bind")  # fmt: skip
+
+
+def _scrubbing(method: Any) -> Any:
+    """``method``, with every exception it raises redacted of the backend's secrets before it propagates."""
+    if getattr(method, "_hicache_scrubbing", False):
+        return method
+
+    @functools.wraps(method)
+    def scrubbed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as exc:
+            # __init__ may fail before the base class stored the secrets: take them from its arguments.
+            url = getattr(self, "url", None) or (args[0] if args else None)
+            options = getattr(self, "options", None) or kwargs
+            scrub_exception(exc, secrets_of(url if hasattr(url, "secrets") else None, options))
+            raise
+
+    scrubbed._hicache_scrubbing = True  # type: ignore[attr-defined]
+    return scrubbed
 
 #: The most pages one backend call moves (SGLang's ``STORAGE_BATCH_SIZE``).
 STORAGE_BATCH_SIZE = 128
@@ -176,6 +204,21 @@ class StorageBackend:
     options_help: ClassVar[Mapping[str, str]] = {}
     #: How to start the store's server, for messages when it cannot be reached ("" for serverless stores).
     server_hint: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _PLUGIN_METHODS:
+            if name in cls.__dict__ and callable(cls.__dict__[name]):
+                setattr(cls, name, _scrubbing(cls.__dict__[name]))
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """The secret values this backend was given (URL password, secret options): never shown."""
+        return secrets_of(self.url, self.options)
+
+    def redact(self, text: str) -> str:
+        """``text`` as it may be shown: this backend's secrets, and any URL's credentials, replaced by ``***``."""
+        return redact_text(text, self.secrets)
 
     @classmethod
     def declaration_problems(cls) -> list[str]:
@@ -445,7 +488,7 @@ class StorageBackend:
         try:
             snapshot.backend = dict(self.backend_stats())
         except Exception as exc:  # noqa: BLE001 - stats must not fail because the store is down
-            snapshot.backend = {"error": f"{type(exc).__name__}: {exc}"}
+            snapshot.backend = {"error": self.redact(f"{type(exc).__name__}: {exc}")}
         return snapshot
 
     # ---- the page machinery ----------------------------------------------------------------------
@@ -554,9 +597,9 @@ class StorageBackend:
             if err is None:
                 results.append(PageResult(h, PageStatus.OK))
             elif isinstance(err, StorageFull):
-                results.append(PageResult(h, PageStatus.FULL, _describe(err)))
+                results.append(PageResult(h, PageStatus.FULL, self.redact(_describe(err))))
             else:
-                results.append(PageResult(h, PageStatus.ERROR, _describe(err)))
+                results.append(PageResult(h, PageStatus.ERROR, self.redact(_describe(err))))
         with self._stats_lock:
             ok = sum(r.ok for r in results)
             self._stats.pages_written += ok
@@ -608,13 +651,13 @@ class StorageBackend:
             ])  # fmt: skip
             for h, key, header, runs, err, digest in zip(hashes, full, headers, arrived, outcome, digests):
                 if err is not None:
-                    results.append(_failed_read(h, err))
+                    results.append(_failed_read(h, err, self.redact))
                     continue
                 results.append(self._verify(h, key, header, runs, size, digest))
         else:
             for h, key, target, blob in zip(hashes, full, targets, outcome):
                 if blob is None or isinstance(blob, BaseException):
-                    results.append(_failed_read(h, ObjectMissing(key) if blob is None else blob))
+                    results.append(_failed_read(h, ObjectMissing(key) if blob is None else blob, self.redact))
                     continue
                 view = memoryview(blob).cast("B")
                 total = sum(s.nbytes for s in target)  # the payload, and the checksum row of a verifying pool
@@ -797,11 +840,11 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _failed_read(h: str, err: BaseException) -> PageResult:
+def _failed_read(h: str, err: BaseException, redact: Any = str) -> PageResult:
     if isinstance(err, ObjectMissing):
         return PageResult(h, PageStatus.MISSING, "not in the store")
     if isinstance(err, (SizeMismatch, NotAPage)):
-        return PageResult(h, PageStatus.MISMATCH, str(err))
+        return PageResult(h, PageStatus.MISMATCH, redact(str(err)))
     if isinstance(err, TimeoutError):
-        return PageResult(h, PageStatus.TIMEOUT, _describe(err))
-    return PageResult(h, PageStatus.ERROR, _describe(err))
+        return PageResult(h, PageStatus.TIMEOUT, redact(_describe(err)))
+    return PageResult(h, PageStatus.ERROR, redact(_describe(err)))
