@@ -967,4 +967,17 @@ _CASES: dict[str, Callable[[type[ConformanceTests]], Iterable[tuple[Case, str | 
     "unpinned": lambda cls: list(_per_layout(cls, ["plain"])),
 }
 
-__all__ = ["BAD_INPUTS", "ORDERS", "ConformanceTests"]
+#: Each matrix in words, as docs/plugins.md's kit table states it (tests/test_kit_docs.py keeps them equal).
+MATRIX_DOCS: dict[str, str] = {
+    "round_trip": "pool kind x layout x operation x plain/sharded/draft x page size 1 and 64 x int32/int64",
+    "order": "pool kind x layout x operation x order",
+    "partial": "pool kind x layout x operation",
+    "untouched": "pool kind x layout x operation x plain/sharded",
+    "bad": "pool kind x layout x operation x bad input",
+    "oracle": "pool kind x layout x operation",
+    "stream": "pool kind x layout x operation",
+    "unpinned": "pool kind x layout x operation",
+}
+assert set(MATRIX_DOCS) == set(_CASES), "every matrix is described for the docs"
+
+__all__ = ["BAD_INPUTS", "MATRIX_DOCS", "ORDERS", "ConformanceTests"]
