@@ -101,7 +101,9 @@ def run(model, mla_model, tmp_path_factory):
                 assert fitted is not None and attempt == 0, f"{mode} engine exited {rc} ({blocks} blocks):\n{tail(log)}"
                 blocks = fitted
             _engine_blocks[mla] = blocks
-            cache[key] = {s["name"]: s for s in json.loads((out / "result.json").read_text())["steps"]}
+            record = json.loads((out / "result.json").read_text())
+            # the steps by name, and what the engine made of the test's sizes under "engine"
+            cache[key] = {"engine": record["engine"], **{s["name"]: s for s in record["steps"]}}
         return cache[key]
 
     return go

@@ -74,7 +74,11 @@ def main() -> None:
     llm = LLM(**engine_args(mode, model, storage_url))
     sp = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     a = prompt_ids(1, PREFIX)
-    record: dict = {"mode": mode, "steps": []}
+    # What the engine made of the test's sizes on this CPU (vLLM adjusts them per attention backend).
+    cache = llm.llm_engine.vllm_config.cache_config
+    engine = {"block_size": cache.block_size, "prefix_caching": bool(cache.enable_prefix_caching),
+              "device_blocks": ENGINE_BLOCKS}  # fmt: skip
+    record: dict = {"mode": mode, "engine": engine, "steps": []}
 
     def run(name, prompts, params=sp):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
