@@ -26,6 +26,7 @@ from ..implementation import BACKUP_ALL, LOAD, Implementation, TransferRequest
 from ..registry import Registry, get_registry
 from . import cases as C
 from .cases import Case
+from .cuda_context import context_lost
 
 #: Bad inputs the kit feeds every operation: (expected exception types, words the message must hold, validate).
 BAD_INPUTS: dict[str, tuple[tuple[type[BaseException], ...], tuple[str, ...], bool]] = {
@@ -50,17 +51,6 @@ _registries: dict[type, Registry] = {}
 #: The first case after which the CUDA context was found broken (a device-side assert, an illegal
 #: address): every later CUDA case skips with it, instead of failing for a reason of its own.
 _cuda_lost: list[str] = []
-
-
-def context_lost() -> str | None:
-    """Why the CUDA context is unusable now (a sticky error shows at the next synchronize), or ``None``."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return None
-    try:
-        torch.cuda.synchronize()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
 
 
 @dataclass

@@ -168,7 +168,7 @@ def _run_one(request: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from .cases import Case
-    from .conformance import context_lost
+    from .cuda_context import context_lost
 
     module = _import(request["module"], request["file"])
     cls: Any = module
