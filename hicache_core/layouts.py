@@ -97,8 +97,10 @@ class Layout:
         dimension (e.g. ``(("head", "dim"),)`` for LMCache's ``(2, L, T, H*D)``). Only the
         shape changes; the memory is the same.
     :param components: :data:`COMPONENT_STORAGE`.
-    :param oracle: optional; where an item's bytes land, stated independently of
-        ``axes`` (the conformance kit checks the declaration against it).
+    :param oracle: where an item's bytes land, stated independently of ``axes``. A
+        layout registers without one, but since hicache-core 0.2.0 the conformance kit
+        **fails** every implementation that claims a layout without an oracle
+        (docs/plugins.md, "Layouts", has a worked example).
     :param description: one line for ``hicache matrix`` and the docs.
     :param unsplit_as: for a ``split`` layout, the layout that stores a pool kind with
         nothing to split (one part and no ``split_by``: the DSA indexer's page rows) in

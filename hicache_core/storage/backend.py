@@ -11,6 +11,7 @@ contract's test.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from ..lazy import Moved, lazy_face
 from .legacy import LegacyPageAPI
 from .outcomes import NotAPage, ObjectMissing, PageResult, PageStatus, SizeMismatch, StorageError, StorageFull
+from .url import redact_text, scrub_exception, secrets_of
 
 __all__ = [  # the outcomes are part of the contract: a backend returns or raises them
     "Capabilities", "NotAPage", "ObjectMissing", "PageResult", "PageStatus", "SizeMismatch", "StorageBackend",
@@ -29,6 +31,33 @@ if TYPE_CHECKING:
     from .keys import Namespace
     from .pages import Span
     from .url import StorageURL
+
+
+#: The methods a plugin writes (its primitives and ``__init__``): every exception that leaves one is
+#: redacted (:func:`~hicache_core.storage.url.scrub_exception`), so no plugin has to remember to.
+_PLUGIN_METHODS = ("__init__", "exists_objects", "put_objects", "get_objects_into", "get_objects", "ping",
+                   "register_memory", "remove_objects", "clear", "close", "backend_stats", "raw_put_from",
+                   "raw_get_into")  # fmt: skip
+
+
+def _scrubbing(method: Any) -> Any:
+    """``method``, with every exception it raises redacted of the backend's secrets before it propagates."""
+    if getattr(method, "_hicache_scrubbing", False):
+        return method
+
+    @functools.wraps(method)
+    def scrubbed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as exc:
+            # __init__ may fail before the base class stored the secrets: take them from its arguments.
+            url = getattr(self, "url", None) or (args[0] if args else None)
+            options = getattr(self, "options", None) or kwargs
+            scrub_exception(exc, secrets_of(url if hasattr(url, "secrets") else None, options))
+            raise
+
+    scrubbed._hicache_scrubbing = True  # type: ignore[attr-defined]
+    return scrubbed
 
 
 @dataclass(frozen=True)
@@ -86,6 +115,21 @@ class StorageBackend(LegacyPageAPI):
     namespace: Namespace | None = None
     #: Payload bytes of one page of the bound host pool (set when it binds; ``None`` before).
     page_bytes: int | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _PLUGIN_METHODS:
+            if name in cls.__dict__ and callable(cls.__dict__[name]):
+                setattr(cls, name, _scrubbing(cls.__dict__[name]))
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """The secret values this backend was given (URL password, secret options): never shown."""
+        return secrets_of(self.url, self.options)
+
+    def redact(self, text: str) -> str:
+        """``text`` as it may be shown: this backend's secrets, and any URL's credentials, replaced by ``***``."""
+        return redact_text(text, self.secrets)
 
     @classmethod
     def declaration_problems(cls) -> list[str]:

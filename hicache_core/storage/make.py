@@ -8,7 +8,7 @@ from ..plugin_sources import source_tree_plugins
 from ..registry import Registry, get_registry
 from .keys import namespace_for
 from .page_store import PageStore
-from .url import StorageURL
+from .url import StorageURL, scrub_exception, secrets_of
 
 
 class UnknownStorageScheme(ValueError):
@@ -53,11 +53,15 @@ def make_storage(
     namespace = None
     if host_pool is not None:
         namespace = namespace_for(host_pool, model_id, tp_rank=tp_rank, tp_size=tp_size, replicated=replicated)
-    backend = cls(parsed, **merged)
     try:
-        return PageStore(backend, host_pool, namespace)
-    except BaseException:
-        backend.close()
+        backend = cls(parsed, **merged)
+        try:
+            return PageStore(backend, host_pool, namespace)
+        except BaseException:
+            backend.close()
+            raise
+    except BaseException as exc:  # a plugin's message, or its driver's, must not show a credential
+        scrub_exception(exc, secrets_of(parsed, merged))
         raise
 
 

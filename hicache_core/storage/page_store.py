@@ -300,7 +300,7 @@ class PageStore:
         try:
             snapshot.backend = dict(self.backend.backend_stats())
         except Exception as exc:  # noqa: BLE001 - stats must not fail because the store is down
-            snapshot.backend = {"error": f"{type(exc).__name__}: {exc}"}
+            snapshot.backend = {"error": self.backend.redact(f"{type(exc).__name__}: {exc}")}
         return snapshot
 
     # ---- the page machinery ----------------------------------------------------------------------
@@ -415,9 +415,9 @@ class PageStore:
             if err is None:
                 results.append(PageResult(h, PageStatus.OK))
             elif isinstance(err, StorageFull):
-                results.append(PageResult(h, PageStatus.FULL, _describe(err)))
+                results.append(PageResult(h, PageStatus.FULL, self.backend.redact(_describe(err))))
             else:
-                results.append(PageResult(h, PageStatus.ERROR, _describe(err)))
+                results.append(PageResult(h, PageStatus.ERROR, self.backend.redact(_describe(err))))
         with self._stats_lock:
             ok = sum(r.ok for r in results)
             self._stats.pages_written += ok
@@ -469,13 +469,13 @@ class PageStore:
             ], self.checksum_threads)  # fmt: skip
             for h, key, header, runs, err, digest in zip(hashes, full, headers, arrived, outcome, digests):
                 if err is not None:
-                    results.append(_failed_read(h, err))
+                    results.append(_failed_read(h, err, self.backend.redact))
                     continue
                 results.append(self._check_object(h, key, header, runs, size, digest))
         else:
             for h, key, target, blob in zip(hashes, full, targets, outcome):
                 if blob is None or isinstance(blob, BaseException):
-                    results.append(_failed_read(h, ObjectMissing(key) if blob is None else blob))
+                    results.append(_failed_read(h, ObjectMissing(key) if blob is None else blob, self.backend.redact))
                     continue
                 view = memoryview(blob).cast("B")
                 total = sum(s.nbytes for s in target)  # the payload, and the checksum row of a verifying pool
@@ -668,11 +668,11 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _failed_read(h: str, err: BaseException) -> PageResult:
+def _failed_read(h: str, err: BaseException, redact: Any = str) -> PageResult:
     if isinstance(err, ObjectMissing):
         return PageResult(h, PageStatus.MISSING, "not in the store")
     if isinstance(err, (SizeMismatch, NotAPage)):
-        return PageResult(h, PageStatus.MISMATCH, str(err))
+        return PageResult(h, PageStatus.MISMATCH, redact(str(err)))
     if isinstance(err, TimeoutError):
-        return PageResult(h, PageStatus.TIMEOUT, _describe(err))
-    return PageResult(h, PageStatus.ERROR, _describe(err))
+        return PageResult(h, PageStatus.TIMEOUT, redact(_describe(err)))
+    return PageResult(h, PageStatus.ERROR, redact(_describe(err)))

@@ -340,7 +340,7 @@ class BlockMover:
             with self._lock:
                 self.storage_write_failures += len(failed)
             log.warning("hicache-vllm: %d of %d pages were not written to %s: %s", len(failed), len(results),
-                        self.storage.url.raw, failed[0].detail or failed[0].status.value)  # fmt: skip
+                        self.storage.url.redacted, failed[0].detail or failed[0].status.value)  # fmt: skip
 
     def _fetch_then_load(self, job: Job, keys, fetch_slots, after, host_slots, dev_slots, count) -> None:
         if self.cuda:
@@ -350,8 +350,8 @@ class BlockMover:
         if bad:
             raise TransferFailed(
                 f"job {job.job_id}: {len(bad)} of {len(keys)} pages could not be read back from "
-                f"{self.storage.url.raw} ({bad[0].status.value}: {bad[0].detail}); the request they belong to cannot "
-                "run on KV that did not arrive (vLLM 0.32's connector has no path for a failed load)"
+                f"{self.storage.url.redacted} ({bad[0].status.value}: {bad[0].detail}); the request they belong to "
+                "cannot run on KV that did not arrive (vLLM 0.32's connector has no path for a failed load)"
             )
         if count:
             self._load(job, host_slots, dev_slots, after)
