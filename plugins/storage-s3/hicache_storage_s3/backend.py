@@ -367,6 +367,7 @@ _MEANING = {
     "no_bucket": "the bucket does not exist (create it first); ",
     "denied": "the credentials were refused (wrong key or secret, or no permission on the bucket); ",
     "unreachable": "the server is not reachable; ",
+    "server": "the server failed the request (HTTP 5xx; SeaweedFS also answers so when no volume has room); ",
 }
 
 
@@ -393,6 +394,8 @@ def _classify(exc: BaseException) -> tuple[str, str]:
         return "full", summary
     if "kind: connect" in low or "connectionrefused" in low or "error sending request" in low:
         return "unreachable", summary
+    if "status: 5" in low or "500 internal server error" in low or "503 service unavailable" in low:
+        return "server", summary
     return "other", summary
 
 

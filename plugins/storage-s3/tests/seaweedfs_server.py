@@ -78,9 +78,12 @@ class SeaweedFS(ServerProcess):
                     f"-filer.port={ports['filer']}", "-s3", f"-s3.port={port}", "-s3.port.iceberg=0",
                     "-s3.port.lance=0", f"-s3.config={workdir / 's3.json'}", "-s3.autoCreateBucket=false",
                     f"-master.volumeSizeLimitMB={volume_size_mb}", f"-volume.max={volume_max}",
-                    "-volume.preStopSeconds=0", f"-filer.localSocket={workdir / 'filer.sock'}",
+                    "-volume.preStopSeconds=0", "-master.electionTimeout=1s",
+                    # A restart keeps the data; a master that resumed its raft state took 8 s more to take writes.
+                    "-master.resumeState=false", f"-filer.localSocket={workdir / 'filer.sock'}",
                     f"-s3.localSocket={workdir / 's3.sock'}", *extra]  # fmt: skip
 
+        self.buckets: list[str] = []
         super().__init__(argv, workdir / f"weed-{uuid.uuid4().hex[:6]}.log", port=_port_pair(),
                          start_timeout=start_timeout)  # fmt: skip
 
@@ -90,10 +93,14 @@ class SeaweedFS(ServerProcess):
 
     def start(self) -> SeaweedFS:
         super().start()
-        # The S3 port listens before the filer behind it is ready: wait (bounded) until a signed LIST answers.
+        # The S3 port listens before the filer behind it is ready, and after a restart the master elects
+        # itself again before volumes take writes: wait (bounded) until a signed LIST answers and, once a
+        # bucket exists, a write to it succeeds.
         deadline = time.monotonic() + self.start_timeout
         while True:
             status, body = s3_request(self.endpoint, "GET", "/")
+            if status == 200 and self.buckets:
+                status, body = s3_request(self.endpoint, "PUT", f"/{self.buckets[0]}/ready-probe", body=b"ready")
             if status == 200:
                 return self
             if time.monotonic() > deadline or (self.proc is not None and self.proc.poll() is not None):
@@ -101,10 +108,19 @@ class SeaweedFS(ServerProcess):
                 raise RuntimeError(f"SeaweedFS S3 did not answer in {self.start_timeout} s: {status} {body[:300]!r}")
             time.sleep(0.2)
 
+    def stop(self, timeout: float = 1.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``: weed's graceful stop takes over ten seconds (data is on disk)."""
+        super().stop(timeout)
+
     def create_bucket(self, name: str) -> str:
         status, body = s3_request(self.endpoint, "PUT", f"/{name}")
         if status != 200:
             raise RuntimeError(f"CreateBucket {name}: HTTP {status} {body[:300]!r}")
+        # The first write to a bucket grows its volumes (about a second): done here, not inside a timed test.
+        status, body = s3_request(self.endpoint, "PUT", f"/{name}/ready-probe", body=b"ready")
+        if status != 200:
+            raise RuntimeError(f"PUT {name}/ready-probe: HTTP {status} {body[:300]!r}")
+        self.buckets.append(name)
         return name
 
     def url(self, bucket: str, prefix: str = "", **options: object) -> str:
