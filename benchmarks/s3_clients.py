@@ -135,6 +135,23 @@ class ObstoreAsync(Obstore):
         self._run([lambda k=k, v=v: one(k, v) for k, v in zip(keys, views)])
 
 
+class ObstoreParts(ObstoreAsync):
+    """obstore-async writing each object as a multipart upload of ``part`` bytes (0: one PUT)."""
+
+    part = 0
+
+    def put(self, keys, views):
+        if not self.part:
+            return super().put(keys, views)
+        self._run([lambda k=k, v=v: self.obs.put_async(self.store, k, v, use_multipart=True, chunk_size=self.part,
+                                                       max_concurrency=self.sem_n)
+                   for k, v in zip(keys, views)])  # fmt: skip
+
+
+def _parts(mib: int) -> type:
+    return type(f"ObstoreParts{mib}", (ObstoreParts,), {"name": f"obstore-parts-{mib}MiB", "part": mib << 20})
+
+
 class Boto3:
     name = "boto3"
     dist = "boto3"
@@ -263,7 +280,8 @@ class Aiobotocore:
         self._gather([one(k, v) for k, v in zip(keys, views)])
 
 
-CLIENTS = {c.name: c for c in (Obstore, ObstoreAsync, Boto3, Boto3CRT, Aiobotocore)}
+CLIENTS = {c.name: c for c in (Obstore, ObstoreAsync, Boto3, Boto3CRT, Aiobotocore, _parts(0), _parts(5), _parts(8),
+                                _parts(16))}  # fmt: skip
 
 
 def make_bucket(endpoint: str, bucket: str) -> None:

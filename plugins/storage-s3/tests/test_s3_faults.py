@@ -24,9 +24,11 @@ from hicache_core.testing.storage_kit import make_pool, page_bytes, pool_image, 
 def own_weed(tmp_path_factory):
     """A server of this module's own, which its tests pause, kill and restart (on the same ports and data)."""
     server = start_seaweedfs(tmp_path_factory.mktemp("weed-faults"))
-    server.create_bucket("faults")
-    yield server
-    server.stop()
+    try:
+        server.create_bucket("faults")
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
