@@ -417,6 +417,7 @@ _MEANING = {
     "no_bucket": "the bucket does not exist (create it first); ",
     "denied": "the credentials were refused (wrong key or secret, or no permission on the bucket); ",
     "unreachable": "the server is not reachable; ",
+    "tls": "the server's TLS certificate was not accepted (give the CA that signed it with ca=); ",
     "server": "the server failed the request (HTTP 5xx; SeaweedFS also answers so when no volume has room); ",
 }
 
@@ -442,6 +443,8 @@ def _classify(exc: BaseException) -> tuple[str, str]:
         return "denied", summary
     if any(w in low for w in _FULL_WORDS):
         return "full", summary
+    if "certificate" in low or "unknownissuer" in low or "tls handshake" in low:
+        return "tls", summary
     if "kind: connect" in low or "connectionrefused" in low or "error sending request" in low:
         return "unreachable", summary
     if "status: 5" in low or "500 internal server error" in low or "503 service unavailable" in low:
