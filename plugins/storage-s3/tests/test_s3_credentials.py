@@ -131,7 +131,10 @@ def test_a_planted_secret_never_appears(seaweedfs, s3_bucket, s3_env, monkeypatc
     good.clear()
     good.close()
     assert main(["storage", "check", seaweedfs.url(s3_bucket, "p")]) == 0
-    seen += [capsys.readouterr().out, caplog.text, str(metrics.snapshot())]
+    assert main(["storage", "stats", seaweedfs.url(s3_bucket, "p")]) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and '"credentials_from": "environment"' in out
+    seen += [out, caplog.text, str(metrics.snapshot())]
     text = "\n".join(seen)
     assert "credentials were refused" in text  # the refusal is explained...
     for secret in (PLANTED, TOKEN, SECRET_KEY):  # ...without a credential in it
