@@ -86,6 +86,9 @@ class SeaweedFS(ServerProcess):
         self.buckets: list[str] = []
         super().__init__(argv, workdir / f"weed-{uuid.uuid4().hex[:6]}.log", port=_port_pair(),
                          start_timeout=start_timeout)  # fmt: skip
+        # weed also listens on /tmp/seaweedfs-<part>-grpc-<port>.sock (no option moves them): removed once it exits.
+        self._sockets = [Path(f"/tmp/seaweedfs-{part}-grpc-{port + 10000}.sock")
+                         for part, port in (*ports.items(), ("s3", self.port))]  # fmt: skip
 
     @property
     def endpoint(self) -> str:
@@ -111,6 +114,16 @@ class SeaweedFS(ServerProcess):
     def stop(self, timeout: float = 1.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``: weed's graceful stop takes over ten seconds (data is on disk)."""
         super().stop(timeout)
+        self._remove_sockets()
+
+    def kill(self) -> None:
+        super().kill()
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            for path in self._sockets:
+                path.unlink(missing_ok=True)
 
     def create_bucket(self, name: str) -> str:
         status, body = s3_request(self.endpoint, "PUT", f"/{name}")
