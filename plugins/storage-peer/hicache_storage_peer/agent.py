@@ -63,15 +63,17 @@ class PeerAgent:
         self.transfers = 0
         self.transfer_timeouts = 0
         self.transfer_errors = 0
+        self.release_failures = 0
 
     # ---- local memory ----------------------------------------------------------------------------
 
-    def register(self, regions: Sequence[tuple[int, int]]) -> None:
+    def register(self, regions: Sequence[tuple[int, int]]) -> Any:
         """Register ``(address, nbytes)`` regions of DRAM for transfers (both as source and as target)."""
         with self._lock:
             descs = self._agent.get_reg_descs([(p, n, 0, "") for p, n in regions], "DRAM")
             self._agent.register_memory(descs)
             self._registered.append(descs)
+            return descs
 
     @property
     def registrations(self) -> int:
@@ -98,7 +100,7 @@ class PeerAgent:
         return len(self._remote)
 
     def forget(self, owner: str) -> None:
-        """Drop a remote agent: its endpoints close and no late byte of an abandoned read can land after."""
+        """Drop a remote agent (its endpoints close); the next read from it loads its metadata again."""
         with self._lock:
             name = self._remote.pop(owner, None)
             if name is not None:
@@ -109,16 +111,8 @@ class PeerAgent:
 
     # ---- reads -------------------------------------------------------------------------------------
 
-    def read(self, owner: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]],
-             deadline: float) -> None:  # fmt: skip
-        """Read remote ``(address, nbytes)`` runs of ``owner`` into local runs of the same sizes, by ``deadline``.
-
-        :raises TimeoutError: not done by the deadline: the transfer is released and the remote
-            agent dropped (a read left behind must not write into slots the caller reuses).
-        :raises TransferFailed: NIXL reported an error.
-        """
-        if not local:
-            return
+    def post(self, owner: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]) -> Any:
+        """Start reading remote ``(address, nbytes)`` runs of ``owner`` into local runs of the same sizes."""
         with self._lock:
             name = self._remote.get(owner)
             if name is None:
@@ -129,26 +123,59 @@ class PeerAgent:
             self.transfers += 1
             try:
                 state = a.transfer(handle)
-                while state == "PROC":
-                    if time.monotonic() > deadline:
-                        break
-                    time.sleep(_POLL_S)
-                    state = a.check_xfer_state(handle)
             except Exception as exc:  # noqa: BLE001
                 state = f"ERR ({exc})"
-            if state == "DONE":
+        return [handle, state]
+
+    def wait(self, owner: str, posted: Any, deadline: float) -> None:
+        """Wait for a posted read until ``deadline``.
+
+        :raises TimeoutError: not done by the deadline: the transfer is cancelled and the remote agent
+            dropped. Bytes may still land in its local runs afterwards (observed over UCX/TCP after a
+            paused owner resumed): the caller must never hand those runs out again.
+        :raises TransferFailed: NIXL reported an error.
+        """
+        handle, state = posted
+        a = self._agent
+        while state == "PROC":
+            if time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_S)
+            with self._lock:
+                try:
+                    state = a.check_xfer_state(handle)
+                except Exception as exc:  # noqa: BLE001
+                    state = f"ERR ({exc})"
+        if state == "DONE":
+            with self._lock:
                 a.release_xfer_handle(handle)
-                return
-            self.transfer_timeouts += state == "PROC"
-            self.transfer_errors += state != "PROC"
-            try:
-                a.release_xfer_handle(handle)
-            except Exception:  # noqa: BLE001 - an in-flight request may refuse release; dropping the agent ends it
-                pass
-        self.forget(owner)
+            posted[1] = "released"
+            return
+        self.abandon(owner, [posted])
         if state == "PROC":
+            self.transfer_timeouts += 1
             raise TimeoutError(f"NIXL read from {owner} not done within the deadline")
+        self.transfer_errors += 1
         raise TransferFailed(f"NIXL read from {owner} failed: {state}")
+
+    def abandon(self, owner: str, posted: Sequence[Any]) -> None:
+        """Cancel posted reads that will not be waited for, and drop their remote agent."""
+        with self._lock:
+            for p in posted:
+                if p[1] == "released":
+                    continue
+                try:
+                    self._agent.release_xfer_handle(p[0])  # NIXL cancels an active request here
+                except Exception:  # noqa: BLE001 - one it cannot cancel ends when the remote agent is dropped
+                    self.release_failures += 1
+                p[1] = "released"
+        self.forget(owner)
+
+    def read(self, owner: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]],
+             deadline: float) -> None:  # fmt: skip
+        """:meth:`post` then :meth:`wait`."""
+        if local:
+            self.wait(owner, self.post(owner, local, remote), deadline)
 
     def close(self) -> None:
         """Drop every remote agent and deregister all memory (the agent itself goes with the object)."""

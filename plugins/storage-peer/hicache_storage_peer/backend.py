@@ -19,6 +19,7 @@ Every read has a deadline (``timeout``): a paused or dead owner makes its pages 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import queue
@@ -43,6 +44,8 @@ from .directory import Directory, Entry, Owner
 PAGE_TTL_S = 3600
 #: Generation words one reader batch reads at most (larger batches go in groups).
 _SCRATCH_WORDS = 4096
+#: Bytes per posted NIXL read inside one batch: the first sub-batch is copied out while the next ones move.
+_SUB_BATCH_BYTES = 4 << 20
 
 
 class StaleGeneration(ObjectMissing):
@@ -96,13 +99,15 @@ class PeerStorage(StorageBackend):
         self._slot_entry: dict[int, tuple[str, bytes]] = {}  # generation word -> (full key, packed entry)
         self._published: dict[str, bytes] = {}
         self._maps: dict[int, PageMap] = {}
+        self._staging: torch.Tensor | None = None
+        self._retired: list[torch.Tensor] = []
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._closed = False
         self.counters = dict(published=0, unpublished=0, unpublish_failed=0, freed_published=0, stale_reads=0,
                              expired_entries=0, lease_renewals=0, lease_lost=0, republished=0,
-                             heartbeat_failed=0)  # fmt: skip
+                             heartbeat_failed=0, retired_staging_bytes=0)  # fmt: skip
 
     # ---- binding: register the host pool, join the directory --------------------------------------
 
@@ -282,28 +287,22 @@ class PeerStorage(StorageBackend):
         chosen, owners = self._live(keys)
         out: list[BaseException | None] = [None] * len(keys)
         groups: dict[str, list[int]] = {}
-        plans: dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
         for i, (key, target, pick) in enumerate(zip(keys, targets, chosen)):
             if pick is None:
                 out[i] = ObjectMissing(key)
                 continue
             owner_id, entry = pick
-            header, payload = target[0], target[1:]
             want = sum(s.nbytes for s in target)
-            if header.nbytes != len(entry.header) or want != len(entry.header) + entry.payload_bytes:
+            if target[0].nbytes != len(entry.header) or want != len(entry.header) + entry.payload_bytes:
                 out[i] = SizeMismatch(f"the peer's page is {len(entry.header) + entry.payload_bytes} bytes, "
                                       f"the targets {want}")  # fmt: skip
                 continue
-            if any(not self._inside(s.ptr, s.nbytes) for s in payload):
-                out[i] = ValueError("peer:// reads land in the bound host pool only (a target is outside it)")
-                continue
-            header.view[:] = entry.header
-            plans[i] = _pair_runs([(s.ptr, s.nbytes) for s in payload], entry.runs)
             groups.setdefault(owner_id, []).append(i)
         for owner_id, idx in groups.items():
+            entries = [chosen[i][1] for i in idx]
             try:
-                self._read_group(owners[owner_id], [chosen[i][1] for i in idx], [plans[i] for i in idx])
-                stale = self._stale(owners[owner_id], [chosen[i][1] for i in idx])
+                with self._read_lock:
+                    stale = self._read_group(owners[owner_id], entries, [targets[i] for i in idx])
             except (TimeoutError, TransferFailed, StorageError) as exc:
                 for i in idx:
                     out[i] = exc
@@ -314,30 +313,78 @@ class PeerStorage(StorageBackend):
             self.counters["stale_reads"] += sum(stale)
         return out
 
-    def _read_group(self, owner: Owner, entries: list[Entry],
-                    plans: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]) -> None:  # fmt: skip
+    def _read_group(self, owner: Owner, entries: list[Entry], targets: list[Sequence[Span]]) -> list[bool]:
+        """Read pages of one owner through the staging buffer into ``targets``; which generations moved.
+
+        Reads land in registered staging memory, never straight in the pool: a read abandoned at its
+        deadline can still deliver bytes later, and those must never reach a slot the pool hands out
+        again. Sub-batches are all posted first, and each is copied out while later ones are in flight.
+        """
         agent = self._agent
         if not agent.connected(owner.owner_id):
             try:
                 agent.connect(owner.owner_id, owner.metadata)
             except Exception as exc:  # noqa: BLE001 - NIXL rejects bad or stale metadata with bare errors
                 raise TransferFailed(f"cannot load owner {owner.owner_id}'s NIXL metadata ({exc})") from None
-        local = [r for lo, _ in plans for r in lo]
-        remote = [r for _, re in plans for r in re]
-        agent.read(owner.owner_id, local, remote, time.monotonic() + self.timeout)
+        deadline = time.monotonic() + self.timeout
+        start = 0
+        while start < len(entries):
+            stage = self._staging_for(entries[start].payload_bytes)
+            base, cap = stage.data_ptr(), stage.numel()
+            rounds: list[tuple[int, int, list[tuple[int, int]], list[tuple[int, int]]]] = []
+            at, first, lo, re = 0, start, [], []
+            end = start
+            while end < len(entries) and at + entries[end].payload_bytes <= cap:
+                e = entries[end]
+                for p, n in e.runs:
+                    lo.append((base + at, n))
+                    re.append((p, n))
+                    at += n
+                end += 1
+                full = end == len(entries) or at + entries[end].payload_bytes > cap
+                if full or at - (lo[0][0] - base) >= _SUB_BATCH_BYTES:
+                    rounds.append((first, end, lo, re))
+                    first, lo, re = end, [], []
+            posted = []
+            try:
+                for _, _, lo, re in rounds:
+                    posted.append(agent.post(owner.owner_id, lo, re))
+                offset = 0
+                for (first, end, _, _), p in zip(rounds, posted):
+                    agent.wait(owner.owner_id, p, deadline)
+                    for k in range(first, end):
+                        offset = _copy_out(base + offset, entries[k].header, targets[k]) - base
+            except (TimeoutError, TransferFailed):
+                agent.abandon(owner.owner_id, posted)
+                self._retire_staging()
+                raise
+            start = end
+        return self._stale(owner, entries, deadline)
 
-    def _stale(self, owner: Owner, entries: list[Entry]) -> list[bool]:
+    def _staging_for(self, page_bytes: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < page_bytes:
+            self._staging = torch.empty(max(self.io_chunk_bytes, page_bytes), dtype=torch.uint8)
+            self._staging_descs = self._agent.register([(self._staging.data_ptr(), self._staging.numel())])
+        return self._staging
+
+    def _retire_staging(self) -> None:
+        """Never reuse a staging buffer a cancelled read may still write into (kept registered until close)."""
+        if self._staging is not None:
+            self._retired.append(self._staging)
+            self.counters["retired_staging_bytes"] += self._staging.numel()
+            self._staging = None
+
+    def _stale(self, owner: Owner, entries: list[Entry], deadline: float) -> list[bool]:
         """Read the owner's generation words of ``entries`` now; ``True`` where one moved since publishing."""
         out: list[bool] = []
-        with self._read_lock:
-            for start in range(0, len(entries), _SCRATCH_WORDS):
-                group = entries[start : start + _SCRATCH_WORDS]
-                base = self._scratch.data_ptr()
-                local = [(base + 8 * j, 8) for j in range(len(group))]
-                remote = [(owner.gens_addr + 8 * e.gen_slot, 8) for e in group]
-                self._agent.read(owner.owner_id, local, remote, time.monotonic() + self.timeout)
-                seen = self._scratch[: len(group)].tolist()
-                out += [s != e.generation for s, e in zip(seen, group)]
+        for start in range(0, len(entries), _SCRATCH_WORDS):
+            group = entries[start : start + _SCRATCH_WORDS]
+            base = self._scratch.data_ptr()
+            local = [(base + 8 * j, 8) for j in range(len(group))]
+            remote = [(owner.gens_addr + 8 * e.gen_slot, 8) for e in group]
+            self._agent.read(owner.owner_id, local, remote, deadline)
+            seen = self._scratch[: len(group)].tolist()
+            out += [s != e.generation for s, e in zip(seen, group)]
         return out
 
     # ---- administration ----------------------------------------------------------------------------------
@@ -402,21 +449,10 @@ class PeerStorage(StorageBackend):
         }
 
 
-def _pair_runs(local: list[tuple[int, int]],
-               remote: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:  # fmt: skip
-    """Cut two run lists of equal total length at each other's boundaries: pairs of equal-length pieces."""
-    lo: list[tuple[int, int]] = []
-    re: list[tuple[int, int]] = []
-    i = j = 0
-    li, ri = 0, 0  # bytes already used of local[i], remote[j]
-    while i < len(local) and j < len(remote):
-        n = min(local[i][1] - li, remote[j][1] - ri)
-        lo.append((local[i][0] + li, n))
-        re.append((remote[j][0] + ri, n))
-        li += n
-        ri += n
-        if li == local[i][1]:
-            i, li = i + 1, 0
-        if ri == remote[j][1]:
-            j, ri = j + 1, 0
-    return lo, re
+def _copy_out(src: int, header: bytes, target: Sequence[Span]) -> int:
+    """Copy one page from staging (at ``src``) into its target spans, header first; where the next page starts."""
+    target[0].view[:] = header
+    for s in target[1:]:
+        ctypes.memmove(s.ptr, src, s.nbytes)
+        src += s.nbytes
+    return src
