@@ -44,8 +44,6 @@ from .directory import Directory, Entry, Owner
 PAGE_TTL_S = 3600
 #: Generation words one reader batch reads at most (larger batches go in groups).
 _SCRATCH_WORDS = 4096
-#: Bytes per posted NIXL read inside one batch: the first sub-batch is copied out while the next ones move.
-_SUB_BATCH_BYTES = 4 << 20
 
 
 class StaleGeneration(ObjectMissing):
@@ -318,7 +316,9 @@ class PeerStorage(StorageBackend):
 
         Reads land in registered staging memory, never straight in the pool: a read abandoned at its
         deadline can still deliver bytes later, and those must never reach a slot the pool hands out
-        again. Sub-batches are all posted first, and each is copied out while later ones are in flight.
+        again. One NIXL READ per staging buffer's worth of pages: over UCX/TCP, reads split into
+        4 MiB sub-batches (to copy out while later ones move) were slower than one read (0.74 vs 1.0
+        of NIXL's own read of the same bytes, benchmarks/peer_tier.py).
         """
         agent = self._agent
         if not agent.connected(owner.owner_id):
@@ -331,33 +331,22 @@ class PeerStorage(StorageBackend):
         while start < len(entries):
             stage = self._staging_for(entries[start].payload_bytes)
             base, cap = stage.data_ptr(), stage.numel()
-            rounds: list[tuple[int, int, list[tuple[int, int]], list[tuple[int, int]]]] = []
-            at, first, lo, re = 0, start, [], []
-            end = start
+            at, end, local, remote = 0, start, [], []
             while end < len(entries) and at + entries[end].payload_bytes <= cap:
-                e = entries[end]
-                for p, n in e.runs:
-                    lo.append((base + at, n))
-                    re.append((p, n))
+                for p, n in entries[end].runs:
+                    local.append((base + at, n))
+                    remote.append((p, n))
                     at += n
                 end += 1
-                full = end == len(entries) or at + entries[end].payload_bytes > cap
-                if full or at - (lo[0][0] - base) >= _SUB_BATCH_BYTES:
-                    rounds.append((first, end, lo, re))
-                    first, lo, re = end, [], []
-            posted = []
+            posted = agent.post(owner.owner_id, local, remote)
             try:
-                for _, _, lo, re in rounds:
-                    posted.append(agent.post(owner.owner_id, lo, re))
-                offset = 0
-                for (first, end, _, _), p in zip(rounds, posted):
-                    agent.wait(owner.owner_id, p, deadline)
-                    for k in range(first, end):
-                        offset = _copy_out(base + offset, entries[k].header, targets[k]) - base
+                agent.wait(owner.owner_id, posted, deadline)
             except (TimeoutError, TransferFailed):
-                agent.abandon(owner.owner_id, posted)
                 self._retire_staging()
                 raise
+            src = base
+            for k in range(start, end):
+                src = _copy_out(src, entries[k].header, targets[k])
             start = end
         return self._stale(owner, entries, deadline)
 
