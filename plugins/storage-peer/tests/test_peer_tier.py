@@ -229,3 +229,19 @@ def test_bad_options_are_refused_before_anything_opens(peer_url):
         make_storage(peer_url.replace("/0?", "/x?"))
     with pytest.raises(ValueError, match="does not take option"):
         make_storage(peer_url + "&capacity=1")
+
+
+def test_demo_second_instance_serves_the_prefix_from_the_first_ones_host_tier(peer_url):
+    """``hicache demo --storage peer://... --writer-stays``: process 2 prefetches process 1's prefix through the
+    storage controller while process 1 holds it, and loads the same bytes to its device pool."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "hicache_core.cli", "demo", "--storage", peer_url, "--writer-stays",
+                           "--device", "cpu"], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "UCX_TLS": "tcp,self"})  # fmt: skip
+    out = "\n".join(line for line in done.stdout.splitlines() if "NIXL INFO" not in line)
+    assert done.returncode == 0, out + done.stderr[-2000:]
+    assert "found 32 of 32 pages, prefetched 32" in out and "pages_read 32," in out and "read_corrupt 0" in out
+    assert "the bytes match what process 1 computed" in out
