@@ -39,6 +39,11 @@ def test_reader_gets_the_owners_pages_byte_for_byte(peer_url, procs, tmp_path):
             assert torch.equal(page_of(host, slots, i), page_content(host, key)), f"page {i} differs"
         stats = store.get_stats()
         assert stats.pages_read == N and stats.backend["transfers"] >= 2  # the pages, then the generation words
+        from hicache_core.storage.explain import explain_miss
+
+        toks = [(1 * 7919 + i) % 50000 for i in range((N + 2) * CASE.page_size)]  # peer_proc.keys_for(1, N + 2)
+        reasons = [p.reason for p in explain_miss(store, toks).pages]
+        assert reasons == ["in_store"] * N + ["not_in_store"] * 2, reasons
     finally:
         store.close()
     final = owner.stop()
