@@ -43,6 +43,15 @@ def redis_server(tmp_path_factory):
 
 
 @pytest.fixture
+def own_redis(tmp_path):
+    """A directory server of the test's own (one the test kills and restarts)."""
+    (tmp_path / "redis").mkdir()
+    server = start_redis(tmp_path / "redis")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def peer_url(redis_server):
     return f"peer://127.0.0.1:{redis_server.port}/0?prefix=t{uuid.uuid4().hex[:8]}:&timeout=2&lease=3"
 

@@ -179,10 +179,8 @@ def test_owner_killed_mid_read_fails_bounded_and_its_entries_expire(peer_url, pr
         store.close()
 
 
-def test_directory_down_is_reported_and_a_restarted_one_is_refilled(tmp_path, procs):
-    from conftest import start_redis
-
-    server = start_redis(tmp_path)
+def test_directory_down_is_reported_and_a_restarted_one_is_refilled(tmp_path, procs, own_redis):
+    server = own_redis
     url = f"peer://127.0.0.1:{server.port}/0?timeout=1&lease=1.5"
     try:
         keys = procs("owner", url, tmp_path / "o").ready()["keys"]
