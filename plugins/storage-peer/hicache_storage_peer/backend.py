@@ -8,13 +8,15 @@ The URL names the Redis server that keeps the directory (``directory.py``). An i
   generation word first (``hicache_core.slot_events``), then unpublishes the entry in the
   background: the owner never waits on the directory or on a reader. A heartbeat renews the
   owner's lease and republishes everything when the directory lost it (a restarted server).
-* **reader**: ``get_objects_into`` finds a live owner in the directory, reads the page's runs
-  straight into this process's host pool with one NIXL READ per owner and batch, then reads the
-  owner's generation words; a page whose generation moved is a miss (freed, maybe overwritten,
-  during the read). The core then checks the header and the payload checksum as for any L3 page.
+* **reader**: ``get_objects_into`` finds a live owner in the directory, reads the pages' runs into
+  a registered staging buffer with one NIXL READ per owner and batch, then reads the owner's
+  generation words; a page whose generation moved is a miss (freed, maybe overwritten, during the
+  read) and is not copied; the others are copied into the host pool. The core then checks the
+  header and the payload checksum as for any L3 page.
 
 Every read has a deadline (``timeout``): a paused or dead owner makes its pages ``timeout`` or
-``error``, and its remote agent is dropped so that no late byte lands in a slot given back.
+``error``; its remote agent is dropped and its staging buffer retired, so that a late byte of the
+abandoned read never lands in a slot given back.
 """
 
 from __future__ import annotations
@@ -328,6 +330,7 @@ class PeerStorage(StorageBackend):
                 raise TransferFailed(f"cannot load owner {owner.owner_id}'s NIXL metadata ({exc})") from None
         deadline = time.monotonic() + self.timeout
         start = 0
+        stale: list[bool] = []
         while start < len(entries):
             stage = self._staging_for(entries[start].payload_bytes)
             base, cap = stage.data_ptr(), stage.numel()
@@ -344,11 +347,15 @@ class PeerStorage(StorageBackend):
             except (TimeoutError, TransferFailed):
                 self._retire_staging()
                 raise
+            moved = self._stale(owner, entries[start:end], deadline)
             src = base
-            for k in range(start, end):
-                src = _copy_out(src, entries[k].header, targets[k])
+            for k, gone in zip(range(start, end), moved):
+                if not gone:  # a page freed during the read never reaches the pool
+                    _copy_out(src, entries[k].header, targets[k])
+                src += entries[k].payload_bytes
+            stale += moved
             start = end
-        return self._stale(owner, entries, deadline)
+        return stale
 
     def _staging_for(self, page_bytes: int) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < page_bytes:
