@@ -41,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", help="default: cuda when present, else cpu")
     p.add_argument("--tokens", type=int, help="tokens per transfer (default: 4096 on CUDA, 256 on CPU)")
     p.add_argument("--storage", metavar="URL", help="L3 demo across two processes through this store (file:///dir)")
+    p.add_argument("--writer-stays", action="store_true",
+                   help="with --storage: process 1 stays alive until process 2 is done (peer://: pages live with it)")
 
     p = sub.add_parser("bench", help="the sweep: implementations on model-like pools, against the copy ceiling (GPU)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
@@ -109,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo" and args.storage:
         from .tools.storage_demo import run_storage_demo
 
-        return run_storage_demo(args.storage, device=args.device, tokens=args.tokens or 512)
+        return run_storage_demo(args.storage, device=args.device, tokens=args.tokens or 512,
+                                writer_stays=args.writer_stays)
     if args.command == "bench" and args.storage:
         from .tools.bench.storage import run_storage_bench
 

@@ -20,6 +20,7 @@ import torch
 
 from . import geometry as _geometry
 from . import metrics as _metrics
+from . import slot_events as _slot_events
 from .allocator import SlotAllocator
 from .dispatch import UnsupportedCombinationError, resolve
 from .drops import HISTORY_MASK, DropReport
@@ -395,6 +396,8 @@ class HostPool(PageAccess):
     def free(self, indices: torch.Tensor) -> int:
         """Give slots back (whole pages); a slot never allocated, or freed twice, raises."""
         self._alive()
+        if _slot_events._listeners:  # before the slots can be handed out again (a peer may be reading them)
+            _slot_events.notify_freed(self, indices)
         freed = self.allocator.free(indices)
         if self.verifier is not None:
             self.verifier.release(indices)
@@ -407,6 +410,8 @@ class HostPool(PageAccess):
 
     def clear(self) -> None:
         self._alive()
+        if _slot_events._listeners:
+            _slot_events.notify_freed(self, None)
         self.allocator.clear()
 
     # ---- transfers ---------------------------------------------------------------------------
