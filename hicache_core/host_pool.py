@@ -202,6 +202,8 @@ def _device_layers(device_pool, draft_pools, geometry: PoolGeometry) -> dict[str
 #: Returned by ``_host_layer`` for a layer another rank owns: the call checks its arguments and does nothing.
 _NOT_OWNED = -1
 _INT64, _INT32 = torch.int64, torch.int32
+#: Transfers whose checksum kernels run beside them on a side stream (hicache_core.verify).
+_COPY_ENGINE = "copy_engine"
 
 
 class HostPool(PageAccess):
@@ -457,7 +459,7 @@ class HostPool(PageAccess):
         if h is not None:
             verifier = self.verifier
             if verifier is not None:
-                verifier.before_backup()
+                verifier.before_backup(entry[0].engine == _COPY_ENGINE)
             self._call(entry[0], BACKUP_ALL, h, d)
             if verifier is not None:
                 verifier.backup(h, d, None, self._drops.seq)
@@ -532,7 +534,7 @@ class HostPool(PageAccess):
         impl = entry[0]
         verifier = self.verifier
         if verifier is not None and op != LOAD:
-            verifier.before_backup()
+            verifier.before_backup(impl.engine == _COPY_ENGINE)
         t0 = perf_counter()
         try:  # inline rather than through _call: this is the per-layer hot path
             getattr(impl, op)(h, d, layer)
@@ -546,7 +548,7 @@ class HostPool(PageAccess):
             raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
         if verifier is not None:
             if op == LOAD:
-                verifier.check(h, d, layer, self._drops.seq)
+                verifier.check(h, d, layer, self._drops.seq, impl.engine == _COPY_ENGINE)
             else:
                 verifier.backup(h, d, layer, self._drops.seq)
 

@@ -156,9 +156,11 @@ class PageVerifier:
             if not interpreting():
                 raise ValueError("the checksum kernel runs CPU pools only under TRITON_INTERPRET=1")
         self.kernel = self.cuda if kernel is None else bool(kernel)
-        # On CUDA the checksum kernels run on a side stream, off the transfer's own critical path: a
-        # backup's beside its copies (it reads the same device rows), a load's after its copies while the
-        # layer's consumers go on. Every wait between the two streams is on an event already recorded.
+        # On CUDA, beside a copy-engine transfer, the checksum kernels run on a side stream, off the
+        # transfer's own critical path: a backup's beside its copies (it reads the same device rows), a
+        # load's after its copies while the layer's consumers go on. Beside SM copy kernels they stay on
+        # the caller's stream: there they compete for the SMs (measured: benchmarks/results/
+        # verify-cost-side-stream-h200.json). Every wait between the two streams is on a recorded event.
         self._side: Any = None
         self._before: Any = None  # recorded on the caller's stream before a backup's copies
         self._unjoined: Any = None  # the last load check's end, joined by the next call on the pool
@@ -244,12 +246,15 @@ class PageVerifier:
 
     # ---- the pool's calls -------------------------------------------------------------------
 
-    def before_backup(self) -> None:
+    def before_backup(self, beside: bool = True) -> None:
         """Mark the caller's stream before a backup's copies, so its checksums can run beside them (CUDA).
 
-        A backup rewrites table rows that a load's check may still be reading: it follows the last check."""
+        A backup rewrites table rows that a load's check may still be reading: it follows the last check.
+        ``beside=False``: the checksums will run on the caller's stream after the copies."""
         if self._side is not None:
             self.join()
+            if not beside:
+                return
             self._before = torch.cuda.Event()
             self._before.record(torch.cuda.current_stream(self.device))
 
@@ -258,18 +263,19 @@ class PageVerifier:
 
         On CUDA they run on the side stream beside the copies, and the caller's stream waits for them
         before what follows the backup (a free of the device rows, say)."""
-        if self._side is None:
-            return (self._launch if self.kernel else self._torch)(hidx, didx, layer, seq, False)
         before, self._before = self._before, None
+        if before is None:
+            return (self._launch if self.kernel else self._torch)(hidx, didx, layer, seq, False)
         done = self._on_side(hidx, didx, layer, seq, False, before)
         torch.cuda.current_stream(self.device).wait_event(done)
 
-    def check(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, seq: int) -> None:
+    def check(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, seq: int, beside: bool = True) -> None:
         """Compare the loaded pages of ``layer`` with the table; a mismatch is reported (see the module doc).
 
         On CUDA the check runs on the side stream after the copies; the caller's stream does not wait
-        for it (a failure is reported by a later call, as ever); the next backup joins it."""
-        if self._side is None:
+        for it (a failure is reported by a later call, as ever); the next backup joins it. ``beside=False``
+        (SM copy kernels): on the caller's stream, after the copies."""
+        if self._side is None or not beside:
             return (self._launch if self.kernel else self._torch)(hidx, didx, layer, seq, True)
         self._unjoined = self._on_side(hidx, didx, layer, seq, True, None)
 
