@@ -26,7 +26,7 @@ import hicache_core as hc
 from hicache_core.tools.shapes import SHAPES
 
 # The clock from this repository's tree, whichever hicache_core PYTHONPATH puts first (an older tree has none).
-_CLOCK = Path(__file__).parents[1] / "hicache_core" / "bench_clock.py"
+_CLOCK = Path(__file__).parents[1] / "hicache_core" / "tools" / "bench" / "clock.py"
 _spec = importlib.util.spec_from_file_location("_bench_clock", _CLOCK)
 _clock = sys.modules["_bench_clock"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_clock)

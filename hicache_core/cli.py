@@ -41,6 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", help="default: cuda when present, else cpu")
     p.add_argument("--tokens", type=int, help="tokens per transfer (default: 4096 on CUDA, 256 on CPU)")
     p.add_argument("--storage", metavar="URL", help="L3 demo across two processes through this store (file:///dir)")
+    p.add_argument("--writer-stays", action="store_true",
+                   help="with --storage: process 1 stays alive until process 2 is done (peer://: pages live with it)")
 
     p = sub.add_parser("bench", help="the sweep: implementations on model-like pools, against the copy ceiling (GPU)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
@@ -50,8 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--overlap", action="store_true",
                    help="layer-wise loads under prefill GEMMs, backups under decode (hicache_core.tools.bench.overlap)")
     p.add_argument("--overlap-mode", help="with --overlap, comma-separated: sglang (every layer's load issued before "
-                   "the forward, as SGLang does), interleaved (each layer's load, then its GEMMs); default: sglang "
-                   "with --quick, else both")
+                   "the forward, as SGLang does), loader (the same order through hicache's layer loader, as SGLang's "
+                   "adapter runs it), interleaved (each layer's load, then its GEMMs); default: sglang and loader "
+                   "with --quick, else all three")
     p.add_argument("--tokens", help="comma-separated tokens per call (default: 64,4096 quick, else 64,512,4096,32768)")
     p.add_argument("--shapes", help="comma-separated shape names (default: all; quick: deepseek-mla,llama-8b)")
     p.add_argument("--name", help="file name of the JSON and PNG (default: quick, sweep or overlap)")
@@ -108,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo" and args.storage:
         from .tools.storage_demo import run_storage_demo
 
-        return run_storage_demo(args.storage, device=args.device, tokens=args.tokens or 512)
+        return run_storage_demo(args.storage, device=args.device, tokens=args.tokens or 512,
+                                writer_stays=args.writer_stays)
     if args.command == "bench" and args.storage:
         from .tools.bench.storage import run_storage_bench
 

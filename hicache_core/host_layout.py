@@ -121,6 +121,9 @@ def host_layout_spec(geometry: PoolGeometry, layout: Layout, num_pages: int) -> 
     kind = geometry.decl
     if kind is None:
         raise ValueError("the geometry has no pool kind declaration")
+    # A split layout stores a kind with nothing to split as its declared unsplit twin; the spec (and the
+    # pool built from it) is that layout's, so the kind's own layouts are checked against it.
+    layout = layout.for_kind(kind)
     if not layout.allows(kind.name):
         raise ValueError(f"layout {layout.name!r} cannot store pool kind {kind.name!r}")
     if kind.layouts is not None and layout.name not in kind.layouts:

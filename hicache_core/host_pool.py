@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import operator
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from numbers import Real
 from time import perf_counter
@@ -21,6 +20,7 @@ import torch
 
 from . import geometry as _geometry
 from . import metrics as _metrics
+from . import slot_events as _slot_events
 from .allocator import SlotAllocator
 from .dispatch import UnsupportedCombinationError, resolve
 from .drops import HISTORY_MASK, DropReport
@@ -28,14 +28,17 @@ from .geometry import PoolGeometry, pages_for
 from .host_layout import HostLayoutSpec, host_layout_spec
 from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
 from .indices import IndexCache, check_bounds, check_whole_pages, reject_indices, whole_pages_mask
+from .layer_loads import LayerLoad, layer_loader
 from .page_access import PageAccess
 from .plan import TransferPlan
 from .pool_kinds import PoolKind
 from .registry import Registry, get_registry
+from .settings import flag
 from .validation import positive_int, strict_int
 from .verify import PageVerifier, verify_default
 
 ENV_VALIDATE = "HICACHE_VALIDATE"
+VALIDATE = flag(ENV_VALIDATE, doc="1 checks indices, page structure and layer ownership on every host-pool call")
 DEFAULT_HOST_TO_DEVICE_RATIO = 2.0
 
 
@@ -140,7 +143,7 @@ def make_host_pool(
     device_layers = _device_layers(device_pool, tuple(draft_pools), geometry)
     plan = TransferPlan(geometry, spec, buffers, device_layers, DropReport(pinned))
     if validate is None:
-        validate = os.environ.get(ENV_VALIDATE, "") not in ("", "0")
+        validate = VALIDATE.read()
     if verify is None:
         verify = verify_default()
     elif not isinstance(verify, bool):
@@ -393,6 +396,8 @@ class HostPool(PageAccess):
     def free(self, indices: torch.Tensor) -> int:
         """Give slots back (whole pages); a slot never allocated, or freed twice, raises."""
         self._alive()
+        if _slot_events._listeners:  # before the slots can be handed out again (a peer may be reading them)
+            _slot_events.notify_freed(self, indices)
         freed = self.allocator.free(indices)
         if self.verifier is not None:
             self.verifier.release(indices)
@@ -405,6 +410,8 @@ class HostPool(PageAccess):
 
     def clear(self) -> None:
         self._alive()
+        if _slot_events._listeners:
+            _slot_events.notify_freed(self, None)
         self.allocator.clear()
 
     # ---- transfers ---------------------------------------------------------------------------
@@ -448,9 +455,69 @@ class HostPool(PageAccess):
             raise ValueError("device_pool is not the device pool this host pool was made for")
         h, d = self._indices(BACKUP_ALL, None, host_indices, device_indices, entry, None)
         if h is not None:
+            verifier = self.verifier
+            if verifier is not None:
+                verifier.before_backup()
             self._call(entry[0], BACKUP_ALL, h, d)
-            if self.verifier is not None:
-                self.verifier.backup(h, d, None, self._drops.seq)
+            if verifier is not None:
+                verifier.backup(h, d, None, self._drops.seq)
+
+    def submit_load(
+        self,
+        device_pool: Any,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        io_backend: str,
+        *,
+        layer_ids: Sequence[int] | None = None,
+        start_event: Any = None,
+        timing: bool = False,
+    ) -> LayerLoad:
+        """Load the given slots host -> device for every owned layer (or ``layer_ids``, in order), off
+        the caller's thread; returns at once (:mod:`hicache_core.layer_loads`).
+
+        The copies follow what the caller's current stream holds now (or ``start_event``, already
+        recorded). ``load.wait(i)`` orders the current stream after the ``i``-th layer of the list;
+        a layer's error is raised there. Arguments are checked here, before anything is queued.
+        ``timing``: the load's start and finish events time it (``load.start_event.elapsed_time``).
+        """
+        self._impl(LOAD, io_backend)
+        ids = list(range(self.start_layer, self.end_layer)) if layer_ids is None else list(layer_ids)
+        for layer_id in ids:
+            self._host_layer(device_pool, layer_id, False)
+        self._check_indices(host_indices, device_indices)
+
+        def step(i: int) -> None:
+            self._per_layer(LOAD, device_pool, host_indices, device_indices, ids[i], io_backend, False)
+
+        return layer_loader(self.plan.device).submit(
+            len(ids), step, start_event=start_event, keep=(host_indices, device_indices), timing=timing,
+            what=f"load of {host_indices.shape[0]} slots into {len(ids)} layers",
+        )  # fmt: skip
+
+    def _check_indices(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        """The checks a call makes before any byte moves, without converting anything."""
+        try:
+            ok = (
+                host_indices.dtype in (_INT64, _INT32)
+                and device_indices.dtype in (_INT64, _INT32)
+                and host_indices.dim() == 1
+                and device_indices.shape == host_indices.shape
+            )
+        except (AttributeError, TypeError):
+            ok = False
+        if not ok:
+            reject_indices(host_indices, device_indices)
+        if self._items_are_pages:
+            for what, slots in (("host_indices", host_indices), ("device_indices", device_indices)):
+                if slots.is_meta:
+                    raise ValueError(f"{what} is on the meta device, which holds no values: pass real indices")
+                if self.page_size > 1 and (self.validate or not slots.is_cuda):
+                    check_whole_pages(slots, self.page_size, what)
+        if self.validate:
+            per_item = self.page_size if self._items_are_pages else 1
+            check_bounds(host_indices, self.size, "host_indices")
+            check_bounds(device_indices, min(self._rows) * per_item, "device_indices")
 
     def _per_layer(self, op, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft) -> None:
         entry = self._impls.get((op, io_backend)) or self._impl(op, io_backend)
@@ -463,6 +530,9 @@ class HostPool(PageAccess):
         if h is None:
             return
         impl = entry[0]
+        verifier = self.verifier
+        if verifier is not None and op != LOAD:
+            verifier.before_backup()
         t0 = perf_counter()
         try:  # inline rather than through _call: this is the per-layer hot path
             getattr(impl, op)(h, d, layer)
@@ -474,7 +544,6 @@ class HostPool(PageAccess):
         except Exception as exc:
             _refuse_meta(h, d)
             raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
-        verifier = self.verifier
         if verifier is not None:
             if op == LOAD:
                 verifier.check(h, d, layer, self._drops.seq)

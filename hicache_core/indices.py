@@ -24,6 +24,11 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 CACHE_ENTRIES = 8
 
 
+def _current_stream(t: torch.Tensor) -> int:
+    """The raw current stream of ``t``'s CUDA device, for this thread."""
+    return torch._C._cuda_getCurrentRawStream(t.get_device())
+
+
 def reject_indices(host_indices, device_indices) -> None:
     """Raise the precise error for indices the hot path's combined check refused."""
     for what, idx in (("host_indices", host_indices), ("device_indices", device_indices)):
@@ -77,7 +82,7 @@ class IndexCache:
     """
 
     def __init__(self) -> None:
-        self._entries: list[tuple[torch.Tensor, int, tuple, torch.Tensor]] = []
+        self._entries: list[tuple[torch.Tensor, int, tuple, torch.Tensor, int]] = []
         self._lock = threading.Lock()
         self._side_streams: dict[int, torch.cuda.Stream] = {}
 
@@ -87,14 +92,19 @@ class IndexCache:
         version = src._version
         for entry in self._entries:
             if entry[0] is src and entry[1] == version and entry[2] == key:
+                # A CUDA result is ordered on the stream that made it (and the allocator reuses its
+                # memory in that stream's order): another stream, say the layer loader's, makes its own.
+                if entry[4] and entry[4] != _current_stream(entry[3]):
+                    continue
                 return entry[3]
         return None
 
     def store(self, src: torch.Tensor, key: tuple, converted: torch.Tensor) -> torch.Tensor:
         if src.is_inference():
             return converted
+        stream = _current_stream(converted) if converted.is_cuda else 0
         with self._lock:
-            self._entries.insert(0, (src, src._version, key, converted))
+            self._entries.insert(0, (src, src._version, key, converted, stream))
             del self._entries[CACHE_ENTRIES:]
         return converted
 

@@ -12,7 +12,8 @@ layer_first          ``buf[l, i]``
 page_first           ``buf[i, l]``
 page_first_direct    ``buf[i // p, l, i % p]``
 page_head            ``buf[i // p, :, i % p, l]``
-page_first_kv_split  ``k_buffer[i // p, l, i % p]`` / ``v_buffer[...]``
+page_first_kv_split  ``k_buffer[i // p, l, i % p]`` / ``v_buffer[...]``;
+                     a kind of one part with nothing to split: as page_first
 ==================== =====================================================
 
 ``buf`` is the part's own buffer, or its slice ``kv_buffer[0]`` / ``kv_buffer[1]`` of a
@@ -67,10 +68,18 @@ def _page_head(host: Any, part: str, layer: int, item: int) -> torch.Tensor:
     return part_tensor(host, part)[item // p, :, item % p, layer]
 
 
+def _page_first_kv_split(host: Any, part: str, layer: int, item: int) -> torch.Tensor:
+    kind = host.geometry.decl
+    if kind.split_by is None and len(kind.components) == 1:
+        # Nothing to split (the DSA indexer's page rows): SGLang's page_first buffer of that pool.
+        return _page_first(host, part, layer, item)
+    return _page_first_direct(host, part, layer, item)
+
+
 SGLANG_ORACLES: dict[str, Callable[[Any, str, int, int], torch.Tensor]] = {
     "layer_first": _layer_first,
     "page_first": _page_first,
     "page_first_direct": _page_first_direct,
     "page_head": _page_head,
-    "page_first_kv_split": _page_first_direct,
+    "page_first_kv_split": _page_first_kv_split,
 }

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .pool_kinds import BUILTIN_POOL_KINDS, POOL_KINDS
+from .pool_kinds import BUILTIN_POOL_KINDS, POOL_KINDS, PoolKind
 
 if TYPE_CHECKING:
     import torch
@@ -97,9 +97,15 @@ class Layout:
         dimension (e.g. ``(("head", "dim"),)`` for LMCache's ``(2, L, T, H*D)``). Only the
         shape changes; the memory is the same.
     :param components: :data:`COMPONENT_STORAGE`.
-    :param oracle: optional; where an item's bytes land, stated independently of
-        ``axes`` (the conformance kit checks the declaration against it).
+    :param oracle: where an item's bytes land, stated independently of ``axes``. A
+        layout registers without one, but since hicache-core 0.2.0 the conformance kit
+        **fails** every implementation that claims a layout without an oracle
+        (docs/plugins.md, "Layouts", has a worked example).
     :param description: one line for ``hicache matrix`` and the docs.
+    :param unsplit_as: for a ``split`` layout, the layout that stores a pool kind with
+        nothing to split (one part and no ``split_by``: the DSA indexer's page rows) in
+        its place (``page_first_kv_split``: ``page_first``). ``None``: such a kind is
+        refused. :meth:`for_kind` applies it.
     """
 
     name: str
@@ -111,6 +117,7 @@ class Layout:
     merge: tuple[tuple[str, ...], ...] = ()
     components: str = "auto"
     oracle: Oracle | None = field(default=None, compare=False, repr=False)
+    unsplit_as: Layout | None = None
 
     def __post_init__(self) -> None:
         if self.pool_kinds is None:
@@ -122,6 +129,13 @@ class Layout:
     def allows(self, kind: str) -> bool:
         """Whether this layout's declaration admits pool kind ``kind`` (``pool_kinds`` None: every kind)."""
         return isinstance(self.pool_kinds, AnyPoolKind) or kind in self.pool_kinds
+
+    def for_kind(self, kind: PoolKind) -> Layout:
+        """The layout that stores ``kind``: this one, or :attr:`unsplit_as` where this layout splits items
+        and ``kind`` has nothing to split (a single part and no ``split_by``)."""
+        if self.split and self.unsplit_as is not None and kind.split_by is None and len(kind.components) == 1:
+            return self.unsplit_as
+        return self
 
     @property
     def split_at(self) -> str | None:
@@ -148,6 +162,7 @@ class Layout:
             and self.split == other.split
             and self.components == other.components
             and self.pool_kinds == other.pool_kinds
+            and self.unsplit_as == other.unsplit_as
         )
 
 
@@ -193,6 +208,9 @@ def layout_problems(layout: Layout) -> list[str]:
         problems.append("pool_kinds must be a frozenset of pool kind names, or None (any)")
     if layout.oracle is not None and not callable(layout.oracle):
         problems.append("oracle must be callable: oracle(host_pool, part, layer, item) -> tensor")
+    if layout.unsplit_as is not None and not (layout.split and isinstance(layout.unsplit_as, Layout)
+                                              and not layout.unsplit_as.split):  # fmt: skip
+        problems.append("unsplit_as must be a layout that does not split, given only for a layout that splits")
     return problems
 
 
@@ -237,8 +255,11 @@ PAGE_FIRST_KV_SPLIT = Layout(
     "page_first_kv_split",
     ("component", "page", "layer", "token", "head", "dim"),
     split=True,
-    description="MLA latent and rope parts in two page_first_direct buffers",
+    description="MLA latent and rope parts in two page_first_direct buffers (a one-part kind: page_first)",
     oracle=_oracle("page_first_kv_split"),
+    # SGLang raises "Unsupported layout" for the DSA indexer here, mid-construction; a pool with one
+    # part has nothing to split, and page_first is SGLang's own layout for it.
+    unsplit_as=PAGE_FIRST,
 )
 
 BUILTIN_LAYOUTS: tuple[Layout, ...] = (

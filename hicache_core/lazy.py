@@ -39,6 +39,10 @@ class Moved:
         return (f"{old}.{name} moved to {self.public}.{name} (hicache-core {self.since}); "
                 f"the old path goes in {self.until}")  # fmt: skip
 
+    def warn(self, old: str, name: str, stacklevel: int = 3) -> None:
+        """Issue :meth:`warning` as a ``DeprecationWarning`` for the caller ``stacklevel - 1`` frames up."""
+        warnings.warn(self.warning(old, name), DeprecationWarning, stacklevel=stacklevel)
+
 
 def lazy_face(
     namespace: dict[str, Any],

@@ -35,7 +35,6 @@ CPU pools compute the same checksum in torch (:func:`hicache_core.page_checksum.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -44,13 +43,15 @@ import torch
 
 from . import metrics as _metrics
 from .page_checksum import GROUP_TOKENS, checksum_rows, groups_per_page, row_words, seed
+from .settings import flag
 
 ENV_VERIFY = "HICACHE_VERIFY"
+VERIFY = flag(ENV_VERIFY, doc="1 checks every load of every host pool against checksums taken at its backup")
 
 
 def verify_default() -> bool:
-    """Whether ``HICACHE_VERIFY`` asks for verification (unset, empty or ``0``: no)."""
-    return os.environ.get(ENV_VERIFY, "") not in ("", "0")
+    """Whether ``HICACHE_VERIFY`` asks for verification (unset or blank: no; a value it does not take raises)."""
+    return VERIFY.read()
 
 
 class PageVerificationError(RuntimeError):
@@ -155,8 +156,16 @@ class PageVerifier:
             if not interpreting():
                 raise ValueError("the checksum kernel runs CPU pools only under TRITON_INTERPRET=1")
         self.kernel = self.cuda if kernel is None else bool(kernel)
+        # On CUDA the checksum kernels run on a side stream, off the transfer's own critical path: a
+        # backup's beside its copies (it reads the same device rows), a load's after its copies while the
+        # layer's consumers go on. Every wait between the two streams is on an event already recorded.
+        self._side: Any = None
+        self._before: Any = None  # recorded on the caller's stream before a backup's copies
+        self._unjoined: Any = None  # the last load check's end, joined by the next call on the pool
         if self.kernel:
             self._bind_kernel()
+            if self.cuda:
+                self._side = torch.cuda.Stream(self.device)
 
     # ---- the device side --------------------------------------------------------------------
 
@@ -235,13 +244,56 @@ class PageVerifier:
 
     # ---- the pool's calls -------------------------------------------------------------------
 
+    def before_backup(self) -> None:
+        """Mark the caller's stream before a backup's copies, so its checksums can run beside them (CUDA).
+
+        A backup rewrites table rows that a load's check may still be reading: it follows the last check."""
+        if self._side is not None:
+            self.join()
+            self._before = torch.cuda.Event()
+            self._before.record(torch.cuda.current_stream(self.device))
+
     def backup(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int | None, seq: int) -> None:
-        """Take the checksums of the backed-up pages (``layer=None``: every host layer) into the table."""
-        (self._launch if self.kernel else self._torch)(hidx, didx, layer, seq, False)
+        """Take the checksums of the backed-up pages (``layer=None``: every host layer) into the table.
+
+        On CUDA they run on the side stream beside the copies, and the caller's stream waits for them
+        before what follows the backup (a free of the device rows, say)."""
+        if self._side is None:
+            return (self._launch if self.kernel else self._torch)(hidx, didx, layer, seq, False)
+        before, self._before = self._before, None
+        done = self._on_side(hidx, didx, layer, seq, False, before)
+        torch.cuda.current_stream(self.device).wait_event(done)
 
     def check(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, seq: int) -> None:
-        """Compare the loaded pages of ``layer`` with the table; a mismatch is reported (see the module doc)."""
-        (self._launch if self.kernel else self._torch)(hidx, didx, layer, seq, True)
+        """Compare the loaded pages of ``layer`` with the table; a mismatch is reported (see the module doc).
+
+        On CUDA the check runs on the side stream after the copies; the caller's stream does not wait
+        for it (a failure is reported by a later call, as ever); the next backup joins it."""
+        if self._side is None:
+            return (self._launch if self.kernel else self._torch)(hidx, didx, layer, seq, True)
+        self._unjoined = self._on_side(hidx, didx, layer, seq, True, None)
+
+    def join(self) -> None:
+        """Order the caller's stream after the last load check (an event already recorded; CUDA only)."""
+        done, self._unjoined = self._unjoined, None
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+    def _on_side(self, hidx, didx, layer, seq, check, before) -> Any:
+        caller = torch.cuda.current_stream(self.device)
+        if before is None:
+            before = torch.cuda.Event()
+            before.record(caller)
+        side = self._side
+        side.wait_event(before)
+        with torch.cuda.stream(side):
+            self._launch(hidx, didx, layer, seq, check)
+            done = torch.cuda.Event()
+            done.record(side)
+        for t in (hidx, didx):
+            if t.is_cuda:
+                t.record_stream(side)
+        return done
 
     def flagged(self) -> bool:
         """Whether a failure is to be reported (a plain host load; the pool's hot path calls this)."""

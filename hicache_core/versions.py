@@ -1,7 +1,7 @@
 """hicache-core's version, and whether a plugin's required range admits it (docs/plugins.md, "Versions").
 
 A plugin pins the range of hicache-core it was written for in its distribution's dependencies
-(``hicache-core>=0.2,<0.3``). Installs that skip dependency resolution (``--no-deps``, editable
+(``hicache-core>=0.3,<0.4``). Installs that skip dependency resolution (``--no-deps``, editable
 trees) can still put a plugin beside a core outside that range, so the registry checks it at
 load and ``hicache plugins`` shows it. The specifiers read are PEP 440's comparison operators
 over release numbers; anything else is reported as not checked, never guessed.
@@ -13,7 +13,7 @@ import re
 from importlib import metadata
 
 #: This tree's version (the distribution's metadata wins where it is installed).
-CORE_VERSION = "0.2.0"
+CORE_VERSION = "0.3.0"
 CORE_DISTRIBUTION = "hicache-core"
 
 _REQUIREMENT = re.compile(r"^\s*hicache[-_.]core\s*(?:\[[^\]]*\])?\s*\(?([^;)]*)\)?\s*(;.*)?$", re.IGNORECASE)

@@ -247,14 +247,19 @@ def stress_steps(py: str):
 
 
 def aliasing_step(py: str) -> dict:
-    """Whether direct's worker deadlocks where its side stream shares a hardware queue with a stream that
-    waits on its copies (``scripts/gpu/direct_aliasing_check.py``): any case that deadlocks fails the step."""
-    step = run("direct-aliasing", [py, "scripts/gpu/direct_aliasing_check.py"], 200)
+    """The layer loader (``scripts/gpu/layer_loads_check.py``): no deadlock with 32 consumer streams at 1, 2, 8,
+    32 and the default hardware queues, and 1,000 randomized rounds with planted errors and slow submission."""
+    step = run("layer-loads", [py, "scripts/gpu/layer_loads_check.py", "--aliasing", "--stress", "1000"], 330)
     text = (RESULTS / step["log"]).read_text() if "log" in step else ""
     found = re.findall(r"^SUMMARY (\{.*\})$", text, re.M)
     if found:
-        step["aliasing"] = json.loads(found[-1])
-        step["passed"] = step["passed"] and not any(v.startswith("deadlock") for v in step["aliasing"].values())
+        summary = json.loads(found[-1])
+        step["aliasing"] = summary.get("aliasing")
+        step["stress"] = summary.get("stress")
+        step["passed"] = step["passed"] and all(v == "ok" for v in (step["aliasing"] or {}).values()) and (
+            (step["stress"] or {}).get("result") == "ok")
+    else:
+        step["passed"] = False
     return step
 
 
@@ -338,7 +343,7 @@ def main() -> int:
                                      "--name", "quick-h200"], 100, bench_env))  # fmt: skip
     steps.append(run("overlap", [py, "-m", "hicache_core.cli", "bench", "--overlap", "--quick", "--out", str(RESULTS),
                                  "--name", "overlap-h200"], 60))  # fmt: skip
-    order = ["suite", "direct-batched", "direct-batch-2d", "stress-kernel", "stress-jit", "direct-aliasing",
+    order = ["suite", "direct-batched", "direct-batch-2d", "stress-kernel", "stress-jit", "layer-loads",
              "memcheck", "bench-quick", "overlap", "sglang"]  # fmt: skip
     steps.sort(key=lambda x: order.index(x["name"]) if x["name"] in order else len(order))
 

@@ -85,7 +85,7 @@ def test_every_conformance_test_is_documented(test):
 
 @pytest.mark.parametrize(
     "option",
-    ["implementation", "plugins", "device", "only_pool_kinds", "only_layouts", "only_operations", "variants",
+    ["implementation", "plugins", "device", "isolate", "only_pool_kinds", "only_layouts", "only_operations", "variants",
      "page_sizes", "index_dtypes", "make_registry", "hicache_registry"],
 )  # fmt: skip
 def test_every_kit_option_is_documented(option):

@@ -1,7 +1,8 @@
-"""The core's import graph: no cycle (function-local imports included), and wings that stay apart.
+"""The house's import graph: no cycle (function-local imports included), and wings that stay apart.
 
 Read from the source with ``ast``, so that a late import inside a function counts as much as one at
-the top of a file; ``if TYPE_CHECKING:`` blocks are left out (they never run).
+the top of a file; ``if TYPE_CHECKING:`` blocks are left out (they never run). The core is read
+alone and then with every package of ``plugins/`` and ``integrations/``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,15 @@ import hicache_core
 
 PACKAGE = Path(hicache_core.__file__).parent
 ROOT = "hicache_core"
+TREE = Path(__file__).resolve().parents[1]
+#: Every package of the house: the core, each plugin's and each integration's (read from the source tree).
+HOUSE = [PACKAGE] + sorted(p.parent for p in TREE.glob("plugins/*/*/__init__.py")) + sorted(
+    p.parent for p in TREE.glob("integrations/*/*/__init__.py")
+)
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -46,10 +52,10 @@ def _imports(tree: ast.AST, module: str, is_package: bool, modules: set[str]) ->
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            found.add(target)
-            for alias in node.names:  # ``from . import uva`` imports the submodule
-                if f"{target}.{alias.name}" in modules:
-                    found.add(f"{target}.{alias.name}")
+            submodules = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
+            found.update(submodules)  # ``from . import uva`` imports the submodule ...
+            if len(submodules) < len(node.names):
+                found.add(target)  # ... and a name from the module itself needs it run
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -57,21 +63,24 @@ def _imports(tree: ast.AST, module: str, is_package: bool, modules: set[str]) ->
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    paths = sorted(PACKAGE.rglob("*.py"))
-    modules = {_module_name(p) for p in paths}
+def import_graph(packages: list[Path] | None = None) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` (default: the core) it imports."""
+    files = [(path, package) for package in packages or [PACKAGE] for path in sorted(package.rglob("*.py"))]
+    modules = {_module_name(p, package) for p, package in files}
     graph: dict[str, set[str]] = {}
-    for path in paths:
-        name = _module_name(path)
+    for path, package in files:
+        name = _module_name(path, package)
         tree = ast.parse(path.read_text(), str(path))
         targets = _imports(tree, name, path.name == "__init__.py", modules)
         edges = set()
         for target in targets:
-            # importing a.b.c runs a, a.b and a.b.c: each is an edge
+            # importing a.b.c runs a, a.b and a.b.c: each is an edge, except the importer's own packages,
+            # which have started running before it (a name imported from one of them is an edge: the target)
             parts = target.split(".")
             for i in range(1, len(parts) + 1):
                 prefix = ".".join(parts[:i])
-                if prefix in modules and prefix != name:
+                own = name.startswith(prefix + ".") and prefix != target
+                if prefix in modules and prefix != name and not own:
                     edges.add(prefix)
         graph[name] = edges
     return graph
@@ -129,6 +138,36 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 def test_no_import_cycle():
     found = cycles(import_graph())
     assert found == [], f"import cycles in hicache_core (function-local imports count): {found}"
+
+
+def test_no_import_cycle_in_the_house():
+    assert len(HOUSE) >= 10, f"the plugins and integrations were not found under {TREE}: {HOUSE}"
+    graph = import_graph(HOUSE)
+    assert any(m.startswith("hicache_sglang") for m in graph) and any(m.startswith("hicache_direct") for m in graph)
+    found = cycles(graph)
+    assert found == [], f"import cycles in plugins/ and integrations/ (function-local imports count): {found}"
+
+
+def test_the_core_imports_no_plugin_or_integration():
+    graph = import_graph(HOUSE)
+    for module, edges in graph.items():
+        if module.startswith(ROOT):
+            wrong = sorted(e for e in edges if not e.startswith(ROOT))
+            assert wrong == [], f"{module} imports {wrong}; the core never imports a plugin"
+
+
+def test_a_module_depends_on_its_own_package_only_for_a_name_from_it(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .a import run\nVALUE = 1\n")
+    (pkg / "a.py").write_text("def run():\n    from . import b\n")  # a sibling: pkg has started running
+    (pkg / "b.py").write_text("from .c import x\n")
+    (pkg / "c.py").write_text("x = 1\n")
+    (pkg / "d.py").write_text("from . import VALUE\n")  # a name of pkg itself: pkg must have run
+    graph = import_graph([pkg])
+    assert graph == {"pkg": {"pkg.a"}, "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": set(), "pkg.d": {"pkg"}}
+    (pkg / "a.py").write_text("from . import VALUE\n")
+    assert cycles(import_graph([pkg])) == [["pkg", "pkg.a"]]
 
 
 def test_cycle_finder_finds_a_cycle():

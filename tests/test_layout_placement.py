@@ -173,3 +173,47 @@ def test_unknown_pages_untouched(direct_only):
     touched = {s // P_SIZE for s in hs}
     for page in set(range(HOST_PAGES)) - touched:
         assert not host.kv_buffer[:, page].view(torch.uint8).any()
+
+
+#: Kinds of one part with nothing to split, and SGLang's page_first shape of each (for page_rows: the DSA
+#: indexer's ``(pages, L, 1, stride)``; mha_k_only: MHATokenToKOnlyPoolHost's ``(S, L, H, D)``).
+ONE_PART = {
+    "page_rows": ("index_k_with_scale_buffer", (HOST_PAGES, L, 1, 24)),
+    "dsv4_paged": ("kv_buffer", (HOST_PAGES, L, 40)),
+    "dsv4_state": ("kv_buffer", (HOST_PAGES, L, 48)),
+    "mha_k_only": ("k_buffer", (HOST_PAGES * P_SIZE, L, 2, 8)),
+}
+
+
+@pytest.mark.parametrize("kind", list(ONE_PART))
+def test_a_one_part_kind_in_page_first_kv_split_is_stored_as_page_first(kind, direct_only):
+    """Seed 001 beside the DSA indexer: a pool with one part has nothing to split (SGLang raises mid-construction)."""
+    attr, shape = ONE_PART[kind]
+    dev, host, hs, ds = _backed_up(kind, "page_first_kv_split", "reference", direct_only)
+    assert host.layout == "page_first" and not host.spec.layout.split
+    buf = getattr(host, attr)
+    assert tuple(buf.shape) == shape
+    for layer in range(L):
+        if kind == "mha_k_only":
+            for s, d in zip(hs, ds):
+                assert same_bytes(buf[s, layer], dev.k_buffer[layer][d])
+            continue
+        device_attr = {"page_rows": "index_k_with_scale_buffer", "dsv4_paged": "device_buffers",
+                       "dsv4_state": "device_page_views"}[kind]  # fmt: skip
+        for s, d in zip(hs[::P_SIZE], ds[::P_SIZE]):
+            assert same_bytes(buf[s // P_SIZE, layer], getattr(dev, device_attr)[layer][d // P_SIZE])
+
+
+def test_page_first_kv_split_still_splits_mla_and_refuses_mha(direct_only):
+    mla = hc.make_host_pool(device_pool("mla"), layout="page_first_kv_split", io_backend="reference",
+                            registry=direct_only)  # fmt: skip
+    assert mla.layout == "page_first_kv_split" and mla.kv_buffer is mla.k_buffer
+    with pytest.raises(hc.UnsupportedCombinationError, match="pool kind 'mha' declares no attribute to split"):
+        hc.make_host_pool(device_pool("mha"), layout="page_first_kv_split", io_backend="reference",
+                          registry=direct_only)  # fmt: skip
+
+
+def test_unsplit_as_is_only_for_a_split_layout():
+    page_first = hc.get_registry().layouts["page_first"]
+    with pytest.raises(ValueError, match="unsplit_as must be a layout that does not split"):
+        hc.Layout("mine", page_first.axes, unsplit_as=page_first)

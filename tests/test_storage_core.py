@@ -245,9 +245,9 @@ class _SlowMemory:
     """Makes a memory:// backend take ``delay`` seconds per read batch (a slow store)."""
 
     def __init__(self, storage, delay):
-        self.real = storage.get_objects_into
+        self.real = storage.backend.get_objects_into
         self.delay = delay
-        storage.get_objects_into = self
+        storage.backend.get_objects_into = self
 
     def __call__(self, keys, targets):
         time.sleep(self.delay)
@@ -298,8 +298,8 @@ def test_backup_queue_full_is_reported():
 
 class _SlowPut:
     def __init__(self, storage, delay):
-        self.real, self.delay = storage.put_objects, delay
-        storage.put_objects = self
+        self.real, self.delay = storage.backend.put_objects, delay
+        storage.backend.put_objects = self
 
     def __call__(self, keys, values):
         time.sleep(self.delay)

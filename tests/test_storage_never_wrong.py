@@ -64,12 +64,12 @@ def test_a_page_of_the_old_namespace_version_reads_as_mismatch():
     # the header a version-1 writer would put under this key: the fingerprint of the v1 description
     old = dict(K.geometry_description(host), version=1)
     key = storage.namespace.key(hashes[0])
-    blob = bytearray(storage._store.objects[key]) if hasattr(storage, "_store") else None
+    blob = bytearray(storage.backend._store.objects[key]) if hasattr(storage.backend, "_store") else None
     assert blob is not None
     body = bytearray(blob[: HEADER_SIZE - 4])
     body[28:44] = bytes.fromhex(K.fingerprint(old))
     blob[: HEADER_SIZE] = bytes(body) + struct.pack("<I", zlib.crc32(bytes(body)))
-    storage._store.objects[key] = blob
+    storage.backend._store.objects[key] = blob
     res = storage.read_pages(hashes, host.alloc(8))
     assert res[0].status is PageStatus.MISMATCH and res[1].ok
 
@@ -79,11 +79,11 @@ def test_another_page_format_version_is_a_mismatch_not_corrupt():
     hashes = page_hashes(list(range(4)), 4)
     storage.write_pages(hashes, host.alloc(4))
     key = storage.namespace.key(hashes[0])
-    blob = bytearray(storage._store.objects[key])
+    blob = bytearray(storage.backend._store.objects[key])
     body = bytearray(blob[: HEADER_SIZE - 4])
     body[4:6] = struct.pack("<H", 99)
     blob[:HEADER_SIZE] = bytes(body) + struct.pack("<I", zlib.crc32(bytes(body)))
-    storage._store.objects[key] = blob
+    storage.backend._store.objects[key] = blob
     (res,) = storage.read_pages(hashes, host.alloc(4))
     assert res.status is PageStatus.MISMATCH and "version 99" in res.detail
 
@@ -148,8 +148,8 @@ def test_secrets_never_printed():
 
 class _Slow:
     def __init__(self, storage, delay):
-        self.real, self.delay = storage.get_objects_into, delay
-        storage.get_objects_into = self
+        self.real, self.delay = storage.backend.get_objects_into, delay
+        storage.backend.get_objects_into = self
 
     def __call__(self, keys, targets):
         time.sleep(self.delay)
@@ -191,7 +191,7 @@ def test_explain_miss_every_local_reason(tmp_path):
         assert [p.reason for p in report.pages] == ["not_in_store"] * 6 and report.hit_pages == 0
         src = host.alloc(16)
         ctl.backup(toks[:16], src).result(10)
-        storage.corrupt(storage.namespace.key(keys[2]), HEADER_SIZE + 5)
+        storage.backend.corrupt(storage.namespace.key(keys[2]), HEADER_SIZE + 5)
         report = ctl.explain_miss(toks, host_pages=1)
         assert [p.reason for p in report.pages] == [
             "in_host", "in_store", "checksum_failed", "earlier_page_missing", "not_in_store", "not_in_store"]
@@ -230,7 +230,7 @@ def test_explain_miss_timed_out():
         _Slow(storage, 0.2)
         res = ctl.prefetch(toks).result(10)
         assert res.terminated and res.completed < 10
-        storage.get_objects_into = storage.get_objects_into.real
+        storage.backend.get_objects_into = storage.backend.get_objects_into.real
         report = ctl.explain_miss(toks, host_pages=res.completed)
         reasons = [p.reason for p in report.pages]
         assert reasons[: res.completed] == ["in_host"] * res.completed

@@ -521,7 +521,8 @@ def test_a_layout_without_an_oracle_fails_the_declaration_check_saying_how_to_de
 
 
 def test_a_case_that_loses_the_cuda_context_fails_and_ends_the_run_naming_it(kit, monkeypatch):
-    """Injected: on a CPU machine no case can really lose a CUDA context; the GPU gate runs the real path."""
+    """Without isolation. Injected: on a CPU machine no case can really lose a CUDA context; the GPU gate runs
+    the real path, isolated (tests/test_kit_isolation.py)."""
     from hicache_core.testing import conformance
 
     checks = []
@@ -532,6 +533,7 @@ def test_a_case_that_loses_the_cuda_context_fails_and_ends_the_run_naming_it(kit
 
     monkeypatch.setattr(conformance, "context_lost", lost_on_the_second_case)
     monkeypatch.setattr(conformance, "_cuda_lost", [])
+    monkeypatch.setenv("HICACHE_KIT_ISOLATE", "0")  # in this process, where the injection is (CUDA isolates by default)
     result = kit("kit.good", "-k", "test_round_trip")
     outcomes = result.parseoutcomes()
     # The check runs after each case: the second case errors (at its teardown), and no third case runs.

@@ -244,7 +244,7 @@ def test_a_failed_page_is_never_written_and_checksums_come_back_from_the_store()
     results = store.write_pages(keys, slots)  # the failure is collected here, without a sync or a raise
     assert [r.status for r in results] == [PageStatus.OK, PageStatus.OK, PageStatus.CORRUPT]
     assert "failed host-tier verification" in results[2].detail
-    assert store.exists_objects(store.namespace.keys(keys)) == [True, True, False]
+    assert store.backend.exists_objects(store.namespace.keys(keys)) == [True, True, False]
     with pytest.raises(PageVerificationError):
         host.check_verified()
     # Prefetch the good pages into other slots: their checksum rows land in the table with them.
@@ -277,16 +277,16 @@ def test_pages_of_another_format_version_or_verify_setting_read_as_mismatch():
     assert got.status is PageStatus.MISMATCH and "bytes" in got.detail  # another object size
     # A version-1 page (today's readers' format) is a mismatch, not corruption.
     key = store.namespace.key("x")
-    blob = bytearray(store.get_objects([key])[0])
+    blob = bytearray(store.backend.get_objects([key])[0])
     blob[4:6] = struct.pack("<H", 1)
     import zlib
 
     blob[HEADER_SIZE - 4 : HEADER_SIZE] = struct.pack("<I", zlib.crc32(bytes(blob[: HEADER_SIZE - 4])))
-    store.remove_objects([key])
+    store.backend.remove_objects([key])
     from hicache_core.storage.page_format import address_of
     from hicache_core.storage.pages import Span
 
-    store.put_objects([key], [[Span(address_of(blob), len(blob), memoryview(blob))]])
+    store.backend.put_objects([key], [[Span(address_of(blob), len(blob), memoryview(blob))]])
     old = store.read_pages(["x"], host.alloc(4))[0]
     assert old.status is PageStatus.MISMATCH and "version 1" in old.detail
 
@@ -296,10 +296,10 @@ def _rewrite(store, key: str, mutate) -> None:
     from hicache_core.storage.page_format import address_of
     from hicache_core.storage.pages import Span
 
-    blob = bytearray(store.get_objects([key])[0])
+    blob = bytearray(store.backend.get_objects([key])[0])
     mutate(blob)
-    store.remove_objects([key])
-    assert store.put_objects([key], [[Span(address_of(blob), len(blob), memoryview(blob))]]) == [None]
+    store.backend.remove_objects([key])
+    assert store.backend.put_objects([key], [[Span(address_of(blob), len(blob), memoryview(blob))]]) == [None]
 
 
 def test_device_checked_pages_hash_only_the_row_on_the_host_and_are_caught_on_the_device():
@@ -312,7 +312,7 @@ def test_device_checked_pages_hash_only_the_row_on_the_host_and_are_caught_on_th
     store.clear()
     assert all(r.ok for r in store.write_pages(["a", "b"], slots))
     ka, kb = store.namespace.keys(["a", "b"])
-    blob = store.get_objects([ka])[0]
+    blob = store.backend.get_objects([ka])[0]
     assert struct.unpack_from("<HH", blob, 8) == (2, host.verifier.table[0].numel())  # device-checked, row words
     _rewrite(store, ka, lambda b: b.__setitem__(HEADER_SIZE + 100, b[HEADER_SIZE + 100] ^ 1))  # payload byte
     row_at = HEADER_SIZE + store.page_bytes + 3
@@ -338,15 +338,14 @@ def test_l3_host_check_hashes_the_payload_on_the_host_too(monkeypatch):
     store.clear()
     assert store.write_pages(["a"], slots)[0].ok
     (key,) = store.namespace.keys(["a"])
-    assert struct.unpack_from("<H", store.get_objects([key])[0], 8) == (1,)
+    assert struct.unpack_from("<H", store.backend.get_objects([key])[0], 8) == (1,)
     _rewrite(store, key, lambda b: b.__setitem__(HEADER_SIZE + 5, b[HEADER_SIZE + 5] ^ 1))
     got = store.read_pages(["a"], host.alloc(4))[0]
     assert got.status is PageStatus.CORRUPT and "payload checksum" in got.detail
 
 
 def test_parallel_page_checksums_equal_serial_ones(monkeypatch):
-    from hicache_core.storage.backend import parallel_checksums
-    from hicache_core.storage.page_format import address_of, checksum_runs, pack_header
+    from hicache_core.storage.page_format import address_of, checksum_runs, pack_header, parallel_checksums
 
     bufs = [bytearray(os.urandom(4096 + i)) for i in range(9)]
     runs = [[(address_of(b), 1000), (address_of(b) + 1000, len(b) - 1000)] for b in bufs] + [[]]

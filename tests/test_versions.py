@@ -29,7 +29,7 @@ def test_the_requirement_on_the_core_is_read_from_the_distribution():
     assert versions.core_requirement(["hicache_core (>=0.1)"]) == ">=0.1"
     assert versions.core_requirement(["hicache-core"]) == ""
     assert versions.core_requirement(["pytest>=7; extra == 'test'"]) is None
-    assert versions.core_version() == "0.2.0" == versions.CORE_VERSION
+    assert versions.core_version() == "0.3.0" == versions.CORE_VERSION
 
 
 class Layouts:
@@ -50,20 +50,20 @@ def _entry_point(name, requires):
 def test_hicache_plugins_shows_each_range_and_what_is_incompatible(monkeypatch, capsys):
     hc.get_registry()
     monkeypatch.setattr(registry_module, "_entry_points", lambda: [
-        _entry_point("old", ["hicache-core>=0.1,<0.2"]), _entry_point("fits", ["hicache-core>=0.2,<0.3"])])  # fmt: skip
+        _entry_point("old", ["hicache-core>=0.1,<0.2"]), _entry_point("fits", ["hicache-core>=0.3,<0.4"])])  # fmt: skip
     registry = Registry.from_entry_points()
     old, fits = registry.plugins["old"], registry.plugins["fits"]
-    assert old.requires == ">=0.1,<0.2" and fits.requires == ">=0.2,<0.3" and not fits.errors
+    assert old.requires == ">=0.1,<0.2" and fits.requires == ">=0.3,<0.4" and not fits.errors
     assert old.errors == [
-        'requires hicache-core >=0.1,<0.2, but 0.2.0 is running: it was written for another plugin API '
+        'requires hicache-core >=0.1,<0.2, but 0.3.0 is running: it was written for another plugin API '
         '(docs/plugins.md, "Versions"); install a release of the plugin made for this one'
     ]
     monkeypatch.setattr("hicache_core.cli.get_registry", lambda: registry)
     assert main(["plugins"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("hicache-core 0.2.0 (plugin API 0.2)\n")
+    assert text.startswith("hicache-core 0.3.0 (plugin API 0.3)\n")
     assert "old (hicache-old 0.1.0): loaded\n    requires hicache-core >=0.1,<0.2: INCOMPATIBLE\n" in text
-    assert "fits (hicache-fits 0.1.0): loaded\n    requires hicache-core >=0.2,<0.3: compatible\n" in text
+    assert "fits (hicache-fits 0.1.0): loaded\n    requires hicache-core >=0.3,<0.4: compatible\n" in text
     assert main(["plugins", "--json"]) == 0
     records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert (records["old"]["requires"], records["old"]["compatible"]) == (">=0.1,<0.2", False)
@@ -76,7 +76,7 @@ def test_first_party_plugins_pin_a_range_that_admits_this_core():
         record = next((r for r in registry.plugins.values() if r.distribution == f"hicache-{name}"), None)
         if record is None:
             continue  # not installed here
-        assert record.requires == "<0.3,>=0.2" and not record.errors, record
+        assert record.requires == "<0.4,>=0.3" and not record.errors, record
 
 
 def test_the_size_rule_says_what_changed_and_since_when():

@@ -6,21 +6,14 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ..settings import Setting, integer
+
 _NO_DEFAULT = object()
 
 
 def env_int(name: str, default: int | None, *, minimum: int) -> int | None:
-    """An integer knob from the environment (unset or blank: ``default``); refuses junk with a clear error."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
+    """An integer knob from the environment (unset or blank: ``default``); refuses junk naming what it takes."""
+    return integer(name, minimum=minimum, default=default).read()
 
 
 class Knob:
@@ -65,19 +58,26 @@ class Knob:
         if self.changed is not None:
             getattr(obj, self.changed)()
 
+    def setting(self, prefix: str) -> Setting | None:
+        """The environment variable ``<prefix>_<env>`` as a :class:`~hicache_core.settings.Setting` (None: no env)."""
+        if self.env is None:
+            return None
+        variable = f"{prefix}_{self.env}"
+        if self.parse is None:
+            return integer(variable, minimum=self.minimum, default=_NO_DEFAULT)
+        parse = self.parse
+        return Setting(variable, lambda text: parse(variable, text), f"a value knob {self.name} takes", _NO_DEFAULT)
+
     def read_environment(self, obj: Any, prefix: str) -> None:
         """Set the knob from ``<prefix>_<env>`` where that is set (unset or blank: keep the value)."""
-        if self.env is None:
+        setting = self.setting(prefix)
+        value = _NO_DEFAULT if setting is None else setting.read()
+        if value is _NO_DEFAULT:
             return
-        variable = f"{prefix}_{self.env}"
-        raw = os.environ.get(variable)
-        if raw is None or raw.strip() == "":
-            return
-        value = self.parse(variable, raw) if self.parse else env_int(variable, None, minimum=self.minimum)
         try:
             self.__set__(obj, value)
         except ValueError as exc:  # the variable is what the user wrote: name it beside the knob's range
-            raise ValueError(f"{variable}={raw.strip()!r}: {exc}") from None
+            raise ValueError(f"{setting.name}={os.environ[setting.name].strip()!r}: {exc}") from None
 
 
 def checked(ok: Callable[[Any], bool], expected: str, keep: Callable[[Any], Any] | None = None):

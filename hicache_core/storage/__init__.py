@@ -1,9 +1,10 @@
 """hicache's L3 tier: pages of the host pool in a store (files, Redis, Mooncake Store, ...), as plugins.
 
 * :func:`make_storage` builds the backend of a URL (``file:///dir``, ``redis://host:port/db``,
-  ``mooncake://host:port``, ``memory://name``) and binds it to a host pool.
-* :class:`StorageBackend` is the base class a storage plugin subclasses (SGLang's
-  ``HiCacheStorage`` contract); plugins register it through ``hicache_register_storage_backends``.
+  ``mooncake://host:port``, ``memory://name``) and returns a :class:`PageStore` bound to a host
+  pool: SGLang's ``HiCacheStorage`` page API, keys, page header, checksums, batches and statistics.
+* :class:`StorageBackend` is the base class a storage plugin subclasses: byte primitives on whole
+  objects; plugins register it through ``hicache_register_storage_backends``.
 * :func:`page_hashes` is SGLang's SHA-256 key chain; :class:`Namespace` keeps pages of
   other models, geometries and rank shares apart.
 * :class:`StorageController` backs pages up and prefetches them on worker threads, and
@@ -18,7 +19,6 @@ from ..lazy import lazy_face
 
 if TYPE_CHECKING:
     from .backend import (
-        STORAGE_BATCH_SIZE,
         Capabilities,
         NotAPage,
         ObjectMissing,
@@ -28,16 +28,16 @@ if TYPE_CHECKING:
         StorageBackend,
         StorageError,
         StorageFull,
-        StorageStats,
     )
     from .controller import BackupFuture, PrefetchFuture, PrefetchResult, PrefetchTimeout, StorageController
     from .keys import Namespace, hash_page, namespace_for, page_hashes
     from .make import UnknownStorageScheme, make_storage
+    from .page_store import STORAGE_BATCH_SIZE, PageStore, StorageStats
     from .pages import PageMap, Span
     from .url import StorageURL
 
 _EXPORTS = {
-    "STORAGE_BATCH_SIZE": "backend",
+    "STORAGE_BATCH_SIZE": "page_store",
     "Capabilities": "backend",
     "NotAPage": "backend",
     "ObjectMissing": "backend",
@@ -47,7 +47,8 @@ _EXPORTS = {
     "StorageBackend": "backend",
     "StorageError": "backend",
     "StorageFull": "backend",
-    "StorageStats": "backend",
+    "StorageStats": "page_store",
+    "PageStore": "page_store",
     "BackupFuture": "controller",
     "PrefetchFuture": "controller",
     "PrefetchResult": "controller",
@@ -72,6 +73,7 @@ __all__ = [
     "PageMap",
     "PageResult",
     "PageStatus",
+    "PageStore",
     "PrefetchFuture",
     "PrefetchResult",
     "PrefetchTimeout",

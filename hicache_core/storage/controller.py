@@ -40,9 +40,10 @@ import torch
 
 from .. import metrics as _metrics
 from .agreement import AgreementFailed, AgreementTimeout, RanksDisagreed, agree_min, check_group, keys_digest
-from .backend import STORAGE_BATCH_SIZE, PageResult, PageStatus, StorageBackend
+from .backend import PageResult, PageStatus
 from .explain import LOADED, Outcomes, explain_miss, reason_of_status
 from .keys import page_hashes
+from .page_store import STORAGE_BATCH_SIZE, PageStore
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +234,7 @@ _STOP = object()
 class StorageController:
     """Backs pages up to, and prefetches them from, one storage backend, on worker threads.
 
-    :param storage: a bound backend (:func:`make_storage` with a host pool).
+    :param storage: a bound :class:`PageStore` (:func:`make_storage` with a host pool).
     :param write_policy: ``write_through``, ``write_through_selective`` or ``write_back``.
     :param prefetch_policy: ``best_effort``, ``wait_complete`` or ``timeout``.
     :param group: a gloo process group of the ranks that must agree on hit lengths
@@ -249,7 +250,7 @@ class StorageController:
 
     def __init__(
         self,
-        storage: StorageBackend,
+        storage: PageStore,
         *,
         write_policy: str = "write_through",
         prefetch_policy: str = "best_effort",
@@ -266,7 +267,7 @@ class StorageController:
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"prefetch_policy {prefetch_policy!r}; choose one of {', '.join(PREFETCH_POLICIES)}")
         if storage.host_pool is None:
-            raise ValueError("the storage backend is not bound to a host pool: use make_storage(url, host_pool, ...)")
+            raise ValueError("the page store is not bound to a host pool: use make_storage(url, host_pool, ...)")
         if not 1 <= batch_pages <= STORAGE_BATCH_SIZE:
             raise ValueError(f"batch_pages must be in [1, {STORAGE_BATCH_SIZE}], got {batch_pages}")
         if queue_depth < 1 or op_timeout <= 0:
@@ -330,7 +331,7 @@ class StorageController:
         """
         self._check_open()
         keys = page_hashes(token_ids, self.page_size, prior_hash)
-        pages = self.storage._pages_of(keys, _whole_pages(host_indices, len(keys), self.page_size))
+        pages = self.storage.page_ids(keys, _whole_pages(host_indices, len(keys), self.page_size))
         future = BackupFuture(keys)
         skip = self._policy_skip(hit_count, evicting)
         if skip:
@@ -461,7 +462,7 @@ class StorageController:
                 results += [PageResult(k, status, why) for k in bk]
                 continue
             try:
-                present = self.storage.exists_objects(self.storage.namespace.keys(bk))
+                present = self.storage.backend.exists_objects(self.storage.namespace.keys(bk))
             except Exception:  # noqa: BLE001 - cannot tell: write them all
                 present = [False] * len(bk)
             todo = [i for i, p in enumerate(present) if not p]

@@ -30,8 +30,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .backend import PageStatus, StorageBackend, check_keys
+from .backend import PageStatus
 from .keys import Namespace, fingerprint, geometry_description, page_hashes
+from .page_store import PageStore, check_keys
 
 LOADED = "loaded"
 REASONS = ("in_host", "in_store", LOADED, "not_in_store", "checksum_failed", "layout_mismatch", "timed_out",
@@ -182,7 +183,7 @@ def _tri(x: bool | None) -> str:
     return "?" if x is None else ("yes" if x else "no")
 
 
-def other_layout_namespaces(storage: StorageBackend) -> list[tuple[str, Namespace]]:
+def other_layout_namespaces(storage: PageStore) -> list[tuple[str, Namespace]]:
     """The namespaces this pool's pages would have under every other registered layout (same model and share)."""
     pool, ns = storage.host_pool, storage.namespace
     registry = getattr(pool, "registry", None)
@@ -200,7 +201,7 @@ def other_layout_namespaces(storage: StorageBackend) -> list[tuple[str, Namespac
 
 
 def explain_miss(
-    storage: StorageBackend,
+    storage: PageStore,
     token_ids: Sequence[Any],
     *,
     prior_hash: str | None = None,
@@ -216,7 +217,7 @@ def explain_miss(
     Arguments are checked before the store is asked anything.
     """
     if storage.namespace is None:
-        raise ValueError("explain_miss needs a bound backend (make_storage(url, host_pool, model_id=...))")
+        raise ValueError("explain_miss needs a bound store (make_storage(url, host_pool, model_id=...))")
     pool = storage.host_pool
     keys = check_keys(page_hashes(token_ids, pool.page_size, prior_hash)) if token_ids is not None else None
     if keys is None:
@@ -227,7 +228,7 @@ def explain_miss(
     try:
         present: list[bool | None] = []
         for start in range(0, len(full), 128):
-            present += list(storage.exists_objects(full[start : start + 128]))
+            present += list(storage.backend.exists_objects(full[start : start + 128]))
         store_error = ""
     except Exception as exc:  # noqa: BLE001 - the report says so instead of raising
         present, store_error = [None] * len(keys), f"{type(exc).__name__}: {exc}"
@@ -236,7 +237,7 @@ def explain_miss(
     if absent:
         for name, other in other_layout_namespaces(storage):
             try:
-                found = storage.exists_objects([other.key(keys[i]) for i in absent])
+                found = storage.backend.exists_objects([other.key(keys[i]) for i in absent])
             except Exception:  # noqa: BLE001 - best effort: the page stays not_in_store
                 break
             for i, f in zip(absent, found):
@@ -252,7 +253,7 @@ def explain_miss(
         elif present[i] is None:
             reason, detail = "store_unreachable", store_error
         elif present[i]:
-            check = _verify(storage, key)
+            check = storage.check_page(key)
             if check.status is PageStatus.OK:
                 reason = last_reason if last_reason in TRANSIENT else "in_store"
                 detail = last[1] if reason in TRANSIENT else ""
@@ -284,16 +285,3 @@ def _host_flags(host_pages: int | Sequence[bool] | None, n: int) -> list[bool | 
     if len(flags) != n or not all(isinstance(f, bool) for f in flags):
         raise ValueError(f"host_pages must be {n} bools (one per whole page), got {flags!r}")
     return flags
-
-
-def _verify(storage: StorageBackend, key: str) -> Any:
-    """Read one page into a scratch flat page and check it, as a prefetch would (the pool is untouched)."""
-    import torch
-
-    from .pages import Span
-
-    pages = storage._bound()
-    flat = storage.host_pool.get_dummy_flat_data_page().reshape(-1)
-    flat = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-    span = Span(flat.data_ptr(), pages.page_bytes, memoryview(flat.numpy()).cast("B"))
-    return storage._get([key], [storage.namespace.key(key)], [[span]])[0]

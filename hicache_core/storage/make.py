@@ -1,4 +1,4 @@
-""":func:`make_storage`: a storage URL's scheme picks the backend, through the registry (a door)."""
+""":func:`make_storage`: a URL's scheme picks the backend (through the registry); a :class:`PageStore` wraps it."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from typing import Any
 
 from ..plugin_sources import source_tree_plugins
 from ..registry import Registry, get_registry
-from .backend import StorageBackend
 from .keys import namespace_for
-from .url import StorageURL
+from .page_store import PageStore
+from .url import StorageURL, scrub_exception, secrets_of
 
 
 class UnknownStorageScheme(ValueError):
@@ -25,12 +25,12 @@ def make_storage(
     replicated: bool | None = None,
     registry: Registry | None = None,
     **options: Any,
-) -> StorageBackend:
-    """Build the storage backend of ``url`` and bind it to ``host_pool``'s pages.
+) -> PageStore:
+    """Build the storage backend of ``url`` and wrap it in a :class:`PageStore` bound to ``host_pool``'s pages.
 
     :param url: ``file:///dir``, ``redis://host:port/db``, ``mooncake://host:port``, or any
         scheme an installed plugin registers through ``hicache_register_storage_backends``.
-    :param host_pool: the host pool whose pages move; ``None`` makes an unbound backend
+    :param host_pool: the host pool whose pages move; ``None`` makes an unbound store
         (statistics and administration only).
     :param model_id: the model's name; required with a host pool (it is part of every key).
     :param tp_rank: this rank's tensor-parallel rank; ``tp_size`` the TP world size.
@@ -53,14 +53,16 @@ def make_storage(
     namespace = None
     if host_pool is not None:
         namespace = namespace_for(host_pool, model_id, tp_rank=tp_rank, tp_size=tp_size, replicated=replicated)
-    backend = cls(parsed, **merged)
-    if host_pool is not None:
+    try:
+        backend = cls(parsed, **merged)
         try:
-            backend.bind(host_pool, namespace)
+            return PageStore(backend, host_pool, namespace)
         except BaseException:
             backend.close()
             raise
-    return backend
+    except BaseException as exc:  # a plugin's message, or its driver's, must not show a credential
+        scrub_exception(exc, secrets_of(parsed, merged))
+        raise
 
 
 def _unknown_scheme_message(url: StorageURL, registry: Registry) -> str:

@@ -38,6 +38,8 @@ class MemoryStorage(StorageBackend):
 
     def __init__(self, url: StorageURL, **options: Any) -> None:
         super().__init__(url, **options)
+        if url.username or url.password:
+            raise ValueError(f"memory:// takes no credentials (it is this process's memory); got {url.redacted!r}")
         self.capacity = option_bytes(options["capacity"], "capacity") if "capacity" in options else None
         name = (url.host or "") + url.path
         with _STORES_LOCK:

@@ -26,22 +26,22 @@ hashes only the row, and the payload is verified where it is used, on the device
 (``HICACHE_L3_HOST_CHECK=1`` writes algorithm 1, hashed on the host as well). Version 1 (no such
 field) reads as a mismatch.
 
-XXH3-64 is the payload checksum because it is the one fast enough to sit on the
-I/O path: measured here (2-core AMD EPYC VM) at 15-19 GB/s on a cache-resident 4.5 MB page
-and about 17 GB/s from DRAM, against 5 GB/s for zlib's CRC-32, 8.6 for CRC-32C, 7 for
-BLAKE3 and 1.1 for SHA-256. It comes from the ``xxhash`` package (its bundled xxHash picks
-AVX2 at run time); the system's libxxhash through ctypes is the fallback (Debian's build
-runs at about 6 GB/s, SSE2 only). Both give the same digest.
+XXH3-64 is the payload checksum because it is the one fast enough to sit on the I/O path
+(docs/storage-checksums.md has the comparison). It comes from the ``xxhash`` package; the
+system's libxxhash through ctypes is the fallback. Both give the same digest.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import struct
+import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 MAGIC = b"HICP"
 FORMAT_VERSION = 2
@@ -203,3 +203,57 @@ def address_of(buffer: bytes | bytearray | memoryview) -> int:
 
         return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
     return ctypes.addressof(ctypes.c_char.from_buffer(view.cast("B")))
+
+
+# ---- the checksums of a batch's pages, on several threads ----------------------------------------
+
+
+def checksum_threads() -> int:
+    """Threads that checksum a batch's pages at once (``HICACHE_L3_HASH_THREADS``; default the cores, at most 8)."""
+    raw = os.environ.get("HICACHE_L3_HASH_THREADS", "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"HICACHE_L3_HASH_THREADS={raw!r} must be an integer >= 1")
+        return int(raw)
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+_HASHERS: Any = None
+_HASHERS_LOCK = threading.Lock()
+
+
+def parallel_checksums(pages: list[list[tuple[int, int]]], threads: int | None = None) -> list[int]:
+    """The payload checksum of each page (its runs), pages spread over ``threads`` (default :func:`checksum_threads`).
+
+    XXH3 releases the GIL while it hashes, so the pages of a batch are checksummed on several
+    cores at once. An empty run list gives 0 (nothing to check).
+    """
+    global _HASHERS
+    threads = checksum_threads() if threads is None else threads
+    if len(pages) < 2 or threads == 1:
+        return [checksum_runs(r) if r else 0 for r in pages]
+    with _HASHERS_LOCK:
+        if _HASHERS is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _HASHERS = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hicache-l3-hash")
+    return list(_HASHERS.map(lambda r: checksum_runs(r) if r else 0, pages))
+
+
+def hashed_runs(runs: list[tuple[int, int]], size: int, device_checked: bool) -> list[tuple[int, int]]:
+    """What the store's checksum covers: payload and checksum row, or only the row of a device-checked page."""
+    if device_checked and sum(n for _, n in runs) > size:
+        return runs[-1:]  # the row is the last run (PageMap.object_spans)
+    return runs
+
+
+def row_of(runs: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The bytes after the first ``size`` bytes of ``runs`` (the checksum row after the payload)."""
+    out, skip = [], size
+    for ptr, n in runs:
+        if skip >= n:
+            skip -= n
+            continue
+        out.append((ptr + skip, n - skip))
+        skip = 0
+    return out

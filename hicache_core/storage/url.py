@@ -3,31 +3,94 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from ..lazy import Moved, lazy_face
 
-#: Query options whose values are secrets: never printed (see :func:`redact_url`).
+#: Options (URL query or keyword) whose values are secrets: never printed (see :func:`redact_text`).
 SECRET_OPTIONS = frozenset({"password", "passwd", "pass", "token", "secret", "auth"})
+
+_OPTION_NAMES = "|".join(sorted(SECRET_OPTIONS, key=len, reverse=True))
+#: ``password=value``, ``password: value``, ``'password': 'value'`` (a dict's repr), ``?token=value&``.
+_SECRET_OPTION = re.compile(
+    r"(?i)(?<![A-Za-z0-9_])((?:" + _OPTION_NAMES + r")['\"]?\s*[=:]\s*)('[^']*'|\"[^\"]*\"|[^&\s'\"#,;)}\]]*)"
+)
+#: A URL's user-info anywhere in a text: ``scheme://user:password@``, up to the netloc's last ``@``.
+_USERINFO = re.compile(r"(?i)([a-z][a-z0-9+.-]*://)([^\s/?#'\"@]*(?:@[^\s/?#'\"@]*)*)@")
+#: A literal secret shorter than this is left to the patterns above: replacing every "ab" would garble the text.
+_MIN_LITERAL = 3
+
+
+def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
+    """``text`` with every credential replaced by ``***``: what a message, log line or label may show.
+
+    Replaced: the password of any URL's user-info in the text (``scheme://user:***@host``), the
+    value of every secret option (:data:`SECRET_OPTIONS`, as ``name=value``, ``name: value`` or a
+    dict's ``'name': 'value'``), and every occurrence of each literal in ``secrets`` (the values a
+    backend was given, so a driver's message that repeats one in another form is caught too).
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    for secret in sorted({s for s in secrets if isinstance(s, str) and len(s) >= _MIN_LITERAL}, key=len, reverse=True):
+        text = text.replace(secret, "***")
+
+    def userinfo(match: re.Match) -> str:
+        user, colon, _ = match.group(2).partition(":")
+        return f"{match.group(1)}{user}{':***' if colon else ''}@"
+
+    text = _USERINFO.sub(userinfo, text)
+    return _SECRET_OPTION.sub(lambda m: m.group(1) + ("'***'" if m.group(2)[:1] == "'" else
+                                                       '"***"' if m.group(2)[:1] == '"' else "***"), text)  # fmt: skip
 
 
 def redact_url(url: str) -> str:
     """``url`` with the user-info password and secret query values replaced by ``***`` (for messages)."""
     if not isinstance(url, str):
         return type(url).__name__
-    head, sep, rest = url.partition("://")
-    secret = r"(?i)((?:^|[?&])(?:" + "|".join(sorted(SECRET_OPTIONS)) + r")=)[^&#]*"
-    if not sep:
-        return re.sub(secret, r"\1***", url)
-    netloc = re.match(r"[^/?#]*", rest).group(0)
-    tail = rest[len(netloc) :]
-    if "@" in netloc:
-        userinfo, _, hostport = netloc.rpartition("@")
-        user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}{':***' if colon else ''}@{hostport}"
-    return head + sep + netloc + re.sub(secret, r"\1***", tail)
+    return redact_text(url)
+
+
+def secrets_of(url: StorageURL | None, options: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """The secret values in a storage URL and a backend's options (to redact them wherever they show)."""
+    found = list(url.secrets) if url is not None else []
+    for name, value in (options or {}).items():
+        if name.lower() in SECRET_OPTIONS and value is not None and str(value):
+            found.append(str(value))
+    return tuple(dict.fromkeys(found))
+
+
+def scrub_exception(exc: BaseException, secrets: Iterable[str] = ()) -> BaseException:
+    """Redact ``exc`` in place (its arguments, notes, and the exceptions it chains to); returns it.
+
+    Every exception that leaves a storage backend passes through here (the
+    :class:`~hicache_core.storage.StorageBackend` base class and :func:`make_storage` do it),
+    so a plugin, or the driver it calls, that puts a password into a message never shows it.
+    """
+    secrets = tuple(secrets)
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        try:
+            current.args = tuple(redact_text(a, secrets) if isinstance(a, str) else a for a in current.args)
+        except (AttributeError, TypeError):  # an exception class with read-only args: its text is checked below
+            pass
+        if isinstance(current, OSError):
+            for attr in ("filename", "filename2", "strerror"):
+                value = getattr(current, attr, None)
+                if isinstance(value, str):
+                    setattr(current, attr, redact_text(value, secrets))
+        notes = getattr(current, "__notes__", None)
+        if isinstance(notes, list):
+            current.__notes__ = [redact_text(n, secrets) if isinstance(n, str) else n for n in notes]
+        todo += [current.__cause__, current.__context__]
+    return exc
 
 
 @dataclass(frozen=True)
@@ -45,6 +108,13 @@ class StorageURL:
     query: dict[str, str] = field(default_factory=dict, repr=False)
     username: str | None = field(default=None, repr=False)
     password: str | None = field(default=None, repr=False)
+
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """The secret values this URL carries: the user-info password and secret query values."""
+        found = [self.password] if self.password else []
+        found += [v for k, v in self.query.items() if k.lower() in SECRET_OPTIONS and v]
+        return tuple(found)
 
     @property
     def redacted(self) -> str:

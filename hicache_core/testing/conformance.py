@@ -10,6 +10,7 @@ reasons, so the report shows what is not covered and why.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -25,6 +26,7 @@ from ..implementation import BACKUP_ALL, LOAD, Implementation, TransferRequest
 from ..registry import Registry, get_registry
 from . import cases as C
 from .cases import Case
+from .cuda_context import context_lost
 
 #: Bad inputs the kit feeds every operation: (expected exception types, words the message must hold, validate).
 BAD_INPUTS: dict[str, tuple[tuple[type[BaseException], ...], tuple[str, ...], bool]] = {
@@ -49,17 +51,6 @@ _registries: dict[type, Registry] = {}
 #: The first case after which the CUDA context was found broken (a device-side assert, an illegal
 #: address): every later CUDA case skips with it, instead of failing for a reason of its own.
 _cuda_lost: list[str] = []
-
-
-def context_lost() -> str | None:
-    """Why the CUDA context is unusable now (a sticky error shows at the next synchronize), or ``None``."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return None
-    try:
-        torch.cuda.synchronize()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
 
 
 @dataclass
@@ -91,6 +82,9 @@ class ConformanceTests:
       :meth:`make_registry` for anything else; it is a class method because
       cases are generated at collection time, from the registry's layouts.
     * :attr:`device`: ``"cpu"`` or ``"cuda"`` (default: CUDA when available and claimed).
+    * :attr:`isolate`: run each case in a child process (:mod:`hicache_core.testing.isolated`),
+      so a case that crashes its process or breaks the CUDA context fails with what happened and
+      later cases still run. Default: on CUDA; ``HICACHE_KIT_ISOLATE=1``/``0`` overrides the default.
     * :attr:`only_pool_kinds`, :attr:`only_layouts`, :attr:`only_operations`,
       :attr:`variants`, :attr:`page_sizes`, :attr:`index_dtypes`: narrow the matrix.
 
@@ -101,6 +95,7 @@ class ConformanceTests:
     implementation: ClassVar[str | type[Implementation] | None] = None
     plugins: ClassVar[Mapping[str, object] | None] = None
     device: ClassVar[str | None] = None
+    isolate: ClassVar[bool | None] = None
     only_pool_kinds: ClassVar[Iterable[str] | None] = None
     only_layouts: ClassVar[Iterable[str] | None] = None
     only_operations: ClassVar[Iterable[str] | None] = None
@@ -167,6 +162,50 @@ class ConformanceTests:
         if torch.cuda.is_available() and "cuda" in impl.device_types:
             return torch.device("cuda")
         return torch.device("cpu")
+
+    @classmethod
+    def isolated(cls) -> bool:
+        """Whether cases run in the case worker: :attr:`isolate`, else ``HICACHE_KIT_ISOLATE``, else on CUDA."""
+        if cls.isolate is not None:
+            return bool(cls.isolate)
+        env = os.environ.get("HICACHE_KIT_ISOLATE", "").strip()
+        if env in ("0", "1"):
+            return env == "1"
+        if env:
+            raise ValueError(f"HICACHE_KIT_ISOLATE={env!r}: use 1 (each case in a child process) or 0")
+        return cls.device_under_test().type == "cuda"
+
+    @classmethod
+    def hicache_run_isolated(cls, item: pytest.Function) -> bool | None:
+        """Run a matrix test's case in the case worker (called by the pytest plugin); ``None``: run it here.
+
+        The worker's answer becomes this case's outcome. A worker that died (a signal, an abort)
+        or a case that broke the CUDA context fails the case with what happened, its case id and
+        the worker's last stderr lines; the next case gets a fresh worker.
+        """
+        if "hicache_case" not in item.fixturenames or not cls.isolated():
+            return None
+        from .isolated import run_case
+
+        case = item.funcargs["hicache_case"]
+        answer = run_case(item, case)
+        outcome, message = answer["outcome"], answer.get("message", "")
+        if outcome == "passed":
+            return True
+        if outcome == "skipped":
+            pytest.skip(message)
+        name = cls.implementation_under_test().name
+        who = f"{name} (plugin {cls.registry_under_test().plugin_of(name)})"
+        if outcome == "crashed":
+            stderr = answer.get("stderr") or "(nothing)"
+            pytest.fail(
+                f"{who} [{case.id}] crashed the process it ran in ({message}); the run goes on, the next case in a "
+                f"fresh process. The case worker's last words:\n{stderr}",
+                pytrace=False,
+            )
+        if outcome == "lost":
+            pytest.fail(f"{who} [{case.id}] {message}; the next case runs in a fresh process", pytrace=False)
+        pytest.fail(message, pytrace=False)
 
     # ---- case generation (called by the pytest plugin) ------------------------------------------
 
@@ -918,4 +957,17 @@ _CASES: dict[str, Callable[[type[ConformanceTests]], Iterable[tuple[Case, str | 
     "unpinned": lambda cls: list(_per_layout(cls, ["plain"])),
 }
 
-__all__ = ["BAD_INPUTS", "ORDERS", "ConformanceTests"]
+#: Each matrix in words, as docs/plugins.md's kit table states it (tests/test_kit_docs.py keeps them equal).
+MATRIX_DOCS: dict[str, str] = {
+    "round_trip": "pool kind x layout x operation x plain/sharded/draft x page size 1 and 64 x int32/int64",
+    "order": "pool kind x layout x operation x order",
+    "partial": "pool kind x layout x operation",
+    "untouched": "pool kind x layout x operation x plain/sharded",
+    "bad": "pool kind x layout x operation x bad input",
+    "oracle": "pool kind x layout x operation",
+    "stream": "pool kind x layout x operation",
+    "unpinned": "pool kind x layout x operation",
+}
+assert set(MATRIX_DOCS) == set(_CASES), "every matrix is described for the docs"
+
+__all__ = ["BAD_INPUTS", "MATRIX_DOCS", "ORDERS", "ConformanceTests"]

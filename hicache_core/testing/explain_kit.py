@@ -82,10 +82,10 @@ class _Slow:
     METHODS = ("get_objects_into", "get_objects")
 
     def __init__(self, storage: Any, delay: float) -> None:
-        self.storage, self.delay = storage, delay
-        self.real = {m: getattr(storage, m) for m in self.METHODS}
+        self.backend, self.delay = storage.backend, delay  # the plugin's primitives, under the page store
+        self.real = {m: getattr(self.backend, m) for m in self.METHODS}
         for m in self.METHODS:
-            setattr(storage, m, self._slowed(self.real[m]))
+            setattr(self.backend, m, self._slowed(self.real[m]))
 
     def _slowed(self, fn: Callable) -> Callable:
         def read(*args: Any) -> Any:
@@ -96,7 +96,7 @@ class _Slow:
 
     def undo(self) -> None:
         for m in self.METHODS:
-            delattr(self.storage, m)
+            delattr(self.backend, m)
 
 
 def run_scenario(url: str, corrupt: Callable[[Any, str, int], None], outdir: Path) -> Scenario:
@@ -112,8 +112,8 @@ def run_scenario(url: str, corrupt: Callable[[Any, str, int], None], outdir: Pat
         slots = host.alloc(6 * PAGE)
         ctl.backup(toks[: 6 * PAGE], slots).result(30)
         host.free(slots)  # the host copies are evicted; only the store holds the prefix
-        storage.remove_objects([ns.key(keys[2])])
-        corrupt(storage, ns.key(keys[4]), HEADER_SIZE + 7)
+        storage.backend.remove_objects([ns.key(keys[2])])
+        corrupt(storage.backend, ns.key(keys[4]), HEADER_SIZE + 7)
         toks = PREFIXES["host_full"][0]
         slots = host.alloc(len(toks))
         ctl.backup(toks, slots).result(30)

@@ -39,23 +39,23 @@ def assert_shared(a: list[dict], b: list[dict], n_pages: int = 12) -> None:
 
 
 def stored_pages(url: str, n_pages: int = 16, salt: int = 1, **options: Any):
-    """A pool, a bound backend and ``n_pages`` stored pages (keys, source slots)."""
+    """A pool, a bound page store and ``n_pages`` stored pages (keys, source slots)."""
     host = make_pool(BIG, pages=2 * n_pages + 2, seed=salt)
-    backend = make_storage(url, host, model_id=f"faults-{salt}-{time.monotonic_ns()}", **options)
+    store = make_storage(url, host, model_id=f"faults-{salt}-{time.monotonic_ns()}", **options)
     toks = [(salt * 13 + i) % 30000 for i in range(n_pages * BIG.page_size)]
     keys = page_hashes(toks, BIG.page_size)
     src = host.alloc(n_pages * BIG.page_size)
-    results = backend.write_pages(keys, src)
+    results = store.write_pages(keys, src)
     assert all(r.ok for r in results), results[:2]
-    return host, backend, toks, keys, src
+    return host, store, toks, keys, src
 
 
 def kill_mid_backup(url: str, pause, kill, **options: Any) -> None:
     """The server stops answering, then dies, while a backup is in flight: pages fail, nothing hangs."""
     host = make_pool(BIG, pages=34, seed=5)
-    backend = make_storage(url, host, model_id=f"kill-b-{time.monotonic_ns()}", **options)
+    store = make_storage(url, host, model_id=f"kill-b-{time.monotonic_ns()}", **options)
     before = pool_image(host)
-    with StorageController(backend, op_timeout=30) as ctl:
+    with StorageController(store, op_timeout=30) as ctl:
         pause()
         future = ctl.backup(list(range(32 * 64)), host.alloc(32 * 64))
         time.sleep(0.5)
@@ -70,10 +70,10 @@ def kill_mid_backup(url: str, pause, kill, **options: Any) -> None:
 
 def kill_mid_prefetch(url: str, pause, kill, **options: Any) -> None:
     """The server dies while a prefetch is in flight: the pages fail, their slots are freed, the pool is intact."""
-    host, backend, toks, keys, src = stored_pages(url, salt=7, **options)
+    host, store, toks, keys, src = stored_pages(url, salt=7, **options)
     before = pool_image(host)
     free = host.available_size()
-    with StorageController(backend, prefetch_policy="wait_complete", batch_pages=4, op_timeout=30) as ctl:
+    with StorageController(store, prefetch_policy="wait_complete", batch_pages=4, op_timeout=30) as ctl:
         pause()
         future = ctl.prefetch(toks)
         time.sleep(0.5)
@@ -84,7 +84,7 @@ def kill_mid_prefetch(url: str, pause, kill, **options: Any) -> None:
     failed = [r for r in res.results if not r.ok]
     assert failed or res.error, "the failure is reported"
     after = pool_image(host)
-    if not backend.capabilities.zero_copy:
+    if not store.backend.capabilities.zero_copy:
         for name, image in before.items():
             assert (after[name] == image).all(), "a failed non-zero-copy read touched the pool"
     for i in range(len(keys)):  # the stored source pages are never touched
@@ -102,24 +102,24 @@ def slow_store_timeout(url: str, slow_down=None, **options: Any) -> None:
     """A slow store: the ``timeout`` policy returns, within its limit (plus the batch in flight), what arrived.
 
     ``slow_down(stop_event)`` makes the real server slow (pauses it) until ``stop_event`` is set; without
-    one, each read call of the backend is delayed by 0.3 s at the primitive (for stores a test cannot pause).
+    one, each read call of the store is delayed by 0.3 s at the primitive (for stores a test cannot pause).
     """
-    host, backend, toks, keys, src = stored_pages(url, n_pages=16, salt=9, **options)
+    host, store, toks, keys, src = stored_pages(url, n_pages=16, salt=9, **options)
     if slow_down is None:
-        name = "get_objects_into" if backend.capabilities.zero_copy else "get_objects"
-        real = getattr(backend, name)
+        name = "get_objects_into" if store.backend.capabilities.zero_copy else "get_objects"
+        real = getattr(store.backend, name)
 
         def delayed(*args):
             time.sleep(0.3)
             return real(*args)
 
-        setattr(backend, name, delayed)
+        setattr(store.backend, name, delayed)
 
         def slow_down(stop):
             stop.wait()
 
     limit = PrefetchTimeout(base_s=1.0, per_ki_token_s=0.0, max_s=1.0)
-    with StorageController(backend, prefetch_policy="timeout", prefetch_timeout=limit, batch_pages=2,
+    with StorageController(store, prefetch_policy="timeout", prefetch_timeout=limit, batch_pages=2,
                            op_timeout=30) as ctl:  # fmt: skip
         stop = threading.Event()
         slower = threading.Thread(target=slow_down, args=(stop,), daemon=True)
@@ -138,18 +138,18 @@ def slow_store_timeout(url: str, slow_down=None, **options: Any) -> None:
         assert (page_bytes(host, int(src[i * 64]) // 64) == page_bytes(host, int(res.host_indices[i * 64]) // 64)).all()
 
 
-def write_until_full(backend, host, rounds: int = 40) -> tuple[int, int]:
+def write_until_full(store, host, rounds: int = 40) -> tuple[int, int]:
     """Write fresh keys until the store refuses or evicts; returns (refused, missing among earlier keys)."""
     first: list[str] = []
     refused = 0
     slots = slots_of(list(range(1, 33)), 64)
     for r in range(rounds):
         keys = page_hashes([(r * 7919 + i) % 30000 for i in range(32 * 64)], 64, prior_hash=f"{r:064x}")
-        results = backend.write_pages(keys, slots)
+        results = store.write_pages(keys, slots)
         refused += sum(x.status is PageStatus.FULL for x in results)
         if not first:
             first = keys
         if refused:
             break
-    present = backend.exists_objects(backend.namespace.keys(first))
+    present = store.backend.exists_objects(store.namespace.keys(first))
     return refused, present.count(False)

@@ -11,7 +11,7 @@ directory or a server the fixture started) and, for the corruption test,
             return f"file://{tmp_path}"
 
         def corrupt_object(self, backend, key, offset):
-            ...flip the byte at ``offset`` of the stored object ``key``...
+            ...flip the byte at ``offset`` of the stored object ``key`` (``backend`` is the plugin's object)...
 
 Round trips are generated from the registry: every pool kind any registered layout
 stores, times every layout that stores it, so a new pool kind or layout is covered
@@ -34,6 +34,7 @@ from ..registry import Registry, get_registry
 from ..storage.backend import PageStatus, StorageBackend
 from ..storage.keys import Namespace, page_hashes
 from ..storage.make import make_storage
+from ..storage.page_store import PageStore
 from . import cases as C
 
 
@@ -146,29 +147,27 @@ class StorageConformanceTests:
 
     @pytest.fixture
     def open_storage(self, storage_url, model_id):
-        """``open_storage(host_pool, **kw)``: a bound backend of the URL under test, closed after the test."""
-        made: list[StorageBackend] = []
+        """``open_storage(host_pool, **kw)``: a bound page store of the URL under test, closed after the test."""
+        made: list[PageStore] = []
+        self._written: dict[int, list[str]] = {}  # full keys each store wrote, removed after the test
 
-        def opener(host: Any, **kw: Any) -> StorageBackend:
+        def opener(host: Any, **kw: Any) -> PageStore:
             kw.setdefault("model_id", model_id)
-            backend = make_storage(storage_url, host, **{**self.storage_options, **kw})
-            made.append(backend)
-            return backend
+            store = make_storage(storage_url, host, **{**self.storage_options, **kw})
+            made.append(store)
+            return store
 
         yield opener
-        for backend in made:
+        for store in made:
             try:
-                backend.remove_objects(list(getattr(backend, "_kit_written", [])))
+                store.backend.remove_objects(self._written.get(id(store), []))
             except Exception:  # noqa: BLE001 - best-effort cleanup of a shared store
                 pass
-            backend.close()
+            store.close()
 
-    @staticmethod
-    def _write(backend: StorageBackend, keys: list[str], pages: list[int]) -> list:
-        written = getattr(backend, "_kit_written", [])
-        written += backend.namespace.keys(keys)
-        backend._kit_written = written
-        return backend.write_pages(keys, slots_of(pages, backend.host_pool.page_size))
+    def _write(self, store: PageStore, keys: list[str], pages: list[int]) -> list:
+        self._written.setdefault(id(store), []).extend(store.namespace.keys(keys))
+        return store.write_pages(keys, slots_of(pages, store.host_pool.page_size))
 
     # ---- the tests -----------------------------------------------------------------------------
 
@@ -206,49 +205,49 @@ class StorageConformanceTests:
         """``set`` of a flat page and ``get`` of it round-trip, for backends and callers without zero-copy."""
         case = StorageCase("mha", "page_first", "plain", 4)
         host = make_pool(case, seed=3)
-        backend = open_storage(host)
+        store = open_storage(host)
         (key,) = page_hashes(tokens(1, 4, 3), 4)
-        backend._kit_written = backend.namespace.keys([key])
-        assert backend.set(key, host.get_data_page(2 * 4, flat=True))
-        got = backend.get(key)
+        self._written[id(store)] = store.namespace.keys([key])
+        assert store.set(key, host.get_data_page(2 * 4, flat=True))
+        got = store.get(key)
         assert got is not None and torch.equal(C.as_bytes(got), page_bytes(host, 2))
-        assert backend.get("0" * 64) is None
+        assert store.get("0" * 64) is None
 
     def test_prefix_exists_and_missing_keys(self, open_storage):
         """``batch_exists`` counts leading stored pages; missing pages read as ``missing`` and touch nothing."""
         case = StorageCase("mla", "page_first", "plain", 4)
         host = make_pool(case, seed=4)
-        backend = open_storage(host)
+        store = open_storage(host)
         keys = page_hashes(tokens(6, 4, 4), 4)
-        assert all(r.ok for r in self._write(backend, keys[:2] + keys[3:5], [1, 2, 3, 4]))
-        assert backend.batch_exists(keys) == 2
-        assert backend.batch_exists(keys[3:]) == 2
-        assert backend.batch_exists(keys[2:]) == 0
-        assert backend.batch_exists([]) == 0
+        assert all(r.ok for r in self._write(store, keys[:2] + keys[3:5], [1, 2, 3, 4]))
+        assert store.batch_exists(keys) == 2
+        assert store.batch_exists(keys[3:]) == 2
+        assert store.batch_exists(keys[2:]) == 0
+        assert store.batch_exists([]) == 0
         before = pool_image(host)
-        results = backend.read_pages([keys[2], keys[5]], slots_of([6, 7], 4))
+        results = store.read_pages([keys[2], keys[5]], slots_of([6, 7], 4))
         assert [r.status for r in results] == [PageStatus.MISSING] * 2
-        self._assert_untouched(host, before, except_pages=[6, 7] if backend.capabilities.zero_copy else [])
-        assert backend.get_stats().read_missing == 2
+        self._assert_untouched(host, before, except_pages=[6, 7] if store.backend.capabilities.zero_copy else [])
+        assert store.get_stats().read_missing == 2
 
     def test_concurrent_writers_of_one_key(self, open_storage):
         """Writers racing on one key leave one whole page, never a mixture."""
         case = StorageCase("mha", "page_first_direct", "plain", 4)
         pools = [make_pool(case, seed=10 + i) for i in range(4)]
-        backends = [open_storage(p) for p in pools]
+        stores = [open_storage(p) for p in pools]
         (key,) = page_hashes(tokens(1, 4, 5), 4)
         errors: list[BaseException] = []
-        start = threading.Barrier(len(backends))
+        start = threading.Barrier(len(stores))
 
-        def write(backend: StorageBackend) -> None:
+        def write(store: PageStore) -> None:
             try:
                 start.wait(10)
                 for _ in range(5):
-                    assert all(r.ok for r in self._write(backend, [key], [1]))
+                    assert all(r.ok for r in self._write(store, [key], [1]))
             except BaseException as exc:  # noqa: BLE001 - collected, asserted below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=write, args=(b,)) for b in backends]
+        threads = [threading.Thread(target=write, args=(b,)) for b in stores]
         for t in threads:
             t.start()
         for t in threads:
@@ -265,18 +264,18 @@ class StorageConformanceTests:
         """A byte flipped in the store makes the page ``corrupt``: counted, never reported loaded."""
         case = StorageCase("mha", "layer_first", "plain", 4)
         host = make_pool(case, seed=6)
-        backend = open_storage(host)
+        store = open_storage(host)
         keys = page_hashes(tokens(3, 4, 6), 4)
-        assert all(r.ok for r in self._write(backend, keys, [1, 2, 3]))
-        self.corrupt_object(backend, backend.namespace.key(keys[1]), 80 + 5)  # a payload byte
-        self.corrupt_object(backend, backend.namespace.key(keys[2]), 30)  # a header byte
+        assert all(r.ok for r in self._write(store, keys, [1, 2, 3]))
+        self.corrupt_object(store.backend, store.namespace.key(keys[1]), 80 + 5)  # a payload byte
+        self.corrupt_object(store.backend, store.namespace.key(keys[2]), 30)  # a header byte
         dst = make_pool(case, seed=7)
         before = pool_image(dst)
         reader = open_storage(dst)
         results = reader.read_pages(keys, slots_of([4, 5, 6], 4))
         assert [r.status for r in results] == [PageStatus.OK, PageStatus.CORRUPT, PageStatus.CORRUPT], results
         assert torch.equal(page_bytes(dst, 4), page_bytes(host, 1))
-        touched = [4, 5, 6] if reader.capabilities.zero_copy else [4]
+        touched = [4, 5, 6] if reader.backend.capabilities.zero_copy else [4]
         self._assert_untouched(dst, before, except_pages=touched)
         assert reader.get_stats().read_corrupt == 2
         assert reader.batch_get_into(keys, slots_of([4, 5, 6], 4)) == [True, False, False]
@@ -296,7 +295,7 @@ class StorageConformanceTests:
         before = pool_image(dst)
         results = forced.read_pages(keys, slots_of([3, 4], 4))
         assert [r.status for r in results] == [PageStatus.MISMATCH] * 2, results
-        if not forced.capabilities.zero_copy:
+        if not forced.backend.capabilities.zero_copy:
             self._assert_untouched(dst, before, except_pages=[])
         assert forced.get_stats().read_mismatch == 2
 
@@ -304,23 +303,23 @@ class StorageConformanceTests:
         """A backend failing some pages of a batch: exactly those report failure; the rest are stored and loaded."""
         case = StorageCase("page_rows", "page_first", "plain", 4)
         host = make_pool(case, seed=11)
-        backend = open_storage(host)
+        store = open_storage(host)
         keys = page_hashes(tokens(4, 4, 11), 4)
-        real_put = backend.put_objects
-        bad = set(backend.namespace.keys([keys[1], keys[3]]))
+        real_put = store.backend.put_objects
+        bad = set(store.namespace.keys([keys[1], keys[3]]))
 
         def put_failing_some(full_keys, values):
             good = [(k, v) for k, v in zip(full_keys, values) if k not in bad]
             done = iter(real_put([k for k, _ in good], [v for _, v in good]))
             return [OSError(5, "injected failure") if k in bad else next(done) for k in full_keys]
 
-        backend.put_objects = put_failing_some
-        results = self._write(backend, keys, [1, 2, 3, 4])
+        store.backend.put_objects = put_failing_some
+        results = self._write(store, keys, [1, 2, 3, 4])
         assert [r.ok for r in results] == [True, False, True, False]
         assert "injected failure" in results[1].detail
-        assert backend.get_stats().write_failed == 2
-        del backend.put_objects
-        assert backend.exists_objects(backend.namespace.keys(keys)) == [True, False, True, False]
+        assert store.get_stats().write_failed == 2
+        del store.backend.put_objects
+        assert store.backend.exists_objects(store.namespace.keys(keys)) == [True, False, True, False]
 
     def test_backend_raising_mid_batch(self, open_storage):
         """A read that raises halfway fails its batch (reported per page); pages outside it are untouched."""
@@ -331,58 +330,58 @@ class StorageConformanceTests:
         assert all(r.ok for r in self._write(writer, keys, [1, 2, 3, 4]))
         dst = make_pool(case, seed=13)
         reader = open_storage(dst)
-        reader_name = "get_objects_into" if reader.capabilities.zero_copy else "get_objects"
-        real = getattr(reader, reader_name)
+        reader_name = "get_objects_into" if reader.backend.capabilities.zero_copy else "get_objects"
+        real = getattr(reader.backend, reader_name)
 
         def raise_halfway(full_keys, *rest):
             half = len(full_keys) // 2
             real(full_keys[:half], *[r[:half] for r in rest])  # the first half really moves
             raise ConnectionError("store went away mid-batch")
 
-        setattr(reader, reader_name, raise_halfway)
+        setattr(reader.backend, reader_name, raise_halfway)
         before = pool_image(dst)
         results = reader.read_pages(keys, slots_of([5, 6, 7, 8], 4))
         assert [r.status for r in results] == [PageStatus.ERROR] * 4
         assert all("store went away mid-batch" in r.detail for r in results)
         self._assert_untouched(dst, before, except_pages=[5, 6, 7, 8])
         assert reader.get_stats().read_failed == 4
-        delattr(reader, reader_name)
+        delattr(reader.backend, reader_name)
         assert reader.batch_get_into(keys, slots_of([5, 6, 7, 8], 4)) == [True] * 4
 
     def test_bad_input_is_refused_before_any_byte_moves(self, open_storage):
         """Wrong lengths, partial pages, out-of-range or repeated pages and bad keys raise; nothing is stored."""
         case = StorageCase("mha", "page_first", "plain", 4)
         host = make_pool(case, seed=14)
-        backend = open_storage(host)
+        store = open_storage(host)
         keys = page_hashes(tokens(2, 4, 14), 4)
         before = pool_image(host)
         bad_calls = [
-            ((ValueError,), "host slots", lambda: backend.batch_set_from(keys, slots_of([1], 4))),
-            ((ValueError,), "whole pages", lambda: backend.batch_set_from(keys, slots_of([1, 2], 4) + 1)),
-            ((IndexError,), "outside", lambda: backend.batch_get_into(keys, slots_of([1, 99], 4))),
-            ((ValueError,), "same page", lambda: backend.batch_get_into(keys, slots_of([3, 3], 4))),
-            ((TypeError,), "1-D", lambda: backend.batch_set_from(keys, slots_of([1, 2], 4).float())),
-            ((TypeError,), "page hash", lambda: backend.batch_set_from([keys[0], 7], slots_of([1, 2], 4))),
-            ((TypeError,), "list of page hashes", lambda: backend.batch_exists(keys[0])),
+            ((ValueError,), "host slots", lambda: store.batch_set_from(keys, slots_of([1], 4))),
+            ((ValueError,), "whole pages", lambda: store.batch_set_from(keys, slots_of([1, 2], 4) + 1)),
+            ((IndexError,), "outside", lambda: store.batch_get_into(keys, slots_of([1, 99], 4))),
+            ((ValueError,), "same page", lambda: store.batch_get_into(keys, slots_of([3, 3], 4))),
+            ((TypeError,), "1-D", lambda: store.batch_set_from(keys, slots_of([1, 2], 4).float())),
+            ((TypeError,), "page hash", lambda: store.batch_set_from([keys[0], 7], slots_of([1, 2], 4))),
+            ((TypeError,), "list of page hashes", lambda: store.batch_exists(keys[0])),
         ]
         for types, words, call in bad_calls:
             with pytest.raises(types) as info:
                 call()
             assert words in str(info.value), f"{info.value!r} should say {words!r}"
-        assert backend.exists_objects(backend.namespace.keys(keys)) == [False, False]
+        assert store.backend.exists_objects(store.namespace.keys(keys)) == [False, False]
         self._assert_untouched(host, before, except_pages=[])
 
     def test_stats_count_reads_and_writes(self, open_storage):
         """Written and read pages and bytes are counted; the store's own figures come along."""
         case = StorageCase("mla", "page_first_direct", "plain", 4)
         host = make_pool(case, seed=15)
-        backend = open_storage(host)
+        store = open_storage(host)
         keys = page_hashes(tokens(3, 4, 15), 4)
-        self._write(backend, keys, [1, 2, 3])
-        backend.read_pages(keys, slots_of([4, 5, 6], 4))
-        stats = backend.get_stats().as_dict()
+        self._write(store, keys, [1, 2, 3])
+        store.read_pages(keys, slots_of([4, 5, 6], 4))
+        stats = store.get_stats().as_dict()
         assert stats["pages_written"] == 3 and stats["pages_read"] == 3
-        assert stats["bytes_written"] == stats["bytes_read"] == 3 * (backend.page_bytes + 80)
+        assert stats["bytes_written"] == stats["bytes_read"] == 3 * (store.page_bytes + 80)
         assert isinstance(stats["backend"], dict) and "error" not in stats["backend"], stats["backend"]
 
     # ---- assertions ----------------------------------------------------------------------------

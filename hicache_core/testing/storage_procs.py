@@ -123,7 +123,7 @@ def _agreement(rank: int, world: int, init_file: str, rounds: int = 12) -> dict:
             storage.batch_exists = failing
         if fault == (3, rank) and stored > 1:  # a damaged second page on this rank
             key = storage.namespace.key(_hashes(toks, page)[1])
-            storage.corrupt(key, 100)
+            storage.backend.corrupt(key, 100)
         future = ctl.prefetch(toks)
         if fault == (2, rank):
             future.cancel()
@@ -139,7 +139,7 @@ def _agreement(rank: int, world: int, init_file: str, rounds: int = 12) -> dict:
         if res.tokens:
             host.free(res.host_indices)
         host.free(src)
-        storage.remove_objects(storage.namespace.keys(_hashes(toks, page)))
+        storage.backend.remove_objects(storage.namespace.keys(_hashes(toks, page)))
     stats = ctl.stats()
     ctl.close()
     return {"rounds": out, "free_after": host.available_size(), "capacity": host.size, "stats": stats}

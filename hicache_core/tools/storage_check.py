@@ -17,19 +17,19 @@ from ..testing.cases import as_bytes, build_device_pools, fill_random, pages_of
 
 
 def open_store(url: str, host: Any = None, **kw: Any) -> Any:
-    """The backend of ``url``, reachable; or ``None`` after printing why not (never a traceback)."""
+    """The store of ``url``, reachable; or ``None`` after printing why not (never a traceback)."""
     try:
-        backend = make_storage(url, host, **kw)
+        store = make_storage(url, host, **kw)
     except (StorageError, ValueError, OSError) as exc:
         print(f"hicache storage: cannot open {redact_url(url)}: {redact_url(str(exc))}")
         return None
     try:
-        backend.ping()
+        store.ping()
     except StorageError as exc:
-        backend.close()
+        store.close()
         print(f"hicache storage: {redact_url(str(exc))}")
         return None
-    return backend
+    return store
 
 
 def _small_pool(page_size: int = 4, pages: int = 16) -> Any:
@@ -46,42 +46,42 @@ def run_check(url: str, as_json: bool = False) -> int:
     host = _small_pool()
     model_id = f"hicache-check-{uuid.uuid4().hex[:12]}"
     steps: list[tuple[str, bool, str]] = []
-    backend = open_store(url, host, model_id=model_id)
-    if backend is None:
+    store = open_store(url, host, model_id=model_id)
+    if store is None:
         return 2
     try:
         p = host.page_size
         keys = page_hashes(list(range(6 * p)), p)
         src = pages_of(torch.tensor([1, 3, 5, 7, 9, 11]), p)
         dst = pages_of(torch.tensor([2, 4, 6, 8, 10, 12]), p)
-        written = backend.write_pages(keys[:5], src[: 5 * p])
+        written = store.write_pages(keys[:5], src[: 5 * p])
         steps.append(("write 5 pages", all(r.ok for r in written), _why(written)))
-        hits = backend.batch_exists(keys)
+        hits = store.batch_exists(keys)
         steps.append(("batch_exists is a prefix length", hits == 5, f"{hits} of 6 (expected 5)"))
-        read = backend.read_pages(keys[:5], dst[: 5 * p])
+        read = store.read_pages(keys[:5], dst[: 5 * p])
         same = all(
             torch.equal(as_bytes(host.get_data_page(int(src[i * p]))), as_bytes(host.get_data_page(int(dst[i * p]))))
             for i in range(5)
         )
         steps.append(("read back byte-exact", all(r.ok for r in read) and same, _why(read)))
-        missing = backend.read_pages(keys[5:], dst[5 * p :])
+        missing = store.read_pages(keys[5:], dst[5 * p :])
         steps.append(("a missing page reads as missing", missing[0].status is PageStatus.MISSING, _why(missing)))
-        backend.remove_objects(backend.namespace.keys(keys))
-        steps.append(("remove", backend.batch_exists(keys) == 0, ""))
-        stats = backend.get_stats().as_dict()
+        store.backend.remove_objects(store.namespace.keys(keys))
+        steps.append(("remove", store.batch_exists(keys) == 0, ""))
+        stats = store.get_stats().as_dict()
     except Exception as exc:  # noqa: BLE001 - the store failed mid-check: say so, without a traceback
         print(f"hicache storage check {redact_url(url)}: the store failed: {type(exc).__name__}: "
-              f"{redact_url(str(exc))}; {backend.server_hint or 'check the store'}")  # fmt: skip
+              f"{redact_url(str(exc))}; {store.backend.server_hint or 'check the store'}")  # fmt: skip
         return 1
     finally:
-        backend.close()
+        store.close()
     ok = all(s[1] for s in steps)
     if as_json:
         print(json.dumps({"url": redact_url(url), "ok": ok,
                           "steps": [dict(step=s, ok=o, detail=d) for s, o, d in steps],
                           "stats": stats}, indent=2, default=str))  # fmt: skip
     else:
-        print(f"hicache storage check {redact_url(url)} ({type(backend).__name__}, {backend.capabilities})")
+        print(f"hicache storage check {redact_url(url)} ({type(store.backend).__name__}, {store.backend.capabilities})")
         for step, passed, detail in steps:
             print(f"  {'ok  ' if passed else 'FAIL'} {step}{': ' + detail if detail and not passed else ''}")
         print("all checks passed" if ok else "some checks FAILED")
@@ -90,17 +90,17 @@ def run_check(url: str, as_json: bool = False) -> int:
 
 def run_stats(url: str) -> int:
     """Print the store's own figures (and this process's counters, which start at zero) as JSON."""
-    backend = open_store(url)
-    if backend is None:
+    store = open_store(url)
+    if store is None:
         return 2
     try:
-        stats = backend.get_stats().as_dict()
+        stats = store.get_stats().as_dict()
     finally:
-        backend.close()
+        store.close()
     if "error" in stats["backend"]:
         stats["backend"]["error"] = redact_url(stats["backend"]["error"])
-    print(json.dumps({"url": redact_url(url), "backend_class": type(backend).__name__,
-                      "capabilities": vars(backend.capabilities), **stats}, indent=2, default=str))  # fmt: skip
+    print(json.dumps({"url": redact_url(url), "backend_class": type(store.backend).__name__,
+                      "capabilities": vars(store.backend.capabilities), **stats}, indent=2, default=str))  # fmt: skip
     return 0 if "error" not in stats["backend"] else 1
 
 

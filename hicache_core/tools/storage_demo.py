@@ -53,7 +53,7 @@ def _byte_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(t.shape[0], -1)
 
 
-def role_backup(url: str, model_id: str, tokens: int, seed: int, device: str) -> int:
+def role_backup(url: str, model_id: str, tokens: int, seed: int, device: str, stay: bool = False) -> int:
     dev, host = _pools(tokens, device)
     ids, slots, kv = _prefix(tokens, seed, dev)
     for rows, data in zip(_device_rows(dev), kv):
@@ -65,9 +65,14 @@ def role_backup(url: str, model_id: str, tokens: int, seed: int, device: str) ->
     storage = make_storage(url, host, model_id=model_id)
     with StorageController(storage) as ctl:
         result = ctl.backup(ids, host_slots).result(120)
+    ok = not result.failed and result.stored_prefix == tokens // PAGE
     print(f"process 1 (pid {_pid()}): computed {tokens} tokens, backed up {result.written} pages "
-          f"({len(result.failed)} failed) to {url}; exiting")  # fmt: skip
-    return 0 if not result.failed and result.stored_prefix == tokens // PAGE else 1
+          f"({len(result.failed)} failed) to {url}; {'staying until process 2 is done' if stay else 'exiting'}",
+          flush=True)  # fmt: skip
+    if stay and ok:
+        sys.stdin.read()  # the demo closes our stdin when process 2 has finished
+        storage.close()
+    return 0 if ok else 1
 
 
 def role_load(url: str, model_id: str, tokens: int, seed: int, device: str) -> int:
@@ -78,8 +83,10 @@ def role_load(url: str, model_id: str, tokens: int, seed: int, device: str) -> i
         t0 = time.perf_counter()
         res = ctl.prefetch(ids).result(120)
         prefetch_s = time.perf_counter() - t0
+    stats = storage.get_stats()
     print(f"process 2 (pid {_pid()}): fresh pools; found {res.local_hits} of {tokens // PAGE} pages, "
-          f"prefetched {res.completed} in {prefetch_s * 1e3:.1f} ms")  # fmt: skip
+          f"prefetched {res.completed} in {prefetch_s * 1e3:.1f} ms; the store's counters: pages_read "
+          f"{stats.pages_read}, bytes_read {stats.bytes_read}, read_corrupt {stats.read_corrupt}")  # fmt: skip
     if res.completed != tokens // PAGE:
         print(f"prefix not complete: {res.error or [r.detail for r in res.results if not r.ok][:3]}")
         return 1
@@ -102,11 +109,17 @@ def _pid() -> int:
     return os.getpid()
 
 
-def run_storage_demo(url: str, device: str | None = None, tokens: int = 512) -> int:
-    """Run process 1, wait for it to exit, then process 2; the exit code says whether the bytes matched."""
+def run_storage_demo(url: str, device: str | None = None, tokens: int = 512, writer_stays: bool = False) -> int:
+    """Run process 1, wait for it to exit, then process 2; the exit code says whether the bytes matched.
+
+    ``writer_stays``: process 1 stays alive, holding its host pool, until process 2 is done (a tier
+    whose pages live in their writer's memory, such as ``peer://``).
+    """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_id = f"hicache-demo-{uuid.uuid4().hex[:8]}"
     seed = int(time.time()) % 100000
+    if writer_stays:
+        return _demo_with_writer(url, model_id, tokens, seed, device)
     for role in ("backup", "load"):
         cmd = [sys.executable, "-m", __name__, role, url, model_id, str(tokens), str(seed), device]
         done = subprocess.run(cmd, timeout=300)
@@ -122,7 +135,35 @@ def run_storage_demo(url: str, device: str | None = None, tokens: int = 512) -> 
     return 0
 
 
+def _demo_with_writer(url: str, model_id: str, tokens: int, seed: int, device: str) -> int:
+    args = [url, model_id, str(tokens), str(seed), device]
+    writer = subprocess.Popen([sys.executable, "-m", __name__, "backup-stay", *args], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = "?"
+        while line and not line.startswith("process 1"):  # its report comes once its pages are stored
+            line = writer.stdout.readline()
+            print(line, end="")  # and whatever its libraries logged before
+        if "staying" not in line:
+            print("hicache demo --storage: the backup process failed")
+            return 1
+        done = subprocess.run([sys.executable, "-m", __name__, "load", *args], timeout=300)
+    finally:
+        writer.stdin.close()
+        try:
+            writer.wait(60)
+        finally:
+            writer.kill()
+    if done.returncode != 0:
+        print(f"hicache demo --storage: the load process failed (exit {done.returncode})")
+        return 1
+    print("L3 demo passed: a prefix backed up by one process was found, prefetched and loaded by another "
+          "while the first one held it")
+    return 0
+
+
 if __name__ == "__main__":
     role, url, model_id, tokens, seed, device = sys.argv[1:7]
-    fn = role_backup if role == "backup" else role_load
-    sys.exit(fn(url, model_id, int(tokens), int(seed), device))
+    if role == "load":
+        sys.exit(role_load(url, model_id, int(tokens), int(seed), device))
+    sys.exit(role_backup(url, model_id, int(tokens), int(seed), device, stay=role == "backup-stay"))

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ...implementation import BACKUP_ALL, LOAD, Implementation
+from ...layer_loads import layer_loader
 
 GEMM_WIDTH = 8192
 
@@ -98,9 +99,12 @@ class Streams:
 
 #: How the benchmark issues a prefill's loads: ``sglang`` as SGLang's ``L2TransferEngine`` does
 #: (every layer's load submitted on the load stream before the forward is queued, one event per
-#: layer that the forward's layer waits on), or ``interleaved`` (each layer's load, then that
-#: layer's GEMMs, as this benchmark's first version did: it hides the host's submission time behind the GEMMs).
-MODES = ("sglang", "interleaved")
+#: layer that the forward's layer waits on); ``loader``, in the same order, handed to hicache's layer
+#: loader (:mod:`hicache_core.layer_loads`: the call returns at once, the forward's layer waits for its
+#: layer's submission, then its event), which is what SGLang's adapter does; or ``interleaved`` (each
+#: layer's load, then that layer's GEMMs, as this benchmark's first version did: it hides the host's
+#: submission time behind the GEMMs).
+MODES = ("sglang", "loader", "interleaved")
 
 
 def prefill_run(streams: Streams, layers: int, load: Callable[[int], None] | None, compute: bool,
@@ -128,15 +132,27 @@ def prefill_run(streams: Streams, layers: int, load: Callable[[int], None] | Non
             ready[layer].record(ts)
         load_s += time.perf_counter() - t0
 
+    submitted = None
+
     def forward_layer(layer: int) -> None:
         with torch.cuda.stream(cs):
-            if load is not None:
+            if submitted is not None:
+                submitted.wait(layer, cs)
+            elif load is not None:
                 cs.wait_event(ready[layer])
             timing[1 + 2 * layer].record(cs)
             streams.gemms()
             timing[2 + 2 * layer].record(cs)
 
-    if mode == "sglang":
+    if mode == "loader":
+        if load is not None:
+            t0 = time.perf_counter()
+            submitted = layer_loader(cs.device).submit(layers, load, start_event=timing[0])
+            load_s += time.perf_counter() - t0
+        if compute:
+            for layer in range(layers):
+                forward_layer(layer)
+    elif mode == "sglang":
         if load is not None:
             for layer in range(layers):
                 issue_load(layer)
@@ -150,6 +166,8 @@ def prefill_run(streams: Streams, layers: int, load: Callable[[int], None] | Non
             if compute:
                 forward_layer(layer)
     host_submit = time.perf_counter() - host0
+    if submitted is not None:
+        submitted.finish_event.wait(cs)
     cs.wait_stream(ts)
     timing[-1].record(cs)
     torch.cuda.synchronize()

@@ -47,7 +47,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                 layouts: tuple[str, ...] | None = None) -> int:  # fmt: skip
     """Layer-wise loads under prefill GEMMs, and all-layer backups under decode (hicache_core.tools.bench.overlap).
 
-    ``modes`` (default: ``sglang`` alone with ``quick``, else both): how the loads are issued,
+    ``modes`` (default: ``sglang`` and ``loader`` with ``quick``, else all): how the loads are issued,
     :data:`hicache_core.tools.bench.overlap.MODES`."""
     if not torch.cuda.is_available():
         print("hicache bench --overlap needs a GPU")
@@ -57,7 +57,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
     env = environment()
     ceiling = measure_ceiling(1 << 30)
     print(f"ceiling: H2D {ceiling['h2d_gbps']:.1f} GB/s, D2H {ceiling['d2h_gbps']:.1f} GB/s")
-    modes = tuple(modes or (("sglang",) if quick else MODES))
+    modes = tuple(modes or (("sglang", "loader") if quick else MODES))
     budgets = (2, 8, 0) if quick else (2, 4, 8, 16, 0)
     layouts = tuple(layouts or (("page_first_direct",) if quick else ("page_first_direct", "layer_first")))
     reps = 2 if quick else 3
@@ -81,17 +81,9 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                              + list(host.plan.host_buffers.values()))  # fmt: skip
             decl, geometry = registry.layouts[layout], host.geometry
             made: dict[str, Implementation] = {}
-            tuned: dict[str, dict] = {}  # a row's submission settings (an implementation's SUBMISSION_VARIANTS)
             for cls in impls:
                 if not reasons_for(cls, TransferRequest(cls.io_backend, LOAD, geometry, decl)):
                     made[cls.name] = impl = cls(host.plan)
-                    # The same implementation on each submission path it declares (the copy engine: the
-                    # caller's thread, the worker for every call), beside its default.
-                    declared = impl.tuning_variants()
-                    for variant in getattr(cls, "SUBMISSION_VARIANTS", {}):
-                        if variant in declared:
-                            made[f"{cls.name} {variant}"] = cls(host.plan)
-                            tuned[f"{cls.name} {variant}"] = declared[variant]
             request = TransferRequest("auto", LOAD, geometry, decl, True)
             try:
                 base = resolve(registry, request)
@@ -115,9 +107,8 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                         if budget is not None:
                             impl.max_ctas = budget
                         try:
-                            with impl.tuned(tuned.get(impl_name, {})):
-                                result = prefill_overlap(impl, streams, h, d, layers, nbytes, ceiling["h2d_gbps"],
-                                                         reps, compute_alone=alone, mode=mode)  # fmt: skip
+                            result = prefill_overlap(impl, streams, h, d, layers, nbytes, ceiling["h2d_gbps"], reps,
+                                                     compute_alone=alone, mode=mode)  # fmt: skip
                         except Exception as exc:  # noqa: BLE001 - one failing row must not end the run
                             print(f"{impl_name} {layout} {model_name} {m}: failed: {type(exc).__name__}: {exc}")
                             continue

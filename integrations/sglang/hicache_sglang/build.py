@@ -23,6 +23,7 @@ from hicache_core.host_pool import ENV_VALIDATE as ENV_VALIDATE
 
 from . import metrics, scales
 from .errors import NotServedError
+from .host_memory import check_host_memory
 from .identity import log_pool
 from .pool import DeviceView, SGLangHostPool, SGLangMHAHostPool, SGLangMLAHostPool
 
@@ -157,7 +158,7 @@ def build_kv_host_pool(
         tokens = _host_tokens(memory, host_size, capacity, page_size, bytes_per_token)
     else:  # a sidecar on another pool's slots (SGLang's non-packed drafts): exactly that many, no padding page
         tokens = _exact_tokens(host_token_capacity, page_size, label)
-    _check_host_memory(tokens * bytes_per_token, label)
+    check_host_memory(tokens * bytes_per_token, label)
     if scaled is not None:  # first: its layout and io backend are the narrower ones
         scale_view, scale_core = scales.make_scale_core(scaled, layout=layout, io_backend=io_backend, tokens=tokens,
                                                         label=label)  # fmt: skip
@@ -276,14 +277,3 @@ def _exact_tokens(tokens: int, page_size: int, label: str) -> int:
         )
     return tokens
 
-
-def _check_host_memory(requested: int, label: str) -> None:
-    """SGLang's host-memory budget (free memory within cgroup limits, less a reserve), booked as SGLang does."""
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_bytes
-
-    available = host_memory_budget_bytes(requested)
-    if requested > available:
-        raise ValueError(
-            f"Not enough host memory for the {label}: requesting {requested / 1e9:.2f} GB but only "
-            f"{available / 1e9:.2f} GB are free. Reduce --hicache-size or --hicache-ratio."
-        )

@@ -87,11 +87,14 @@ def install() -> None:
             if getattr(module, "build_kv_host_pool", None) is original:
                 module.build_kv_host_pool = build_kv_host_pool
                 _patched.append((module, "build_kv_host_pool"))
-        # The other host-pool families: hicache's where it serves them, refused at start-up where not.
+        # The other host-pool families (families.py), each constructor in the one module SGLang calls it from.
         from . import builders
 
         builders.install()
-        _log.info(builders.not_served_line())
+        # Layer-wise loads of hicache pools off the scheduler thread (HICACHE_SGLANG_LAYER_LOADS).
+        from . import layer_loads
+
+        layer_loads.install()
         _original = original
 
 
@@ -99,8 +102,9 @@ def uninstall() -> None:
     """Give SGLang its own ``build_kv_host_pool`` back (pools already built stay hicache's)."""
     global _original
     with _lock:
-        from . import builders
+        from . import builders, layer_loads
 
+        layer_loads.uninstall()
         builders.uninstall()
         for module, name in _patched:
             setattr(module, name, _original)

@@ -15,8 +15,8 @@ import os
 import sys
 
 from hicache_sglang._sglang_plugin import ENV
+from hicache_sglang.host_memory import apply_host_reserve
 from hicache_sglang.installer import install
-from hicache_sglang.startup import apply_host_reserve
 
 os.environ[ENV] = "1"
 install()

@@ -5,8 +5,8 @@
 when that copy is stale). Each cell
 asks hicache's registry, for a CUDA pool of the family's pool kind with pinned host memory,
 which io backends serve every operation the adapter resolves for it; ``direct`` is kept only
-with the layouts SGLang's controller can prepare indices for. Families that stay SGLang's
-come from :data:`hicache_sglang.builders.REFUSALS`.
+with the layouts SGLang's controller can prepare indices for. The rows are the pools of
+:mod:`hicache_sglang.families`, the one table of SGLang's host-pool families.
 """
 
 from __future__ import annotations
@@ -14,71 +14,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from dataclasses import dataclass
 
 import torch
 
 import hicache_core as hc
 
-from . import builders
 from .build import DIRECT_LAYOUTS
+from .families import FAMILIES, Pool
 
 BEGIN, END = "<!-- sglang-matrix:begin -->", "<!-- sglang-matrix:end -->"
-IO_BACKENDS = ("kernel", "direct")
-
-
-@dataclass(frozen=True)
-class Family:
-    """A SGLang host-pool family hicache serves: its SGLang class, hicache kind, and the layouts SGLang allows."""
-
-    name: str
-    sglang: str
-    kind: str
-    layouts: tuple[str, ...]
-    sharded: bool = False
-    #: kinds of the pools that ride beside it in the same calls (MXFP8's scales beside the K/V): they must serve too
-    with_kinds: tuple[str, ...] = ()
-    #: The io backends SGLang can ask of it (HiSparse's coordinator always passes ``kernel``).
-    io_backends: tuple[str, ...] = IO_BACKENDS
-
-
-FAMILIES: tuple[Family, ...] = (
-    Family("KV, MHA", "MHATokenToKVPoolHost", "mha", ("layer_first", "page_first", "page_first_direct", "page_head")),
-    Family("KV, MHA head_dim != v_head_dim", "AsymmetricMHATokenToKVPoolHost", "mha_asym",
-           ("page_first", "page_first_direct")),
-    Family("KV, MLA", "MLATokenToKVPoolHost", "mla",
-           ("layer_first", "page_first", "page_first_direct", "page_first_kv_split")),
-    Family("KV, MLA, layer-split (--enable-dsa-cache-layer-split)", "MLATokenToKVPoolHost", "mla",
-           ("layer_first", "page_first", "page_first_direct", "page_first_kv_split"), sharded=True),
-    Family("MTP draft KV (non-packed), MHA", "MHATokenToKVPoolHost", "mha",
-           ("layer_first", "page_first", "page_first_direct", "page_head")),
-    Family("MTP draft KV (non-packed), MLA", "MLATokenToKVPoolHost", "mla",
-           ("layer_first", "page_first", "page_first_direct", "page_first_kv_split")),
-    Family("DSA indexer", "DSAIndexerPoolHost", "page_rows", ("layer_first", "page_first", "page_first_direct")),
-    Family("DSA indexer, layer-split", "DSAIndexerPoolHost", "page_rows",
-           ("layer_first", "page_first", "page_first_direct"), sharded=True),
-    Family("DeepSeek-V4 paged (SWA, C4, C128, C4 indexer, draft SWA)", "DeepSeekV4PagedHostPool", "dsv4_paged",
-           ("layer_first", "page_first", "page_first_direct")),
-    Family("QSA indexer (compressed keys)", "QSAIndexerPoolHost", "dsv4_paged",
-           ("layer_first", "page_first", "page_first_direct")),
-    Family("Mamba / linear-attention state", "MambaPoolHost", "mamba", ("page_first", "page_first_direct")),
-    Family("DeepSeek-V4 compress state", "DeepSeekV4StateHostPool", "dsv4_state",
-           ("layer_first", "page_first", "page_first_direct")),
-    Family("KV, MHA MXFP8 (FP8 K/V + interleaved E8M0 scales, page size 128)", "MHATokenToKVPoolMXFP8Host", "mha",
-           ("page_first",), with_kinds=("kv_scale_pages",)),
-    Family("MiniMax-M3 NVFP4 main K/V (block scales inside the rows)", "MiniMaxM3Nvfp4MainKVPoolHost",
-           "nvfp4_page_rows", ("layer_first", "page_first", "page_first_direct")),
-    Family("MiniMax-M3 NVFP4 index K (block scales inside the rows)", "MiniMaxM3Nvfp4IndexKPoolHost",
-           "nvfp4_page_rows", ("layer_first", "page_first", "page_first_direct")),
-    Family("MiniMax sparse index K (K only)", "MHATokenToKOnlyPoolHost", "mha_k_only",
-           ("layer_first", "page_first", "page_first_direct")),
-    Family("HiSparse, MLA (--enable-hisparse; swap-in by SGLang's kernels, opt-in)", "MLATokenToKVPoolHost", "mla",
-           ("layer_first",), io_backends=("kernel",)),
-    Family("HiSparse, MiniMax-M3 MHA (--enable-hisparse; swap-in by SGLang's kernels, opt-in)",
-           "HiSparseMHATokenToKVPoolHost", "mha", ("layer_first",), io_backends=("kernel",)),
-    Family("HiSparse, DeepSeek-V4 C4 (--enable-hisparse; 8-byte words of the page rows; swap-in by SGLang's "
-           "kernels, opt-in)", "DeepSeekV4PagedHostPool", "dsv4_paged", ("layer_first",), io_backends=("kernel",)),
-)  # fmt: skip
 
 
 def _geometry(kind: hc.PoolKind, sharded: bool) -> hc.PoolGeometry:
@@ -98,8 +42,8 @@ def _geometry(kind: hc.PoolKind, sharded: bool) -> hc.PoolGeometry:
     return dataclasses.replace(hc.geometry_of(pool), device_type="cuda")
 
 
-def served(family: Family, layout: str) -> list[str]:
-    """The io backends serving every operation the adapter resolves for ``family`` in ``layout``."""
+def served(family: Pool, layout: str) -> list[str]:
+    """The io backends serving every operation the adapter resolves for the pool ``family`` in ``layout``."""
     registry = hc.get_registry()
     geometries = [_geometry(registry.pool_kinds[k], family.sharded) for k in (family.kind, *family.with_kinds)]
     ops = (hc.LOAD, hc.BACKUP_LAYER) if family.sharded else (hc.LOAD, hc.BACKUP_ALL)
@@ -118,19 +62,19 @@ def served(family: Family, layout: str) -> list[str]:
 
 
 def table() -> str:
-    """The markdown table: served families (layout: io backends), then the families that stay SGLang's."""
+    """The markdown table: every family's pools (layout: io backends), in the order they are declared."""
     lines = ["| SGLang host pool family | SGLang class | hicache pool kind | layout: io backends |",
              "|---|---|---|---|"]  # fmt: skip
-    for f in FAMILIES:
-        cells = [f"{layout}: {', '.join(served(f, layout)) or 'none'}" for layout in f.layouts]
-        kinds = " + ".join(f"`{k}`" for k in (f.kind, *f.with_kinds))
-        lines.append(f"| {f.name} | `{f.sglang}` | {kinds} | {'<br>'.join(cells)} |")
-    lines.append("| DeepSeek-V4 FULL anchor | `LogicalHostPool` | (slots only, no bytes) | every layout: no transfer |")
+    for family in FAMILIES:
+        if not family.pools:
+            lines.append(f"| {family.how} | `{family.attr}` | (slots only, no bytes) | every layout: no transfer |")
+        for f in family.pools:
+            cells = [f"{layout}: {', '.join(served(f, layout)) or 'none'}" for layout in f.layouts]
+            kinds = " + ".join(f"`{k}`" for k in (f.kind, *f.with_kinds))
+            lines.append(f"| {f.name} | `{f.sglang}` | {kinds} | {'<br>'.join(cells)} |")
     lines.append("| KV with per-slot scales: refused when the pool is built (SGLang's host pools refuse it too) | "
                  "`MHATokenToKVPoolFP4`, `MLATokenToKVPoolFP4`, `MHATokenToKVPoolMXFP8` below page size 128 | "
                  "SGLang's | an FP4 KV cache; MXFP8 with --page-size other than 128 |")  # fmt: skip
-    for r in builders.REFUSALS:
-        lines.append(f"| {r.family}: refused at start-up | `{r.pools}` | SGLang's | {r.how} |")
     return "\n".join(lines) + "\n"
 
 

@@ -20,17 +20,21 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
 from typing import Any
 
 from hicache_core import metrics as hm
+from hicache_core.settings import number, text
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "sglang:"
-ENV_INTERVAL = "HICACHE_METRICS_INTERVAL"
 DEFAULT_INTERVAL = 5.0
+INTERVAL = number("HICACHE_METRICS_INTERVAL", above=True, unit="seconds", default=DEFAULT_INTERVAL,
+                  doc="seconds between syncs of hicache's metrics to SGLang's /metrics (default 5)")  # fmt: skip
+ENV_INTERVAL = INTERVAL.name
+#: SGLang's own variable: set (for --enable-metrics) where prometheus_client runs in multiprocess mode.
+MULTIPROC_DIR = text("PROMETHEUS_MULTIPROC_DIR")
 
 _lock = threading.Lock()
 _mirror: PrometheusMirror | None = None
@@ -113,8 +117,7 @@ def start(interval: float | None = None) -> PrometheusMirror | None:
     Metrics are on when ``PROMETHEUS_MULTIPROC_DIR`` is set (SGLang sets it for ``--enable-metrics``).
     """
     global _mirror
-    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if not folder:
+    if MULTIPROC_DIR.read() is None:
         return None
     with _lock:
         if _mirror is not None:
@@ -131,23 +134,12 @@ def start(interval: float | None = None) -> PrometheusMirror | None:
                            "`hicache stats` and hicache_core.metrics.snapshot() still have them")  # fmt: skip
             return None
         if interval is None:
-            interval = _interval()
+            interval = INTERVAL.read()
         _mirror = PrometheusMirror()
         _mirror.sync()
         threading.Thread(target=_loop, args=(_mirror, interval), name="hicache-metrics", daemon=True).start()
         atexit.register(_mirror.sync)
         return _mirror
-
-
-def _interval() -> float:
-    text = os.environ.get(ENV_INTERVAL, "")
-    try:
-        value = float(text) if text else DEFAULT_INTERVAL
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{ENV_INTERVAL}={text!r}: seconds between metric syncs, a positive number")
-    return value
 
 
 def _loop(mirror: PrometheusMirror, interval: float) -> None:

@@ -49,7 +49,7 @@ class DeviceView:
             setattr(self, name, value)
 
 
-class SGLangHostPool(pool_api.CoreSlots):
+class SGLangHostPool(pool_api.HostPoolMembers):
     """hicache's host pool, speaking SGLang 0.5.23's host-pool API (``HostKVCache``).
 
     Attributes SGLang reads: ``kv_buffer`` (``k_buffer``/``v_buffer``), ``layout``,
@@ -59,14 +59,6 @@ class SGLangHostPool(pool_api.CoreSlots):
     ``can_use_write_back_jit``, ``shared_allocation_domain``, ``storage_format_tag``.
     ``core`` is the hicache pool underneath.
     """
-
-    dcp_size = 1
-    dcp_rank = 0
-    #: No compacting layout shared between pools: indices are physical slots as given.
-    shared_allocation_domain = None
-    stores_page_envelope = False
-    #: Pages are stored in SGLang's own byte format (same flat pages), so L3 keys need no tag.
-    storage_format_tag: str | None = None
 
     def __init__(
         self,
@@ -84,7 +76,7 @@ class SGLangHostPool(pool_api.CoreSlots):
         pool_label: str,
         layer_shard: bool = False,
     ) -> None:
-        self.core = core
+        self._take_core(core, pool_label)
         # Context-parallel LayerSplit pools: this rank owns view.start_layer..end_layer of the device
         # pool's layers; the host keeps only those, and a backup runs per owned layer, as SGLang's does.
         self.layer_shard_enabled = bool(layer_shard)
@@ -95,25 +87,12 @@ class SGLangHostPool(pool_api.CoreSlots):
         self._draft_device_pools = tuple(draft_device_pools)
         self._first_layer = first_layer
         self._device_layer_num = device_layer_num
-        self.pool_label = pool_label
-        self.layout = core.layout
-        self.page_size = core.page_size
         self.page_num = core.page_num
         self.size = core.size
-        self.layer_num = core.layer_num
         self.target_layer_num = core.layer_num - len(self._draft_views)
         self.start_layer = sglang_start_layer
         self.end_layer = sglang_end_layer
-        self.dtype = core.dtype
-        self.device = "cpu"
-        self.pin_memory = core.pin_memory
-        self.io_backend = core.io_backend
         self.device_capacity_tokens = device_capacity_tokens
-        self.size_per_token = core.get_size_per_token()
-        # SGLang's controller keeps host indices on the CPU for a page_first write only when the
-        # pool says so; a hicache pool takes indices anywhere and moves them to where the resolved
-        # implementation wants them, so no pool ever needs the controller to move them.
-        self.can_use_write_back_jit = True
 
     # ---- buffers (read through the core: destroy() empties them) ----------------------------------
 
@@ -129,29 +108,13 @@ class SGLangHostPool(pool_api.CoreSlots):
     def v_buffer(self) -> torch.Tensor | None:
         return self.core.v_buffer
 
-    @property
-    def implementations(self) -> dict[str, str]:
-        """The hicache implementation serving each operation."""
-        return self.core.implementations
-
     # ---- allocator --------------------------------------------------------------------------------
-
-    @property
-    def logical_size(self) -> int:
-        """Slots the radix tree sees (SGLang widens them under decode context parallelism; not served)."""
-        return self.size
 
     @property
     def logical_page_size(self) -> int:
         return self.page_size
 
     # ---- transfers --------------------------------------------------------------------------------
-
-    def prepare_transfer_indices(
-        self, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Physical indices for one submission: they already are (no shared compacting layout)."""
-        return host_indices, device_indices
 
     def load_to_device_per_layer(
         self,
@@ -195,25 +158,6 @@ class SGLangHostPool(pool_api.CoreSlots):
                                                    self._first_layer + self._device_layer_num + depth, io_backend,
                                                    is_draft=True)  # fmt: skip
 
-    def load_to_device_per_layer_physical(
-        self,
-        device_pool: Any,
-        host_indices: torch.Tensor,
-        device_indices: torch.Tensor,
-        layer_id: int,
-        io_backend: str,
-        *,
-        is_draft: bool = False,
-    ) -> None:
-        """The transfer engine's entry: indices are physical already (see :meth:`prepare_transfer_indices`)."""
-        self.load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
-                                      is_draft=is_draft)  # fmt: skip
-
-    def backup_from_device_all_layer_physical(
-        self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
-    ) -> None:
-        self.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
-
     def _target(self, device_pool: Any, layer_id: int, is_draft: bool) -> tuple[DeviceView, int] | None:
         """The hicache view and absolute layer id for SGLang's local ``layer_id``; None for a no-op."""
         try:
@@ -254,50 +198,15 @@ class SGLangHostPool(pool_api.CoreSlots):
         """The page holding slot ``index`` (flat: SGLang's byte order, so storage stays compatible)."""
         return self.core.get_data_page(index, flat)
 
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return self.core.get_dummy_flat_data_page()
-
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         self.core.set_from_flat_data_page(index, data_page)
-
-    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Pointer and byte size of each contiguous host run of the given pages (zero-copy L3)."""
-        return self.core.get_page_buffer_meta(indices)
 
     def get_split_heads_page_buffer_meta(self, indices: torch.Tensor, split_factor: int) -> tuple[list[int], list[int]]:
         """Per page and head group, the K and V runs (storage shared by ranks of different TP sizes)."""
         return self.core.get_split_heads_page_buffer_meta(indices, split_factor)
 
-    def get_page_buffer_element_size(self, split_factor: int = 1) -> int | None:
-        return pool_api.page_buffer_element_size(self.core, split_factor)
-
-    def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
-        """The host tensors to register for zero-copy I/O, one per item part (K, V; or the MLA row)."""
-        return pool_api.part_buffers(self.core)
-
-    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
-        """``(ptrs, lens, item_lens)`` of the host regions made of whole pages (PD direct-to-host registration)."""
-        return self.core.get_contiguous_buf_infos()
-
-    def get_size_per_token(self) -> int:
-        return self.size_per_token
-
     def get_ksize_per_token(self) -> int:
         return self.core.get_ksize_per_token()
-
-    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        """Whether every page pointer the zero-copy paths hand out is ``page_size_bytes``-aligned (O_DIRECT)."""
-        if self.layout == "layer_first":
-            # Its page runs are per layer; SGLang answers False for it, and so does this.
-            return False
-        return self.core.is_stride_page_aligned(page_size_bytes)
-
-    def destroy(self) -> None:
-        """Release the host buffers; the pool is unusable after (SGLang calls it at shutdown)."""
-        self.core.destroy()
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.pool_label!r} {self.core!r}>"
 
 
 class SGLangMHAHostPool(SGLangHostPool):

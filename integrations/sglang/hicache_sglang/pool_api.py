@@ -35,6 +35,108 @@ class CoreSlots:
         self.core.clear()
 
 
+class HostPoolMembers(CoreSlots):
+    """The members every adapter pool answers alike from its hicache pool (``self.core``).
+
+    Both :class:`~hicache_sglang.SGLangHostPool` (KV pools) and
+    :class:`~hicache_sglang.sidecar.SGLangSidecarHostPool` (pools on another's slots) take them;
+    what differs (layer ids, flat pages, the K size) stays with each.
+    """
+
+    core: Any
+    pool_label: str
+    layout: str
+    size: int
+    size_per_token: int
+
+    dcp_size = 1
+    dcp_rank = 0
+    #: No compacting layout shared between pools: indices are physical slots as given.
+    shared_allocation_domain = None
+    stores_page_envelope = False
+    #: Pages are stored in SGLang's own byte format (same flat pages), so L3 keys need no tag.
+    storage_format_tag: str | None = None
+    #: SGLang's controller keeps host indices on the CPU for a page_first write only when the pool says
+    #: so; a hicache pool takes indices anywhere and moves them where its implementation wants them.
+    can_use_write_back_jit = True
+
+    def _take_core(self, core: Any, pool_label: str) -> None:
+        """The attributes SGLang reads that the hicache pool answers (layout, page size, layers, dtype, ...)."""
+        self.core = core
+        self.pool_label = pool_label
+        self.layout = core.layout
+        self.page_size = core.page_size
+        self.layer_num = core.layer_num
+        self.dtype = core.dtype
+        self.device = "cpu"
+        self.pin_memory = core.pin_memory
+        self.io_backend = core.io_backend
+        self.size_per_token = core.get_size_per_token()
+
+    @property
+    def implementations(self) -> dict[str, str]:
+        """The hicache implementation serving each operation."""
+        return self.core.implementations
+
+    @property
+    def logical_size(self) -> int:
+        """Slots the radix tree sees (SGLang widens them under decode context parallelism; not served)."""
+        return self.size
+
+    def prepare_transfer_indices(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Physical indices for one submission: they already are (no shared compacting layout)."""
+        return host_indices, device_indices
+
+    def load_to_device_per_layer_physical(self, device_pool: Any, host_indices: torch.Tensor,
+                                          device_indices: torch.Tensor, layer_id: int, io_backend: str, *,
+                                          is_draft: bool = False) -> None:  # fmt: skip
+        """The transfer engine's entry: indices are physical already (see :meth:`prepare_transfer_indices`)."""
+        self.load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
+                                      is_draft=is_draft)  # fmt: skip
+
+    def backup_from_device_all_layer_physical(
+        self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
+    ) -> None:
+        self.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return self.core.get_dummy_flat_data_page()
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Pointer and byte size of each contiguous host run of the given pages (zero-copy L3)."""
+        return self.core.get_page_buffer_meta(indices)
+
+    def get_page_buffer_element_size(self, split_factor: int = 1) -> int | None:
+        return page_buffer_element_size(self.core, split_factor)
+
+    def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
+        """The host tensors to register for zero-copy I/O, one per item part (K, V; or the MLA row)."""
+        return part_buffers(self.core)
+
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """``(ptrs, lens, item_lens)`` of the host regions made of whole pages (PD direct-to-host registration)."""
+        return self.core.get_contiguous_buf_infos()
+
+    def get_size_per_token(self) -> int:
+        return self.size_per_token
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        """Whether every page pointer the zero-copy paths hand out is ``page_size_bytes``-aligned (O_DIRECT)."""
+        if self.layout == "layer_first":
+            # Its page runs are per layer; SGLang answers False for it, and so does this.
+            return False
+        return self.core.is_stride_page_aligned(page_size_bytes)
+
+    def destroy(self) -> None:
+        """Release the host buffers; the pool is unusable after (SGLang calls it at shutdown)."""
+        self.core.destroy()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.pool_label!r} {self.core!r}>"
+
+
 def head_geometry(pool: Any) -> tuple[int, int, int]:
     """``(head_num, head_dim, v_head_dim)`` of an MHA pool (rows per token, elements per row)."""
     comps = pool.geometry.components

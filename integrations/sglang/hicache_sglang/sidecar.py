@@ -34,7 +34,7 @@ class SidecarView:
         self.end_layer = self.layer_num = len(buffers)
 
 
-class SGLangSidecarHostPool(pool_api.CoreSlots):
+class SGLangSidecarHostPool(pool_api.HostPoolMembers):
     """hicache's host pool with a SGLang sidecar's members (layer map, drafts, page-row indices).
 
     :param core: the hicache pool over ``view`` (and one view per draft).
@@ -45,14 +45,7 @@ class SGLangSidecarHostPool(pool_api.CoreSlots):
 
     # alloc, free, available_size, clear: CoreSlots (a sidecar reuses its anchor's slots; SGLang's keeps one anyway).
 
-    dcp_size = 1
-    dcp_rank = 0
-    shared_allocation_domain = None
-    stores_page_envelope = False
-    storage_format_tag: str | None = None
     can_use_jit = False
-    #: A hicache pool takes indices on the CPU or the device; the controller never needs to move them.
-    can_use_write_back_jit = True
 
     def __init__(
         self,
@@ -69,7 +62,7 @@ class SGLangSidecarHostPool(pool_api.CoreSlots):
         size: int,
         page_num: int,
     ) -> None:
-        self.core = core
+        self._take_core(core, pool_label)
         self._view = view
         self._draft_views = tuple(draft_views)
         self.device_pool = device_pool
@@ -77,35 +70,15 @@ class SGLangSidecarHostPool(pool_api.CoreSlots):
         self._host_layer_of = dict(host_layer_of)
         self._draft_layer_base = draft_layer_base
         self.layer_shard_enabled = bool(layer_shard)
-        self.pool_label = pool_label
-        self.layout = core.layout
-        self.page_size = core.page_size
         # Slots follow the anchor: SGLang reports the anchor's size and page count, whatever
         # spare page rows the buffer keeps.
         self.size = size
         self.page_num = page_num
-        self.layer_num = core.layer_num
         self.target_layer_num = core.layer_num - len(self._draft_views)
         self.start_layer = getattr(device_pool, "start_layer", 0)
         self.end_layer = getattr(device_pool, "end_layer", None)
-        self.dtype = core.dtype
-        self.device = "cpu"
-        self.pin_memory = core.pin_memory
-        self.io_backend = core.io_backend
-        self.size_per_token = core.get_size_per_token()
-
-    @property
-    def implementations(self) -> dict[str, str]:
-        return self.core.implementations
-
-    @property
-    def logical_size(self) -> int:
-        return self.size
 
     # ---- transfers ----------------------------------------------------------------------------
-
-    def prepare_transfer_indices(self, host_indices, device_indices, io_backend):
-        return host_indices, device_indices
 
     def _target(self, device_pool: Any, layer_id: int, is_draft: bool) -> tuple[SidecarView, int] | None:
         if is_draft:
@@ -160,65 +133,16 @@ class SGLangSidecarHostPool(pool_api.CoreSlots):
             self.core.backup_from_device_per_layer(view, host_indices, device_indices, self.target_layer_num + depth,
                                                    io_backend, is_draft=True)  # fmt: skip
 
-    def load_to_device_per_layer_physical(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,
-                                          is_draft: bool = False) -> None:  # fmt: skip
-        self.load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
-                                      is_draft=is_draft)  # fmt: skip
-
-    def backup_from_device_all_layer_physical(self, device_pool, host_indices, device_indices, io_backend) -> None:
-        self.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
-
     # ---- pages, for L3 storage backends -------------------------------------------------------
 
     def get_data_page(self, index: int, flat: bool = True):
         return self.core.get_data_page(int(index) - int(index) % self.page_size, flat)
 
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return self.core.get_dummy_flat_data_page()
-
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         self.core.set_from_flat_data_page(int(index) - int(index) % self.page_size, data_page)
 
-    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        return self.core.get_page_buffer_meta(indices)
-
-    def get_page_buffer_element_size(self, split_factor: int = 1) -> int | None:
-        return pool_api.page_buffer_element_size(self.core, split_factor)
-
-    def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
-        return pool_api.part_buffers(self.core)
-
-    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
-        return self.core.get_contiguous_buf_infos()
-
-    def get_size_per_token(self) -> int:
-        return self.size_per_token
-
     def get_ksize_per_token(self) -> int:
         return self.size_per_token
-
-    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        if self.layout == "layer_first":
-            return False
-        return self.core.is_stride_page_aligned(page_size_bytes)
-
-    def destroy(self) -> None:
-        self.core.destroy()
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.pool_label!r} {self.core!r}>"
-
-
-def check_host_memory(requested: int, label: str) -> None:
-    """SGLang's host-memory budget (free memory within cgroup limits, less its reserve), checked before allocating."""
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_bytes
-
-    available = host_memory_budget_bytes(requested)
-    if requested > available:
-        raise ValueError(
-            f"Not enough host memory for the {label}: requesting {requested / 1e9:.2f} GB but only "
-            f"{available / 1e9:.2f} GB are free. Reduce --hicache-size or --hicache-ratio."
-        )
 
 
 def sidecar_operations(layer_shard: bool) -> tuple[str, ...]:

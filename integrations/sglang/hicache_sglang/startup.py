@@ -12,49 +12,37 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from hicache_core.settings import Setting, SettingError
+
 from .build import DIRECT_LAYOUTS, check_layout_io
 from .errors import NotServedError
-
-#: Environment variables the adapter and hicache read in a server.
-ENVIRONMENT = {
-    "HICACHE_SGLANG": "1 installs the adapter in every process SGLang starts (launch_server sets it)",
-    "HICACHE_SGLANG_HOST_RESERVE_GIB": "host memory SGLang's HiCache budget keeps free (SGLang: 10 GiB, fixed)",
-    "HICACHE_VALIDATE": "1 checks indices, page structure and layer ownership on every host-pool call",
-    "HICACHE_PLUGINS": "comma-separated hicache plugins to load (default: every installed one)",
-    "HICACHE_DIRECT_{MAX_BATCH,STREAMS,PREFER_OVERLAP,BATCH}": "knobs of the direct io backend's copy engine",
-    "HICACHE_KERNEL_MAX_CTAS, HICACHE_JIT_MAX_CTAS": "CTAs of the Triton / JIT kernels (default 8, 0 = every SM)",
-    "HICACHE_SGLANG_HISPARSE_SWAP_IN": "sglang: serve --enable-hisparse (its swap-in: SGLang's kernels)",
-}
+from .host_memory import RESERVE, check_host_memory
 
 
-#: Environment variable: GiB of host memory SGLang's HiCache budget keeps back (SGLang 0.5.23 fixes 10 GiB).
-ENV_RESERVE = "HICACHE_SGLANG_HOST_RESERVE_GIB"
+def settings() -> tuple[Setting, ...]:
+    """The settings the adapter and hicache's pools read in a server (each declared once, where it is used)."""
+    from hicache_core.host_pool import VALIDATE
+    from hicache_core.layer_loads import TIMEOUT
+    from hicache_core.verify import VERIFY
+
+    from ._sglang_plugin import INSTALL
+    from .builders.hisparse import SWAP_IN
+    from .layer_loads import MODE
+    from .metrics import INTERVAL
+    from .storage import URL
+
+    return (INSTALL, RESERVE, VALIDATE, VERIFY, SWAP_IN, URL, INTERVAL, MODE, TIMEOUT)
 
 
-def apply_host_reserve() -> None:
-    """Set SGLang's host-memory reserve from ``HICACHE_SGLANG_HOST_RESERVE_GIB``, when given.
+def environment() -> dict[str, str]:
+    """The environment variables the adapter and hicache read in a server, each with what it does."""
+    from hicache_core.registry import ENV_PLUGINS
 
-    SGLang refuses a host pool unless free memory exceeds the pool plus a fixed 10 GiB, so a
-    small CPU server (or a CI machine with 7 GB) can never have a host tier. The budget
-    itself stays SGLang's (``host_memory_budget_bytes``); only the reserve changes, in every
-    process the launcher starts (the variable is inherited).
-
-    :raises NotServedError: the value is not a number of GiB >= 0.
-    """
-    import os
-
-    raw = os.environ.get(ENV_RESERVE, "")
-    if not raw:
-        return
-    try:
-        gib = float(raw)
-    except ValueError:
-        gib = -1.0
-    if not gib >= 0:
-        raise NotServedError(f"{ENV_RESERVE}={raw!r} is not a number of GiB >= 0")
-    from sglang.srt.mem_cache.pool_host import base
-
-    base.HICACHE_HOST_MEMORY_RESERVE_BYTES = int(gib * (1 << 30))
+    out = {setting.name: setting.doc for setting in settings()}
+    out[ENV_PLUGINS] = "comma-separated hicache plugins to load (default: every installed one)"
+    out["HICACHE_DIRECT_{MAX_BATCH,STREAMS,PREFER_OVERLAP,BATCH}"] = "knobs of the direct io backend's copy engine"
+    out["HICACHE_KERNEL_MAX_CTAS, HICACHE_JIT_MAX_CTAS"] = "CTAs of the Triton / JIT kernels (default 8, 0 = every SM)"
+    return out
 
 
 def check(server_args: Any) -> None:
@@ -63,9 +51,12 @@ def check(server_args: Any) -> None:
     :raises NotServedError: an io backend no installed hicache plugin serves, a layout SGLang's
         controller cannot drive with the io backend, a ``--hicache-size`` over the host memory budget,
         or ``--enable-hisparse`` without ``HICACHE_SGLANG_HISPARSE_SWAP_IN=sglang``.
+    :raises hicache_core.settings.SettingError: a setting holds a value it does not take.
     """
     from sglang.srt.arg_groups.overrides import resolving_view
 
+    for setting in settings():  # a value a setting does not take ends the launcher now, not a scheduler later
+        setting.read()
     server_args.resolve_once()  # SGLang's own resolution (it rewrites some layout/io pairs); idempotent
     cfg = resolving_view(server_args)
     if cfg.enable_hisparse:  # HiSparse builds its own host pool, with or without --enable-hierarchical-cache
@@ -101,16 +92,7 @@ def check_io_backend(io_backend: str) -> None:
 
 def check_host_size(size_gb: float) -> None:
     """``--hicache-size`` GB must fit SGLang's host-memory budget (checked per pool again at build time)."""
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_bytes
-
-    requested = int(size_gb * 1e9)
-    available = host_memory_budget_bytes(requested)
-    if requested > available:
-        raise NotServedError(
-            f"Not enough host memory for the HiCache host pool: --hicache-size {size_gb} asks for "
-            f"{requested / 1e9:.2f} GB but only {available / 1e9:.2f} GB are free (SGLang's host-memory budget). "
-            "Reduce --hicache-size or --hicache-ratio."
-        )
+    check_host_memory(int(size_gb * 1e9), "HiCache host pool", asking=f"--hicache-size {size_gb} asks for")
 
 
 def help_text() -> str:
@@ -127,7 +109,7 @@ def help_text() -> str:
     ]
     lines += _installed_lines()
     lines.append("  Environment:")
-    lines += [f"    {name}: {meaning}" for name, meaning in ENVIRONMENT.items()]
+    lines += [f"    {name}: {meaning}" for name, meaning in environment().items()]
     lines.append("  L3: --hicache-storage-backend file (SGLang's) works on hicache pools; see hicache's README.")
     return "\n".join(lines)
 
@@ -166,7 +148,7 @@ def wrap_prepare_server_args(original):
             raise
         try:
             check(server_args)
-        except NotServedError as exc:
+        except (NotServedError, SettingError) as exc:
             print(f"hicache-sglang: refusing to start: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         return server_args

@@ -8,7 +8,7 @@ SGLang 0.5.23 loads third-party storage backends through its ``dynamic`` backend
 
 (:func:`extra_config` builds that JSON). SGLang then calls ``batch_exists`` and the zero-copy
 ``batch_get_v1`` / ``batch_set_v1`` (``interface_v1``) with its page hashes and host slots; this
-class binds hicache's backend of ``url`` to the hicache pool under SGLang's host pool, so pages
+class binds hicache's page store of ``url`` to the hicache pool under SGLang's host pool, so pages
 move straight between the host pool and the store, with hicache's page header, checksum and
 namespace (model, pool geometry, rank share). Pages SGLang's own backends wrote are not read
 here, and the other way round: the formats differ.
@@ -17,15 +17,18 @@ here, and the other way round: the formats differ.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from hicache_core.settings import text
+
 from .errors import NotServedError
 
-#: Environment variable: the storage URL when the extra config names none.
-ENV_URL = "HICACHE_SGLANG_STORAGE_URL"
+#: The storage URL when the extra config names none.
+URL = text("HICACHE_SGLANG_STORAGE_URL", doc="hicache storage's URL when --hicache-storage-backend-extra-config "
+           "names none")  # fmt: skip
+ENV_URL = URL.name
 
 
 def extra_config(url: str, **options: Any) -> str:
@@ -49,7 +52,7 @@ class HicacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         extra = dict(storage_config.extra_config or {})
-        self.url = extra.get("url") or os.environ.get(ENV_URL, "")
+        self.url = extra.get("url") or URL.read()
         if not self.url:
             raise NotServedError(
                 'hicache storage needs a URL: put "url" (file:///dir, redis://host:port/db, mooncake://host:port) '
@@ -66,7 +69,7 @@ class HicacheStorage(HiCacheStorage):
                 raise NotServedError(f"hicache storage does not serve {what} parallelism (size {size}) yet")
         self.options = dict(extra.get("options") or {})
         self.config = storage_config
-        self.backend: Any = None
+        self.store: Any = None  # the hicache PageStore, made when SGLang registers its host pool
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         from hicache_core.storage import make_storage
@@ -83,14 +86,14 @@ class HicacheStorage(HiCacheStorage):
         if refusal:  # the pool's pages carry bytes beside its core pool (scales): storing the core's would drop them
             raise NotServedError(f"hicache storage cannot store the {mem_pool_host.pool_label!r} host pool: {refusal}")
         cfg = self.config
-        self.backend = make_storage(self.url, mem_pool_host.core, model_id=cfg.model_name or "model",
-                                    tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, replicated=cfg.is_mla_model,
-                                    **self.options)  # fmt: skip
+        self.store = make_storage(self.url, mem_pool_host.core, model_id=cfg.model_name or "model",
+                                  tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, replicated=cfg.is_mla_model,
+                                  **self.options)  # fmt: skip
 
     def _bound(self) -> Any:
-        if self.backend is None:
+        if self.store is None:
             raise RuntimeError("hicache storage is used before SGLang registered its host pool")
-        return self.backend
+        return self.store
 
     # ---- SGLang's zero-copy interface (interface_v1) ---------------------------------------------
 
@@ -125,6 +128,6 @@ class HicacheStorage(HiCacheStorage):
         self._bound().clear()
 
     def close(self) -> None:
-        if self.backend is not None:
-            self.backend.close()
-            self.backend = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None

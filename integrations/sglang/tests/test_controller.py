@@ -148,3 +148,103 @@ def test_local_layer_ids_would_be_silent_without_the_adapter(kind, monkeypatch):
         host.core.load_to_device_per_layer(host._view, h, slots, 0, "direct")
     host.load_to_device_per_layer(dev, h, slots, 0, "direct")  # the adapter: local 0 is model layer 20
     assert all(torch.equal(a, b) for a, b in zip(device_rows(dev, kind, 0, slots), before))
+
+
+def _loaded_into(kind: str, layout: str, io_backend: str, seed: int):
+    """A controller with 2 pages written to the host tier and queued for loading into fresh slots."""
+    page_size = 16
+    dev, allocator, host, controller = build(kind, layout, io_backend, page_size, PP_START)
+    fill_random(device_layers(dev), seed=seed)
+    device_indices = allocator.alloc(2 * page_size)
+    written = [device_rows(dev, kind, layer, device_indices) for layer in range(LAYERS)]
+    host_indices = controller.write(device_indices, node_id=1)
+    controller.ack_write_queue.pop().finish_event.synchronize()
+    load_indices = controller.load(host_indices, node_id=2)
+    fill_random(device_layers(dev), seed=seed + 1)
+    return dev, host, controller, written, load_indices
+
+
+@pytest.mark.parametrize("kind, layout, io_backend", [CASES[1], CASES[-2]], ids=[CASE_IDS[1], CASE_IDS[-2]])
+def test_layer_loads_are_submitted_off_the_scheduler_thread(kind, layout, io_backend, monkeypatch):
+    """hicache's pools: SGLang's start_loading returns before the copies; the forward's per-layer wait
+    (get_key_buffer -> LayerDoneCounter.wait_until) returns only once that layer's bytes are there."""
+    from hicache_core.layer_loads import PendingEvent
+
+    dev, host, controller, written, load_indices = _loaded_into(kind, layout, io_backend, seed=11)
+    threads, gate = [], threading.Event()
+    physical = type(host).load_to_device_per_layer_physical
+
+    def slow_physical(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        gate.wait(10)  # held until the scheduler thread has returned from start_loading
+        return physical(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(host), "load_to_device_per_layer_physical", slow_physical)
+    producer = controller.start_loading()
+    counter = controller.layer_done_counter
+    counter.set_consumer(producer)
+    ack = controller.ack_load_queue[-1]
+    assert isinstance(ack.finish_event, PendingEvent) and not ack.finish_event.query()
+    gate.set()
+    for layer in range(LAYERS):
+        buffer = dev.get_key_buffer(PP_START + layer)  # SGLang's forward side: waits for this layer
+        got = buffer[load_indices.to(buffer.device)].view(torch.uint8).cpu().reshape(len(load_indices), -1)
+        assert torch.equal(got, written[layer][0]), f"layer {layer}"
+    controller.ack_load_queue.pop().finish_event.synchronize()
+    assert counter.events[producer].finish_event.query()
+    assert threads and all(name.startswith("hicache-layer-loader") for name in threads), threads
+    for layer in range(LAYERS):
+        assert all(torch.equal(a, b) for a, b in zip(device_rows(dev, kind, layer, load_indices), written[layer]))
+
+
+def test_a_failed_layer_raises_in_the_forwards_wait(monkeypatch):
+    """A layer whose copies fail: the layers before it are there, its wait and later ones raise, naming it."""
+    from hicache_core.layer_loads import LayerLoadError
+
+    dev, host, controller, written, load_indices = _loaded_into("mha", "page_first_direct", "direct", seed=21)
+    physical = type(host).load_to_device_per_layer_physical
+
+    def failing_physical(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw):
+        if layer_id == 1:
+            raise RuntimeError("planted copy failure")
+        return physical(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw)
+
+    monkeypatch.setattr(type(host), "load_to_device_per_layer_physical", failing_physical)
+    producer = controller.start_loading()
+    controller.layer_done_counter.set_consumer(producer)
+    buffer = dev.get_key_buffer(PP_START)
+    got = buffer[load_indices.to(buffer.device)].view(torch.uint8).cpu().reshape(len(load_indices), -1)
+    assert torch.equal(got, written[0][0])
+    for layer in (1, 2):
+        with pytest.raises(LayerLoadError, match=r"layer 1 failed to load \(RuntimeError: planted copy failure\)"):
+            dev.get_key_buffer(PP_START + layer)
+    with pytest.raises(LayerLoadError, match="planted copy failure"):
+        controller.ack_load_queue.pop().finish_event.synchronize()
+
+
+def test_sglang_own_submission_on_request(monkeypatch):
+    """HICACHE_SGLANG_LAYER_LOADS=sglang keeps SGLang's submission (its events, on the scheduler thread);
+    any other value is refused, naming the variable and the allowed values."""
+    from hicache_sglang import layer_loads
+
+    layer_loads.uninstall()
+    try:
+        monkeypatch.setenv(layer_loads.ENV, "fast")
+        with pytest.raises(ValueError, match=r"^HICACHE_SGLANG_LAYER_LOADS='fast' is not one of: 'hicache', "
+                                             r"'sglang'$"):  # fmt: skip
+            layer_loads.install()
+        monkeypatch.setenv(layer_loads.ENV, "sglang")
+        layer_loads.install()
+        dev, host, controller, written, load_indices = _loaded_into("mla", "page_first", "kernel", seed=31)
+        producer = controller.start_loading()
+        ack = controller.ack_load_queue.pop()
+        assert type(ack.finish_event).__name__ != "PendingEvent"
+        ack.finish_event.synchronize()
+        assert producer >= 0
+        for layer in range(LAYERS):
+            assert all(torch.equal(a, b) for a, b in zip(device_rows(dev, "mla", layer, load_indices),
+                                                         written[layer]))  # fmt: skip
+    finally:
+        layer_loads.uninstall()
+        monkeypatch.delenv(layer_loads.ENV)
+        layer_loads.install()

@@ -22,7 +22,9 @@ from family_setup import (
 from sglang_setup import device_rows, host_rows, publish_settings, synchronize
 
 PAIRS = [("layer_first", "kernel"), ("page_first", "kernel"), ("layer_first", "direct"),
-         ("page_first_direct", "direct")]  # fmt: skip
+         ("page_first_direct", "direct"), ("page_first_kv_split", "kernel")]  # fmt: skip
+#: The indexer's page rows have one part: page_first_kv_split stores them as page_first.
+INDEXER_LAYOUT = {"page_first_kv_split": "page_first"}
 PAIR_IDS = [f"{layout}-{io}" for layout, io in PAIRS]
 
 
@@ -83,7 +85,7 @@ def test_dsa_stack(layout, io_backend):
     kv_host, index_host, _ = round_trip(pool, group, controller, allocator)
     assert isinstance(kv_host, hicache_sglang.SGLangMLAHostPool)
     assert isinstance(index_host, SGLangDSAIndexerHostPool) and isinstance(index_host, HostKVCache)
-    assert index_host.layer_num == DSA_LAYERS and index_host.layout == layout
+    assert index_host.layer_num == DSA_LAYERS and index_host.layout == INDEXER_LAYOUT.get(layout, layout)
     assert group.can_use_write_back_jit
 
 
@@ -96,12 +98,18 @@ def test_dsa_shared_topk_layers_keep_no_host_layer():
     assert index_host.layer_num == 2 and index_host.index_k_with_scale_buffer.shape[1] == 2
 
 
-@pytest.mark.parametrize("layout, io_backend", [("layer_first", "kernel"), ("page_first", "kernel"),
-                                                ("layer_first", "direct")],
-                         ids=["layer_first-kernel", "page_first-kernel", "layer_first-direct"])  # fmt: skip
+SPLIT_PAIRS = [("layer_first", "kernel"), ("page_first", "kernel"), ("layer_first", "direct"),
+               ("page_first_kv_split", "kernel")]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout, io_backend", SPLIT_PAIRS, ids=[f"{layout}-{io}" for layout, io in SPLIT_PAIRS])
 @pytest.mark.parametrize("shard_rank", [0, 1])
 def test_layer_split_stack(layout, io_backend, shard_rank):
-    """Context-parallel LayerSplit (--enable-dsa-cache-layer-split): each rank's host keeps its own layers only."""
+    """Context-parallel LayerSplit (--enable-dsa-cache-layer-split): each rank's host keeps its own layers only.
+
+    ``page_first_kv_split`` is seed 001's layout: the MLA anchor splits its rows, and the indexer (one part,
+    nothing to split) is stored as ``page_first``, read back through SGLang's page_first indexer shape.
+    """
     publish_settings(layout=layout, io_backend=io_backend, page_size=64)
     pool = dsa_pool(shard_rank=shard_rank)
     group, controller, allocator = dsa_stack(pool)
@@ -110,28 +118,22 @@ def test_layer_split_stack(layout, io_backend, shard_rank):
     assert len(owned) == DSA_LAYERS // 2 and kv_host.layer_num == index_host.layer_num == len(owned)
     assert kv_host.layer_shard_enabled and index_host.layer_shard_enabled
     assert kv_host.implementations["backup_from_device_per_layer"]
+    assert (kv_host.layout, index_host.layout) == (layout, INDEXER_LAYOUT.get(layout, layout))
 
 
-def test_an_indexer_layout_page_rows_cannot_take_is_refused_at_construction():
-    """page_first_kv_split splits MLA rows; index-key page rows have no such split (SGLang's pool refuses it too)."""
-    from hicache_core import UnsupportedCombinationError
+@pytest.mark.parametrize("layout", ["page_first", "page_first_kv_split"])
+def test_members_match_sglangs_indexer_pool(layout):
+    """Shapes, sizes, flat pages and page pointers agree with SGLang's own DSAIndexerPoolHost over the same anchor.
 
-    publish_settings(layout="page_first_kv_split", io_backend="kernel", page_size=64)
-    with pytest.raises(UnsupportedCombinationError, match=r"(?s)pool kind 'page_rows' allows only the layouts "
-                                                          r"layer_first, page_first, page_first_direct.*layouts for "
-                                                          r"io backend 'kernel': 'layer_first', 'page_first', "
-                                                          r"'page_first_direct'"):  # fmt: skip
-        dsa_stack(dsa_pool(shard_rank=1))
-
-
-def test_members_match_sglangs_indexer_pool():
-    """Shapes, sizes, flat pages and page pointers agree with SGLang's own DSAIndexerPoolHost over the same anchor."""
+    Under ``page_first_kv_split`` SGLang's indexer raises "Unsupported layout" mid-construction; hicache stores
+    it as ``page_first``, so SGLang's page_first indexer pool is the one it must equal.
+    """
     from hicache_sglang import builders
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     theirs_cls = next(original for module, attr, original in builders._patched if attr == "DSAIndexerPoolHost")
-    publish_settings(layout="page_first", io_backend="kernel", page_size=64)
+    publish_settings(layout=layout, io_backend="kernel", page_size=64)
     pool = dsa_pool()
     group, _, _ = dsa_stack(pool)
     ours, anchor = group.get_pool(PoolName.INDEXER), group.get_pool(PoolName.KV)

@@ -235,7 +235,7 @@ def test_refused_without_accepting_sglangs_swap_in(family, tp_group, monkeypatch
     with pytest.raises(NotServedError, match=rf"--enable-hisparse .*{hisparse.ENV_SWAP_IN}=sglang"):
         coordinator(dsa_device(64) if family == "mla" else m3_device(64), 64, tp_group)
     monkeypatch.setenv(hisparse.ENV_SWAP_IN, "yes")
-    with pytest.raises(NotServedError, match=r"'yes' is not 'sglang'"):
+    with pytest.raises(ValueError, match=r"^HICACHE_SGLANG_HISPARSE_SWAP_IN='yes' is not one of: 'sglang'$"):
         coordinator(dsa_device(64) if family == "mla" else m3_device(64), 64, tp_group)
 
 

@@ -102,10 +102,25 @@ def test_sglang_plugin_failure_is_never_silent(uninstalled, monkeypatch):
     monkeypatch.setenv("HICACHE_SGLANG", "1")
     with pytest.raises(uninstalled.NotServedError, match="SGLang 0.4.0 is installed"):
         activate()
-    with pytest.raises(RuntimeError, match="HICACHE_SGLANG=1 asked for hicache host pools, but installing "
+    with pytest.raises(RuntimeError, match="HICACHE_SGLANG asked for hicache host pools, but installing "
                                            "hicache-sglang failed") as info:  # fmt: skip
         assembler().build_kv_host_pool(kv_pool=None, page_size=1)
     assert isinstance(info.value.__cause__, uninstalled.NotServedError)
+
+
+def test_sglang_plugin_refuses_a_value_it_does_not_take(uninstalled, monkeypatch):
+    """HICACHE_SGLANG=maybe is neither on nor off: never a silent "off", so SGLang's own pools are refused too."""
+    from hicache_sglang._sglang_plugin import activate
+
+    from hicache_core.settings import SettingError
+
+    monkeypatch.setattr(assembler(), "build_kv_host_pool", assembler().build_kv_host_pool)  # restored after
+    monkeypatch.setenv("HICACHE_SGLANG", "maybe")
+    with pytest.raises(SettingError, match=r"^HICACHE_SGLANG='maybe' is not 1 or 0"):
+        activate()
+    with pytest.raises(RuntimeError, match="HICACHE_SGLANG asked for hicache host pools"):
+        assembler().build_kv_host_pool(kv_pool=None, page_size=1)
+    assert not uninstalled.is_installed()
 
 
 # The subprocesses import SGLang with the GPU visible: on a GPU machine without sgl_kernel (see
@@ -146,3 +161,36 @@ def test_launch_server_runs_sglangs_launcher():
                             text=True, env=env, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--hicache-mem-layout" in result.stdout and "--hicache-io-backend" in result.stdout
+
+
+def test_uninstall_gives_sglang_its_constructors_back():
+    import hicache_sglang
+    from hicache_sglang import builders, families
+    from sglang.srt.mem_cache.pool_host import dsa
+
+    dsa_family = next(f for f in families.TAKEOVERS if f.attr == "DSAIndexerPoolHost")
+    assert dsa.DSAIndexerPoolHost is builders.resolve(dsa_family.builder)
+    hicache_sglang.uninstall()
+    try:
+        assert isinstance(dsa.DSAIndexerPoolHost, type) and dsa.DSAIndexerPoolHost.__module__ == dsa.__name__
+        assert not builders._patched
+    finally:
+        hicache_sglang.install()
+    assert dsa.DSAIndexerPoolHost is builders.resolve(dsa_family.builder)
+
+
+def test_every_family_names_its_builder_and_pool_class():
+    """The one family table: each takeover's SGLang constructor exists, and so do its builder and pool class."""
+    import importlib
+
+    from hicache_sglang import builders, families
+
+    assert len({f.family for f in families.FAMILIES}) == len(families.FAMILIES)
+    assert len({(f.module, f.attr) for f in families.TAKEOVERS}) == len(families.TAKEOVERS)
+    for family in families.TAKEOVERS:
+        assert callable(builders.resolve(family.builder)), family.family
+        assert isinstance(builders.resolve(family.pool_class), type), family.family
+        replaced = next(original for module, attr, original in builders._patched
+                        if module.__name__ == family.module and attr == family.attr)  # fmt: skip
+        assert replaced is not getattr(importlib.import_module(family.module), family.attr)
+

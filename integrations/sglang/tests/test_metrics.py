@@ -136,5 +136,5 @@ def test_nothing_starts_without_sglang_metrics(monkeypatch):
     assert metrics.start() is None
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/nonexistent")
     monkeypatch.setenv(metrics.ENV_INTERVAL, "0")
-    with pytest.raises(ValueError, match="HICACHE_METRICS_INTERVAL='0'"):
-        metrics._interval()
+    with pytest.raises(ValueError, match=r"^HICACHE_METRICS_INTERVAL='0' is not a number of seconds > 0$"):
+        metrics.INTERVAL.read()

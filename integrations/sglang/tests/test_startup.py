@@ -46,16 +46,33 @@ def test_host_size_over_budget():
 
 
 def test_host_reserve(monkeypatch):
+    from hicache_sglang.host_memory import RESERVE, apply_host_reserve
     from sglang.srt.mem_cache.pool_host import base
 
+    from hicache_core.settings import SettingError
+
     monkeypatch.setattr(base, "HICACHE_HOST_MEMORY_RESERVE_BYTES", base.HICACHE_HOST_MEMORY_RESERVE_BYTES)
-    monkeypatch.setenv(startup.ENV_RESERVE, "0.5")
-    startup.apply_host_reserve()
+    monkeypatch.setenv(RESERVE.name, "0.5")
+    apply_host_reserve()
     assert base.HICACHE_HOST_MEMORY_RESERVE_BYTES == 1 << 29
     for bad in ("-1", "lots", "nan"):
-        monkeypatch.setenv(startup.ENV_RESERVE, bad)
-        with pytest.raises(NotServedError, match="is not a number of GiB >= 0"):
-            startup.apply_host_reserve()
+        monkeypatch.setenv(RESERVE.name, bad)
+        with pytest.raises(SettingError, match=rf"^{RESERVE.name}='{bad}' is not a number of GiB >= 0$"):
+            apply_host_reserve()
+
+
+def test_the_launcher_refuses_a_setting_it_does_not_take(monkeypatch):
+    """Every setting is read before SGLang starts; junk ends the launcher, naming the variable and its values."""
+    from hicache_sglang.metrics import INTERVAL
+
+    wrapped = startup.wrap_prepare_server_args(
+        lambda argv: publish_settings(layout="page_first", io_backend="kernel", page_size=16)
+    )
+    wrapped([])
+    monkeypatch.setenv(INTERVAL.name, "0")
+    with pytest.raises(SystemExit) as exit_:
+        wrapped([])
+    assert exit_.value.code == 2
 
 
 def test_help_names_what_the_adapter_adds():

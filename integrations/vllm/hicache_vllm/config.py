@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache_core.storage.url import redact_url
+
 from .errors import NotServedError
 
 #: Keys vLLM 0.32.0 itself reads from kv_connector_extra_config for an offloading spec
@@ -78,7 +80,8 @@ def parse_extra_config(extra: Mapping[str, Any]) -> HicacheOptions:
     url = extra.get("hicache_storage_url")
     if url is not None:
         if not isinstance(url, str) or "://" not in url:
-            raise NotServedError(f"hicache_storage_url must be a URL such as file:///dir, got {url!r}")
+            shown = redact_url(url) if isinstance(url, str) else type(url).__name__
+            raise NotServedError(f"hicache_storage_url must be a URL such as file:///dir, got {shown!r}")
         out["storage_url"] = url
         if int(extra.get("store_threshold", 0) or 0) >= 2:
             raise NotServedError(

@@ -4,8 +4,9 @@ This is the worker's engine room, written without vLLM so that its CUDA path is 
 vLLM's CUDA wheel cannot go. Semantics are vLLM's ``OffloadingWorker``'s:
 
 * a store reads device blocks only after the work queued on the caller's stream (the model
-  writing them); a load writes device blocks on a stream of its own, after the caller's stream
-  (vLLM's zeroing of reused blocks);
+  writing them); a load writes device blocks after the caller's stream (vLLM's zeroing of reused
+  blocks), submitted layer by layer by hicache's layer loader (:mod:`hicache_core.layer_loads`, as
+  SGLang's adapter does), so the worker's thread returns at once;
 * a job is finished (``get_finished``) only once its bytes have landed: device copies done (an
   event, on CUDA), and, with L3, pages read from the store and verified before the load copies,
   pages written to the store before the store job ends (so the host page is never reused while
@@ -230,10 +231,6 @@ class BlockMover:
         host_slots, dev_slots = self._slots(pages), self._device_slots(block_ids)
         job = Job(job_id, True, count * self.layers * self.page_bytes, time.perf_counter())
 
-        def copies() -> None:
-            for layer in range(self.layers):
-                self.host.load_to_device_per_layer(self.device_pool, host_slots, dev_slots, layer, self.io_backend)
-
         if fetch:
             if self.storage is None:
                 raise ValueError("a load asks for pages from L3, but this worker has no store")
@@ -242,9 +239,10 @@ class BlockMover:
             fetch_pages = np.array([chunk_ids[pos] for pos, _ in fetch], dtype=np.int64)
             fetch_slots = self._slots(fetch_pages)
             after = self._record_after_caller() if self.cuda else None
-            job.future = self._pool().submit(self._fetch_then_copy, job, keys, fetch_slots, after, copies, count)
+            job.future = self._pool().submit(self._fetch_then_load, job, keys, fetch_slots, after, host_slots,
+                                             dev_slots, count)  # fmt: skip
         elif count:
-            self._copy(job, copies)
+            self._load(job, host_slots, dev_slots, self._record_after_caller() if self.cuda else None)
         self._jobs[job_id] = job
 
     def get_finished(self) -> list[Finished]:
@@ -308,8 +306,8 @@ class BlockMover:
         event.record(torch.cuda.current_stream(self.device_pool.device))
         return event
 
-    def _copy(self, job: Job, run, after=None) -> None:
-        """Run the copies: on CUDA on this direction's stream after the caller's work, else now."""
+    def _copy(self, job: Job, run) -> None:
+        """Run a store's copies: on CUDA on the store stream after the caller's work, else now."""
         run = _outside_inference_mode(run)
         if not self.cuda:
             t0 = time.perf_counter()
@@ -317,16 +315,20 @@ class BlockMover:
             job.seconds = time.perf_counter() - t0
             return
         stream = self._stream(job.is_load)
-        if after is None:
-            stream.wait_stream(torch.cuda.current_stream(self.device_pool.device))
-        else:
-            stream.wait_event(after)
+        stream.wait_stream(torch.cuda.current_stream(self.device_pool.device))
         job.start_event = torch.cuda.Event(enable_timing=True)
         job.event = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             job.start_event.record(stream)
             run()
             job.event.record(stream)
+
+    def _load(self, job: Job, host_slots: torch.Tensor, dev_slots: torch.Tensor, after) -> None:
+        """Hand every layer's copies to the layer loader, after ``after`` (an event already recorded)."""
+        load = self.host.submit_load(self.device_pool, host_slots, dev_slots, self.io_backend, start_event=after,
+                                     timing=self.cuda)  # fmt: skip
+        job.event = load.finish_event
+        job.start_event = load.start_event if self.cuda else None
 
     def _write_through(self, event, keys: list[str], host_slots: torch.Tensor) -> None:
         if event is not None:
@@ -338,9 +340,9 @@ class BlockMover:
             with self._lock:
                 self.storage_write_failures += len(failed)
             log.warning("hicache-vllm: %d of %d pages were not written to %s: %s", len(failed), len(results),
-                        self.storage.url.raw, failed[0].detail or failed[0].status.value)  # fmt: skip
+                        self.storage.url.redacted, failed[0].detail or failed[0].status.value)  # fmt: skip
 
-    def _fetch_then_copy(self, job: Job, keys, fetch_slots, after, copies, count) -> None:
+    def _fetch_then_load(self, job: Job, keys, fetch_slots, after, host_slots, dev_slots, count) -> None:
         if self.cuda:
             torch.cuda.set_device(self.device_pool.device)
         results = self.storage.read_pages(keys, fetch_slots)
@@ -348,11 +350,11 @@ class BlockMover:
         if bad:
             raise TransferFailed(
                 f"job {job.job_id}: {len(bad)} of {len(keys)} pages could not be read back from "
-                f"{self.storage.url.raw} ({bad[0].status.value}: {bad[0].detail}); the request they belong to cannot "
-                "run on KV that did not arrive (vLLM 0.32's connector has no path for a failed load)"
+                f"{self.storage.url.redacted} ({bad[0].status.value}: {bad[0].detail}); the request they belong to "
+                "cannot run on KV that did not arrive (vLLM 0.32's connector has no path for a failed load)"
             )
         if count:
-            self._copy(job, copies, after=after)
+            self._load(job, host_slots, dev_slots, after)
         if job.event is not None:
             job.event.synchronize()
 

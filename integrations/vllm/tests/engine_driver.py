@@ -26,6 +26,10 @@ from tiny_model import prompt_ids  # noqa: E402
 
 BLOCK = 32
 DEVICE_BLOCKS = 16  # one is vLLM's null block: 15 usable, 480 tokens
+#: The blocks actually asked of the engine: DEVICE_BLOCKS, or as many as give this CPU's engine the same
+#: 480 tokens of device cache (tests/conftest.py's fit_device_blocks derives it from the engine's own report).
+ENGINE_BLOCKS = int(os.environ.get("HICACHE_TEST_DEVICE_BLOCKS", DEVICE_BLOCKS))
+MAX_MODEL_LEN = 384
 # The prefix; the MLA run takes one that is not a whole number of blocks (see test_mla_model_reloads_byte_exact).
 PREFIX = int(os.environ.get("HICACHE_TEST_PREFIX", "256"))
 GEN = 16
@@ -36,7 +40,7 @@ BATCH_GEN = 160
 def engine_args(mode: str, model: str, storage_url: str | None) -> dict:
     from vllm.config import KVTransferConfig
 
-    args = dict(model=model, block_size=BLOCK, num_gpu_blocks_override=DEVICE_BLOCKS, max_model_len=384,
+    args = dict(model=model, block_size=BLOCK, num_gpu_blocks_override=ENGINE_BLOCKS, max_model_len=MAX_MODEL_LEN,
                 max_num_seqs=4, max_num_batched_tokens=512, enable_prefix_caching=True,
                 dtype=os.environ.get("HICACHE_TEST_DTYPE", "float32"),
                 seed=0, disable_log_stats=False, enforce_eager=True)  # fmt: skip
@@ -70,7 +74,11 @@ def main() -> None:
     llm = LLM(**engine_args(mode, model, storage_url))
     sp = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     a = prompt_ids(1, PREFIX)
-    record: dict = {"mode": mode, "steps": []}
+    # What the engine made of the test's sizes on this CPU (vLLM adjusts them per attention backend).
+    cache = llm.llm_engine.vllm_config.cache_config
+    engine = {"block_size": cache.block_size, "prefix_caching": bool(cache.enable_prefix_caching),
+              "device_blocks": ENGINE_BLOCKS}  # fmt: skip
+    record: dict = {"mode": mode, "engine": engine, "steps": []}
 
     def run(name, prompts, params=sp):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

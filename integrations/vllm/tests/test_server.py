@@ -19,7 +19,7 @@ from vllm_run import env, stop
 
 pytest.importorskip("vllm", reason="vLLM's server tests run in integrations/vllm/dev's environment")
 
-from engine_driver import BLOCK, DEVICE_BLOCKS, GEN, PREFIX  # noqa: E402
+from engine_driver import BLOCK, GEN, PREFIX  # noqa: E402
 from tiny_model import prompt_ids  # noqa: E402
 
 HITS, LOADED = "vllm:external_prefix_cache_hits_total", "vllm:kv_offload_load_bytes_total"
@@ -51,12 +51,15 @@ def scrape(base: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
+def server(model, run, tmp_path_factory):
+    # The device blocks the offline engine took on this CPU (conftest.fit_device_blocks: derived from what
+    # the engine reported, where the test's 16 do not hold 480 tokens): the server gets the same cache.
+    blocks = run("baseline")["engine"]["device_blocks"]
     port = free_port()
     extra = {"spec_module_path": "hicache_vllm", "spec_name": "HicacheOffloadingSpec", "cpu_bytes_to_use": 64 << 20}
     kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(DEVICE_BLOCKS),
+            "--port", str(port), "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(blocks),
             "--max-model-len", "384", "--max-num-seqs", "4", "--max-num-batched-tokens", "512",
             "--enable-prefix-caching", "--dtype", "float32", "--seed", "0", "--enforce-eager",
             "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv)]  # fmt: skip

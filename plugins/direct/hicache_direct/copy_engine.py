@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
-from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -40,7 +39,7 @@ class DirectCopy(Implementation):
 
     Tuning, per instance (``host.implementation_for(op).copier``): the knobs
     :class:`hicache_direct.memcpy.CudaCopier` declares (``max_batch``, ``streams``, ``prefer_overlap``,
-    ``batch``, ``batch_2d``, ``thread``, ...); :meth:`tuned` sets any of them for a while.
+    ``batch``, ``batch_2d``); :meth:`tuned` sets any of them for a while.
     """
 
     name = "direct.copy_engine"
@@ -52,9 +51,7 @@ class DirectCopy(Implementation):
     index_device = "cpu"
     engine = "copy_engine"
     description = ("copy engine: one cudaMemcpyBatchAsync of merged contiguous runs per operation, submitted on the "
-                   "caller's thread; opt-in (HICACHE_DIRECT_THREAD=1), calls of 64-383 copies go to a worker thread "
-                   "on a side stream gated on the caller's stream by stream memory operations (the caller returns "
-                   "after two of them), which can deadlock where a stream sharing its hardware queue waits on them")
+                   "caller's thread and stream")
 
     #: Submission settings a benchmark times beside the defaults (knobs of :class:`~hicache_direct.memcpy.CudaCopier`).
     VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {
@@ -66,16 +63,9 @@ class DirectCopy(Implementation):
         "no_overlap_hint": {"prefer_overlap": False},
         "one_by_one": {"batch": False},
     }
-    #: The submission paths an overlap benchmark compares beside the default (the caller's thread): always the
-    #: caller's thread, and the opt-in worker for every call of ``thread_min`` copies or more.
-    SUBMISSION_VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {
-        "caller-thread": {"thread": False},
-        "worker": {"thread": True, "thread_max": 0},
-    }
-
     def tuning_variants(self) -> dict[str, dict[str, Any]]:
         # The variants whose knobs this copier has: none for the host copier (CPU pools).
-        variants = {name: settings for name, settings in (self.VARIANTS | self.SUBMISSION_VARIANTS).items()
+        variants = {name: settings for name, settings in self.VARIANTS.items()
                     if all(hasattr(self.copier, knob) for knob in settings)}  # fmt: skip
         # 2-D copies as one cudaMemcpy3DBatchAsync: only where there are 2-D copies, and only when the
         # bench is asked to (scripts/gpu/direct-check.sh asks once its byte-exact check of that path passed).
@@ -134,13 +124,6 @@ class DirectCopy(Implementation):
         self._describe = self.builder.describe
         self._parts = len(plan.parts)
 
-    def flush(self) -> None:
-        """Wait until every call is submitted to the driver (calls of many copies go from a worker
-        thread); raises the first error a submission met. Not needed for stream order."""
-        flush = getattr(self.copier, "flush", None)
-        if flush is not None:
-            flush()
-
     def load_to_device_per_layer(self, host_indices, device_indices, layer):
         self._copy(host_indices, device_indices, (layer,), True)
 
@@ -157,14 +140,7 @@ class DirectCopy(Implementation):
         builder = self.builder
         # Bounds (checked in runs(), before any byte moves) are those of the layer with the fewest rows.
         runs = builder.runs(host_indices, device_indices, builder.rows_for(layers))
-        # The runs (bounds checked) are the caller's; the copy list is built where it is submitted. The
-        # bound method keeps this implementation, so its plan and buffers, alive until then (a pool
-        # destroyed right after the call cannot free them under a queued job).
-        self.copier.submit_built(partial(self._batch, runs, layers, to_device), self._describe,
-                                 len(runs) * self._parts * len(layers))  # fmt: skip
-
-    def _batch(self, runs, layers: tuple[int, ...], to_device: bool):
-        return self.builder.build(runs, layers, to_device)
+        self.copier.submit(builder.build(runs, layers, to_device), self._describe)
 
     def plan_for(self, host_indices: torch.Tensor, device_indices: torch.Tensor, layers: tuple[int, ...],
                  to_device: bool):  # fmt: skip
@@ -175,5 +151,4 @@ class DirectCopy(Implementation):
     @property
     def path(self) -> str:
         """How operations are submitted here, in words."""
-        thread = getattr(self.copier, "thread_path", None)
-        return self.copier.path + (f"; {thread}" if thread else "")
+        return self.copier.path

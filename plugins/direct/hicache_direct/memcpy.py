@@ -98,20 +98,18 @@ class HostCopier:
             for row in range(height):
                 ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
 
-    def submit_built(self, make_batch: Callable[[], Batch], describe: Callable[[Batch, tuple], str],
-                     copies: int) -> None:  # fmt: skip
-        """Build and run the copies now (memmove is synchronous: there is nothing to take off the thread)."""
-        self.submit(make_batch(), describe)
-
 
 class CudaCopier:
     """Submits copy lists on the caller's current CUDA stream through the runtime torch loaded.
 
     Knobs, per instance, each declared once below (:class:`~hicache_core.gpu.knobs.Knob`: its
     check and its variable ``HICACHE_DIRECT_<NAME>``, which sets the instance's starting value):
-    ``batch``, ``max_batch``, ``first_batch``, ``streams``, ``prefer_overlap``, ``batch_2d``,
-    ``thread``, ``thread_min``, ``thread_max``. A bad value raises ``ValueError`` naming the knob
-    (and the variable) and the range.
+    ``batch``, ``max_batch``, ``first_batch``, ``streams``, ``prefer_overlap``, ``batch_2d``. A bad value
+    raises ``ValueError`` naming the knob (and the variable) and the range.
+
+    Copies are always submitted on the calling thread, on its current stream. Taking a layer-wise
+    load off the caller's thread is the core's job (:mod:`hicache_core.layer_loads`), which waits
+    only on events already recorded.
     """
 
     #: Prefix of the knobs' environment variables.
@@ -149,32 +147,6 @@ class CudaCopier:
         doc="Submit the 2-D copies (``page_first_kv_split``'s halves) as one ``cudaMemcpy3DBatchAsync`` instead "
             "of one ``cudaMemcpy2DAsync`` per run (off until measured on a GPU).",
     )  # fmt: skip
-    thread = Knob(
-        flag(), env="THREAD", default=False, changed=None,
-        doc="Opt-in (off by default since hicache-direct 0.2.1). Calls of ``thread_min`` copies or more, and fewer "
-            "than ``thread_max``, are built and submitted by a worker thread on a side stream, gated on the "
-            "caller's stream by stream memory operations (:mod:`hicache_direct.submitter`), so the caller returns "
-            "after two stream operations. Off by default because it can deadlock: the caller's wait for the "
-            "copies is queued before they are, and a stream that shares a hardware queue with the side stream "
-            "and waits on that wait (a consumer of the layer's event) holds the copies back for ever. On the H200 "
-            "``scripts/gpu/direct_aliasing_check.py`` deadlocked with 2, 8 (the default, and SGLang's setting) "
-            "and 32 CUDA_DEVICE_MAX_CONNECTIONS, with 32 consumer streams.",
-    )  # fmt: skip
-    thread_min = Knob(
-        int_at_least(0), env="THREAD_MIN", default=64, changed=None,
-        doc="The fewest copies a call needs to go through the worker thread.",
-    )  # fmt: skip
-    thread_max = Knob(
-        int_at_least(0), env="THREAD_MAX", default=384, changed=None,
-        doc="Calls of this many copies or more stay on the caller's thread (0: no limit). Measured on the H200 in "
-            "SGLang's order (``benchmarks/results/overlap-sglang-h200-run1.json`` and "
-            "``overlap-sglang-h200.json``, both paths in every case): the driver queues the caller's stream "
-            "operations and the forward's launches behind the worker's batch calls, which costs the "
-            "transfer-bound prefixes (32768 cached tokens: llama-8b's 1024 copies per layer, DeepSeek-V3's ~500) "
-            "0.01-0.08 of ideal, while the compute-bound ones (8192: 256 and 128 copies) gain 0.01-0.11, their "
-            "first GEMM queued after 2-12 ms instead of 6-35. 384 lies between the two groups.",
-    )  # fmt: skip
-
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
@@ -205,8 +177,6 @@ class CudaCopier:
         self._get_device, self._get_stream = cuda_current_functions()
         read_knobs(self, self.env_prefix)
         self._overlap_changed()  # the attributes carry the flag, default or not
-        self._worker = None
-        self.no_thread: str | None = None  # why the worker cannot be used here, once found out
 
     def _overlap_changed(self) -> None:
         for attrs in (self._attrs_h2d, self._attrs_d2h):
@@ -219,59 +189,6 @@ class CudaCopier:
             return f"cudaMemcpyBatchAsync (CUDA runtime {self.runtime_version}, {self._batch_abi} ABI)"
         why = "disabled (batch=0)" if not self.batch else self.unavailable
         return f"one cudaMemcpyAsync per run: the batch call is {why}"
-
-    @property
-    def thread_path(self) -> str:
-        """Where calls of many copies are submitted from, in words."""
-        if not self.thread:
-            return ("on the caller's thread (the worker thread is opt-in, HICACHE_DIRECT_THREAD=1: it can deadlock "
-                    "where a stream sharing its hardware queue waits on its copies)")  # fmt: skip
-        if self.no_thread:
-            return f"on the caller's thread: {self.no_thread}"
-        span = f">= {self.thread_min}" + (f" and < {self.thread_max}" if self.thread_max else "")
-        return (f"calls of {span} copies from a worker thread on a side stream, gated on the caller's "
-                "stream by cuStreamWriteValue32/cuStreamWaitValue32")  # fmt: skip
-
-    def submit_built(self, make_batch: Callable[[], Batch], describe: Callable[[Batch, tuple], str],
-                     copies: int) -> None:  # fmt: skip
-        """Submit the copies ``make_batch()`` builds (about ``copies`` of them) in the caller's stream order:
-        from the worker thread where that pays (``thread``), else here and now."""
-        worker = self._worker
-        if worker is not None and worker.error is not None:
-            worker.raise_error()
-        if (self.thread and copies >= self.thread_min and (not self.thread_max or copies < self.thread_max)
-                and self.no_thread is None):  # fmt: skip
-            stream = self._get_stream(self.index)
-            # The legacy and per-thread default streams are the caller thread's own (a handle the worker
-            # cannot name), and a capture cannot wait for a thread: those stay on this thread.
-            if stream > _STREAM_PER_THREAD and self._not_capturing(stream):
-                if worker is None:
-                    worker = self._start_worker()
-                if worker is not None:
-                    from .submitter import StreamOpsRefused
-
-                    try:
-                        worker.submit(stream, make_batch, describe)
-                        return
-                    except StreamOpsRefused as exc:  # nothing queued: this call and later ones on this thread
-                        self.no_thread = str(exc)
-        self.submit(make_batch(), describe)
-
-    def flush(self) -> None:
-        """Wait until the worker has submitted every queued call (not until the copies are done);
-        raise the first error it met."""
-        if self._worker is not None:
-            self._worker.flush()
-
-    def _start_worker(self):
-        from .submitter import SubmitThread
-
-        try:
-            self._worker = SubmitThread(self)
-        except (OSError, AttributeError) as exc:
-            self.no_thread = f"stream memory operations are not available ({exc})"
-            return None
-        return self._worker
 
     def stream(self) -> int:
         """The caller's current stream, read once per operation (two threads may run a load and a
@@ -547,6 +464,19 @@ def cudart() -> ctypes.CDLL:
     raise OSError("could not load the CUDA runtime (libcudart): " + "; ".join(errors[-3:]))
 
 
+#: Retired in hicache-direct 0.3.0 with the worker it switched on (a side stream gated by stream memory
+#: operations, which could deadlock); a set value is refused rather than ignored.
+RETIRED_THREAD_ENV = "HICACHE_DIRECT_THREAD"
+
+
 def copier_for(device: torch.device) -> HostCopier | CudaCopier:
     """The copier for a device pool on ``device``."""
+    value = os.environ.get(RETIRED_THREAD_ENV)
+    if value not in (None, "", "0"):
+        raise ValueError(
+            f"{RETIRED_THREAD_ENV}={value!r}: the direct plugin's worker thread was retired in hicache-direct 0.3.0 "
+            "(its stream memory operations could deadlock). Layer-wise loads go off the caller's thread through "
+            "HostPool.submit_load (hicache_core.layer_loads), which SGLang's adapter uses by default; unset the "
+            "variable"
+        )
     return CudaCopier(device) if device.type == "cuda" else HostCopier()

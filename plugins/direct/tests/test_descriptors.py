@@ -237,7 +237,6 @@ def _fake_copier(abi: str, batch_result, memcpy_fail_at=None):
     c.prefer_overlap = True
     c.batch, c.max_batch, c.streams, c.unavailable = True, 0, 1, None
     c.first_batch = 0
-    c.thread, c.thread_min, c.thread_max, c._worker, c.no_thread = True, 64, 512, None, None
     c._batch_abi = abi
 
     def batch_fn(*args):
@@ -311,23 +310,15 @@ def test_first_batch_then_the_rest_in_one_call():
     assert [x[1] for x in c.calls] == [2, 3, 1]
 
 
-def test_calls_on_the_default_stream_or_with_few_copies_stay_on_the_callers_thread():
-    impl, batch = _a_batch()
-    c = _fake_copier("13.0", 0)
-    built = []
-
-    def make():
-        built.append(1)
-        return batch
-
-    c.submit_built(make, impl.builder.describe, 1000)  # the legacy default stream: no worker
-    c._get_stream = lambda index: 0x1234
-    c.submit_built(make, impl.builder.describe, 6)  # a real stream, but under thread_min copies
-    c.submit_built(make, impl.builder.describe, 512)  # a real stream, but thread_max copies or more
-    assert c._worker is None and built == [1, 1, 1]
-    assert c.calls == [("batch", 6, memcpy._STREAM_PER_THREAD), ("batch", 6, 0x1234), ("batch", 6, 0x1234)]
-    c.thread = False
-    assert "caller's thread" in c.thread_path
+def test_the_retired_worker_switch_is_refused_not_ignored(monkeypatch):
+    """HICACHE_DIRECT_THREAD=1 asked for the worker retired in 0.3.0: refused at pool construction, naming
+    what replaced it; 0 (what every call now does) is accepted."""
+    monkeypatch.setenv("HICACHE_DIRECT_THREAD", "1")
+    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_THREAD='1': the direct plugin's worker thread was "
+                                         r"retired in hicache-direct 0\.3\.0 .*HostPool\.submit_load"):  # fmt: skip
+        _pools()
+    monkeypatch.setenv("HICACHE_DIRECT_THREAD", "0")
+    _pools()
 
 
 def test_failidx_names_the_run_on_12_8():
@@ -466,14 +457,12 @@ def test_copier_knobs_are_declared_once_with_their_checks_and_variables(monkeypa
     from hicache_core.gpu.knobs import knobs_of, read_knobs
 
     knobs = {k.name: k for k in knobs_of(memcpy.CudaCopier)}
-    assert list(knobs) == ["batch", "max_batch", "first_batch", "streams", "prefer_overlap", "batch_2d",
-                           "thread", "thread_min", "thread_max"]  # fmt: skip
+    assert list(knobs) == ["batch", "max_batch", "first_batch", "streams", "prefer_overlap", "batch_2d"]
     assert {name: k.env for name, k in knobs.items()} == {name: name.upper() for name in knobs}
     c = _fake_copier("13.0", 0)
     # Declared defaults (the copier's starting values where no variable is set):
     fresh = memcpy.CudaCopier.__new__(memcpy.CudaCopier)
-    # thread: opt-in since hicache-direct 0.2.1 (it can deadlock; memcpy.CudaCopier.thread)
-    assert [getattr(fresh, name) for name in knobs] == [True, 32, 0, 1, True, False, False, 64, 384]
+    assert [getattr(fresh, name) for name in knobs] == [True, 32, 0, 1, True, False]
     with pytest.raises(ValueError, match=r"^streams must be an int >= 1, got 0$"):
         c.streams = 0
     with pytest.raises(ValueError, match=r"^max_batch must be an int >= 0, got -1$"):
@@ -490,26 +479,26 @@ def test_copier_knobs_are_declared_once_with_their_checks_and_variables(monkeypa
     read_knobs(c, c.env_prefix)
     assert c.max_batch == 8 and c.prefer_overlap is True and c._attrs_h2d.flags == memcpy._PREFER_OVERLAP
     monkeypatch.setenv("HICACHE_DIRECT_STREAMS", "0")
-    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_STREAMS=0 must be >= 1$"):
+    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_STREAMS='0' is not an integer >= 1$"):
         read_knobs(c, c.env_prefix)
     monkeypatch.setenv("HICACHE_DIRECT_STREAMS", "two")
-    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_STREAMS='two' is not an integer$"):
+    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_STREAMS='two' is not an integer >= 1$"):
         read_knobs(c, c.env_prefix)
     monkeypatch.delenv("HICACHE_DIRECT_STREAMS")
-    monkeypatch.setenv("HICACHE_DIRECT_THREAD", "2")
-    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_THREAD='2': thread must be True or False"):
+    monkeypatch.setenv("HICACHE_DIRECT_BATCH", "2")
+    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_BATCH='2': batch must be True or False"):
         read_knobs(c, c.env_prefix)
 
 
 def test_tuned_takes_every_declared_knob_and_restores_it():
     impl, _ = _a_batch()
     impl.copier = _fake_copier("13.0", 0)
-    with impl.tuned({"first_batch": 4, "thread_min": 1}):
-        assert (impl.copier.first_batch, impl.copier.thread_min) == (4, 1)
-    assert (impl.copier.first_batch, impl.copier.thread_min) == (0, 64)
+    with impl.tuned({"first_batch": 4, "max_batch": 1}):
+        assert (impl.copier.first_batch, impl.copier.max_batch) == (4, 1)
+    assert (impl.copier.first_batch, impl.copier.max_batch) == (0, 0)
     with pytest.raises(ValueError, match=r"streams must be an int >= 1"):
         with impl.tuned({"streams": 0}):
             pass
     assert impl.copier.streams == 1
     variants = impl.tuning_variants()
-    assert variants["worker"] == {"thread": True, "thread_max": 0} and variants["streams2"] == {"streams": 2}
+    assert "worker" not in variants and variants["streams2"] == {"streams": 2}

@@ -65,9 +65,11 @@ class FileStorage(StorageBackend):
     def __init__(self, url: StorageURL, **options: Any) -> None:
         super().__init__(url, **options)
         if url.host not in (None, "", "localhost"):
-            raise ValueError(f"file:// URLs take an absolute local path, as file:///path; got {url.raw!r}")
+            raise ValueError(f"file:// URLs take an absolute local path, as file:///path; got {url.redacted!r}")
+        if url.username or url.password:
+            raise ValueError(f"file:// URLs take no credentials (a local directory has no login); got {url.redacted!r}")
         if not url.path.startswith("/"):
-            raise ValueError(f"file:// URLs take an absolute path, as file:///path; got {url.raw!r}")
+            raise ValueError(f"file:// URLs take an absolute path, as file:///path; got {url.redacted!r}")
         self.root = Path(url.path)
         self.fsync = option_bool(options.get("fsync", False), "fsync")
         self.o_direct = option_bool(options.get("o_direct", False), "o_direct")

@@ -41,7 +41,7 @@ def test_writer_killed_mid_backup_leaves_only_whole_pages(tmp_path):
     host = make_pool(F.BIG, pages=66, seed=32)
     backend = make_storage(url, host, model_id="killed-writer")
     keys = [f"{i:064x}" for i in range(10_000)]
-    stored = backend.exists_objects(backend.namespace.keys(keys))
+    stored = backend.backend.exists_objects(backend.namespace.keys(keys))
     n = stored.count(True)
     assert n > 0, "the writer wrote nothing in a second"
     present = [k for k, s in zip(keys, stored) if s][:64]
@@ -60,7 +60,7 @@ def test_capacity_evicts_least_recently_used_and_refuses_oversized(tmp_path):
     assert all(r.ok for r in backend.write_pages(keys[10:], slots_of([11, 12], 64)))
     stats = backend.get_stats().backend
     assert stats["evicted"] == 2 and stats["used_bytes"] <= 10 * page
-    assert backend.exists_objects(backend.namespace.keys(keys)) == [True, False, False] + [True] * 9
+    assert backend.backend.exists_objects(backend.namespace.keys(keys)) == [True, False, False] + [True] * 9
     small = make_storage(f"file://{tmp_path}/l4?capacity=1000", host, model_id="cap")
     (r,) = small.write_pages(keys[:1], slots_of([1], 64))
     assert r.status is PageStatus.FULL and small.get_stats().write_refused_full == 1
@@ -74,7 +74,7 @@ def test_corrupted_file_is_a_counted_miss_through_the_controller(tmp_path):
     from hicache_core.storage import StorageController
 
     host, backend, toks, keys, src = F.stored_pages(f"file://{tmp_path}/l3", salt=17)
-    path = backend.path_of(backend.namespace.key(keys[2]))
+    path = backend.backend.path_of(backend.namespace.key(keys[2]))
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF
     path.write_bytes(bytes(data))

@@ -149,7 +149,12 @@ class MooncakeStorage(StorageBackend):
                 f"(or mooncake-transfer-engine-non-cuda on a machine without CUDA), and libibverbs1 ({exc})"
             ) from exc
         if not url.host or not url.port:
-            raise ValueError(f"mooncake:// takes the master's address, as mooncake://127.0.0.1:50051; got {url.raw!r}")
+            raise ValueError(
+                f"mooncake:// takes the master's address, as mooncake://127.0.0.1:50051; got {url.redacted!r}"
+            )
+        if url.username or url.password:
+            raise ValueError(f"mooncake:// has no credentials (a Mooncake master does not authenticate): remove the "
+                             f"user-info from {url.redacted!r}")  # fmt: skip
         self.master = f"{url.host}:{url.port}"
         self.segment = option_bytes(options.get("segment", 1 << 30), "segment")
         self.local_buffer = option_bytes(options.get("local_buffer", 64 << 20), "local_buffer")

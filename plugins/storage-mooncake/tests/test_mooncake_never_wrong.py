@@ -35,8 +35,8 @@ def test_close_clear_and_short_objects(mooncake_url):
     assert all(r.ok for r in mine.write_pages(keys, host.alloc(16)))
     assert all(r.ok for r in other.write_pages(keys, host.alloc(16)))
     full = mine.namespace.key(keys[0])
-    mine.store.remove(full, True)
-    assert mine.store.put(full, b"short") == 0
+    mine.backend.store.remove(full, True)
+    assert mine.backend.store.put(full, b"short") == 0
     res = mine.read_pages(keys, host.alloc(16))
     assert res[0].status is PageStatus.MISMATCH and "5 bytes" in res[0].detail
     assert all(r.ok for r in res[1:])

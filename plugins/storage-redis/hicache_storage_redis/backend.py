@@ -163,7 +163,7 @@ class RedisStorage(StorageBackend):
 
     def get_objects(self, keys: Sequence[str]) -> list[bytes | BaseException | None]:
         out: list[bytes | BaseException | None] = []
-        per = max(1, self.pipeline_bytes // max(1, self.page_bytes if self._pages is not None else 1))
+        per = max(1, self.pipeline_bytes // max(1, self.page_bytes or 1))
         for start in range(0, len(keys), per):
             pipe = self.client.pipeline(transaction=False)
             for k in keys[start : start + per]:

@@ -97,7 +97,7 @@ def test_a_foreign_value_fails_only_its_own_key_and_clear_is_literal(own_redis):
     keys = page_hashes(list(range(16)), 4)
     mine.write_pages(keys, host.alloc(16))
     other.write_pages(keys, host.alloc(16))
-    target = mine._k(mine.namespace.key(keys[1]))
+    target = mine.backend._k(mine.namespace.key(keys[1]))
     admin.delete(target)
     admin.rpush(target, b"x")  # a list where a page should be
     res = mine.read_pages(keys, host.alloc(16))

@@ -96,8 +96,8 @@ def test_corrupted_value_counted_through_the_controller(redis_url):
     from hicache_core.storage import StorageController
 
     host, backend, toks, keys, src = F.stored_pages(redis_url, salt=13)
-    k = backend._k(backend.namespace.key(keys[3]))
-    backend.client.setrange(k, 500, b"\x00\x01\x02")
+    k = backend.backend._k(backend.namespace.key(keys[3]))
+    backend.backend.client.setrange(k, 500, b"\x00\x01\x02")
     with StorageController(backend, prefetch_policy="wait_complete") as ctl:
         res = ctl.prefetch(toks).result(30)
     assert res.completed == 3 and res.results[3].status is PageStatus.CORRUPT

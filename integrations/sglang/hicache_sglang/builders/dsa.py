@@ -17,7 +17,8 @@ from typing import Any
 import hicache_core as hc
 
 from ..errors import NotServedError
-from ..sidecar import SGLangSidecarHostPool, SidecarView, check_host_memory, sidecar_operations
+from ..host_memory import check_host_memory
+from ..sidecar import SGLangSidecarHostPool, SidecarView, sidecar_operations
 
 _ATTR = "index_k_with_scale_buffer"
 

@@ -29,7 +29,8 @@ import hicache_core as hc
 from hicache_core.host_pool import SlotAllocator
 
 from ..errors import NotServedError
-from ..sidecar import SGLangSidecarHostPool, SidecarView, check_host_memory
+from ..host_memory import check_host_memory
+from ..sidecar import SGLangSidecarHostPool, SidecarView
 
 
 class SGLangLogicalHostPool:

@@ -31,21 +31,23 @@ What the coordinator calls on its host pool, and how these pools answer:
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 import hicache_core as hc
 from hicache_core.allocator import SlotAllocator
+from hicache_core.settings import choice
 
 from ..errors import NotServedError
+from ..host_memory import check_host_memory
 from ..identity import describe, logger
 from ..pool import DeviceView, SGLangMHAHostPool, SGLangMLAHostPool
-from ..sidecar import check_host_memory
 
-#: Environment variable: ``sglang`` lets SGLang's HiSparse swap-in kernels read hicache's host pool.
-ENV_SWAP_IN = "HICACHE_SGLANG_HISPARSE_SWAP_IN"
+#: ``sglang`` lets SGLang's HiSparse swap-in kernels read hicache's host pool (unset: HiSparse is refused).
+SWAP_IN = choice("HICACHE_SGLANG_HISPARSE_SWAP_IN", ("sglang",),
+                 doc="sglang: serve --enable-hisparse (its swap-in: SGLang's kernels)")  # fmt: skip
+ENV_SWAP_IN = SWAP_IN.name
 #: The io backend SGLang's coordinator passes on every call (its pools accept no other).
 IO_BACKEND = "kernel"
 
@@ -53,17 +55,16 @@ IO_BACKEND = "kernel"
 def check_swap_in(family: str) -> None:
     """Refuse HiSparse unless :data:`ENV_SWAP_IN` accepts SGLang's swap-in kernels on hicache's bytes.
 
-    :raises NotServedError: the variable is not ``sglang``.
+    :raises NotServedError: the variable is unset.
+    :raises hicache_core.settings.SettingError: it holds anything but ``sglang``.
     """
-    value = os.environ.get(ENV_SWAP_IN, "")
-    if value == "sglang":
+    if SWAP_IN.read() == "sglang":
         return
     raise NotServedError(
         f"--enable-hisparse ({family}): hicache-sglang builds HiSparse's host pool and moves its backups and "
         "preloads, but the decode-time swap-in (load_cache_to_device_buffer_mla / load_blocks_to_device_buffer_mha, "
         "copy_cache_planned_mla) is SGLang's kernel reading the host buffer directly, which hicache cannot take "
-        f"over. Set {ENV_SWAP_IN}=sglang to accept that split, or run without hicache_sglang.install()"
-        + (f" ({ENV_SWAP_IN}={value!r} is not 'sglang')." if value else ".")
+        f"over. Set {ENV_SWAP_IN}=sglang to accept that split, or run without hicache_sglang.install()."
     )
 
 

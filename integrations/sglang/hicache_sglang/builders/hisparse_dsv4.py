@@ -29,8 +29,9 @@ import hicache_core as hc
 from hicache_core.allocator import SlotAllocator
 
 from ..errors import NotServedError
+from ..host_memory import check_host_memory
 from ..identity import describe, logger
-from ..sidecar import SidecarView, check_host_memory
+from ..sidecar import SidecarView
 from .hisparse import ENV_SWAP_IN, IO_BACKEND, _HiSparseSlots, check_swap_in
 
 #: The byte granularity both views use: SGLang's value, scale and page boundaries are all multiples of it.

@@ -23,7 +23,8 @@ import torch
 import hicache_core as hc
 
 from ..errors import NotServedError
-from ..sidecar import SGLangSidecarHostPool, SidecarView, check_host_memory
+from ..host_memory import check_host_memory
+from ..sidecar import SGLangSidecarHostPool, SidecarView
 
 
 class _MambaView(SidecarView):

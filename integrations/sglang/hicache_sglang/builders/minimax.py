@@ -30,7 +30,8 @@ import hicache_core as hc
 
 from ..build import check_layout_io
 from ..errors import NotServedError
-from ..sidecar import SGLangSidecarHostPool, SidecarView, check_host_memory
+from ..host_memory import check_host_memory
+from ..sidecar import SGLangSidecarHostPool, SidecarView
 
 _LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 

@@ -1,0 +1,419 @@
+"""Layer-wise loads submitted off the caller's thread, deadlock-free by construction.
+
+A server that loads a cached prefix issues every layer's load before the forward starts; the
+driver's time per copy descriptor then delays the forward's first kernel by the submission
+time of every layer. Here the caller hands the whole load to a submitting thread and returns:
+
+* at the call, the caller records (or passes) a start event on its own stream;
+* the submitting thread owns a stream nobody else submits to. For each job, in the order
+  jobs were made, it makes that stream wait on the job's start event, submits layer after
+  layer, and records one event per layer right after that layer's copies;
+* a consumer that needs layer ``l`` first waits *on the host* until layer ``l`` has been
+  submitted and its event recorded, then makes its stream wait on that event.
+
+The rule that makes this deadlock-free: every GPU-side wait is enqueued after the event it
+waits on was recorded. Every dependency on the GPU (stream order, event waits, and the
+in-order hardware queues that streams may share) then points from work enqueued later to
+work enqueued earlier, so no cycle can form, whatever the number of hardware queues
+(``CUDA_DEVICE_MAX_CONNECTIONS``). The host waits are bounded (``timeout_s``) and end in an
+error that names the layer, never a hang. Nothing here uses stream memory operations.
+
+An error raised while a layer is submitted is kept by the job and raised by every wait on
+that layer or a later one (and by :meth:`LayerLoad.result`); the layers before it are
+complete. The next job runs as usual.
+
+On the CPU (device pools in host memory: tests, demos, CPU servers) the same thread runs the
+copies themselves, so "submitted" means "done" and a wait is a host wait only: the schedule
+is the same, which is what the CPU tests check.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .settings import number
+
+DEFAULT_TIMEOUT_S = 60.0
+TIMEOUT = number("HICACHE_LOAD_TIMEOUT_S", above=True, default=DEFAULT_TIMEOUT_S, unit="seconds",
+                 doc="seconds a consumer waits on the host for its layer to be submitted before it raises")  # fmt: skip
+ENV_TIMEOUT = TIMEOUT.name
+
+
+class LayerLoadError(RuntimeError):
+    """A layer of a submitted load failed; raised by the consumer's wait (the cause is chained)."""
+
+
+class LayerLoadTimeout(TimeoutError):
+    """A consumer waited longer than the loader's bound for a layer to be submitted."""
+
+
+def timeout_from_env() -> float:
+    """``HICACHE_LOAD_TIMEOUT_S`` (seconds, > 0), or the default; a bad value names the variable."""
+    return TIMEOUT.read()
+
+
+class LayerLoad:
+    """One layer-wise load handed to a :class:`LayerLoader`: per-layer progress, events and errors.
+
+    ``layers`` steps; ``wait(l)`` orders a stream after layer ``l`` (host wait until it was
+    submitted, then an event wait); ``result()`` waits until every layer was submitted.
+    ``finish_event`` and ``start_event`` stand in for CUDA events recorded by the submitting
+    thread (see :class:`PendingEvent`).
+    """
+
+    def __init__(self, loader: LayerLoader, layers: int, what: str, timing: bool) -> None:
+        self.loader = loader
+        self.layers = layers
+        self.what = what
+        self.timing = timing
+        self._cond = threading.Condition()
+        self._submitted = 0  # layers submitted so far (their events recorded)
+        self._events: list[Any] = []
+        self._error: BaseException | None = None
+        self._failed_layer: int | None = None
+        self._done = False  # the thread is through with this job (finished or failed)
+        self._start: Any = None
+        self._finish: Any = None
+        self.submitted_at: float | None = None  # perf_counter() when the thread took the job
+        self.finish_event = PendingEvent(self, "finish")
+        self.start_event = PendingEvent(self, "start")
+
+    # ---- the submitting thread's side -------------------------------------------------------
+
+    def _layer_done(self, event: Any) -> None:
+        with self._cond:
+            self._events.append(event)
+            self._submitted += 1
+            self._cond.notify_all()
+
+    def _fail(self, layer: int, exc: BaseException) -> None:
+        with self._cond:
+            self._error, self._failed_layer = exc, layer
+            self._cond.notify_all()
+
+    def _close(self, start: Any, finish: Any) -> None:
+        with self._cond:
+            self._start, self._finish, self._done = start, finish, True
+            self._cond.notify_all()
+
+    # ---- the consumer's side ----------------------------------------------------------------
+
+    def submitted(self, layer: int) -> bool:
+        """Whether layer ``layer`` was submitted (a host-side question; no wait)."""
+        return self._submitted > layer
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error a layer met, or ``None``."""
+        return self._error
+
+    def _await(self, ready: Callable[[], bool], what: str) -> None:
+        deadline = None
+        with self._cond:
+            while not ready():
+                if self._error is not None and (self._done or self._failed_layer is not None):
+                    break
+                if deadline is None:
+                    deadline = time.monotonic() + self.loader.timeout_s
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LayerLoadTimeout(
+                        f"{self.what}: {what} was not submitted within {self.loader.timeout_s:g} s "
+                        f"({self._submitted} of {self.layers} layers submitted; {self.loader.describe_state()}); "
+                        f"raise the bound with {ENV_TIMEOUT}"
+                    )
+                self._cond.wait(left)
+
+    def _raise_for(self, layer: int) -> None:
+        failed = self._failed_layer
+        if self._error is not None and failed is not None and layer >= failed:
+            raise LayerLoadError(
+                f"{self.what}: layer {failed} failed to load ({type(self._error).__name__}: {self._error}); "
+                f"layer {layer} and every later layer of this load are missing"
+            ) from self._error
+
+    def _check_layer(self, layer: int) -> int:
+        if type(layer) is not int:
+            layer = int(layer)
+        if not 0 <= layer < self.layers:
+            raise IndexError(f"{self.what}: layer {layer} is out of range [0, {self.layers})")
+        return layer
+
+    def event(self, layer: int) -> Any:
+        """The event recorded right after layer ``layer``'s copies (``None`` on the CPU), once submitted."""
+        layer = self._check_layer(layer)
+        if self._submitted <= layer:
+            self._await(lambda: self._submitted > layer, f"layer {layer}")
+        self._raise_for(layer)
+        return self._events[layer]
+
+    def wait(self, layer: int, stream: Any = None) -> None:
+        """Order ``stream`` (default: the current stream) after layer ``layer``'s copies.
+
+        Waits on the host until the layer was submitted (about zero once the forward reaches it),
+        then enqueues a wait on its already recorded event. Raises what the layer met."""
+        event = self.event(layer)
+        if event is not None:
+            (stream if stream is not None else torch.cuda.current_stream(self.loader.device)).wait_event(event)
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait until every layer was submitted (not until the copies are done); raise the job's error."""
+        if not self._done:
+            self._await(lambda: self._done, "the whole load")
+        if self._error is not None:
+            self._raise_for(self._failed_layer or 0)
+
+    def synchronize(self) -> None:
+        """Wait until every layer's copies are done (submitted, then the last event completed)."""
+        self.result()
+        if self._finish is not None:
+            self._finish.synchronize()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error is not None else "done" if self._done else "in flight"
+        return f"LayerLoad({self.what!r}, {self._submitted}/{self.layers} layers submitted, {state})"
+
+
+class PendingEvent:
+    """A CUDA event the submitting thread records later, usable where a ``torch.cuda.Event`` is.
+
+    ``query()`` is ``False`` until the event is recorded and complete; ``wait(stream)`` and
+    ``synchronize()`` first wait on the host until it is recorded (bounded), so that no stream
+    ever waits on an event not yet recorded. Each raises the load's error, if it met one.
+    """
+
+    def __init__(self, load: LayerLoad, which: str) -> None:
+        self._load = load
+        self._which = which
+
+    def _event(self, block: bool) -> Any:
+        load = self._load
+        if not load._done:
+            if not block:
+                return None
+            load._await(lambda: load._done, f"the {self._which} of the load")
+        if load._error is not None:
+            load._raise_for(load._failed_layer or 0)
+        return load._start if self._which == "start" else load._finish
+
+    def query(self) -> bool:
+        if not self._load._done:
+            return False
+        event = self._event(False)
+        return True if event is None else bool(event.query())
+
+    def wait(self, stream: Any = None) -> None:
+        event = self._event(True)
+        if event is not None:
+            (stream if stream is not None else torch.cuda.current_stream(self._load.loader.device)).wait_event(event)
+
+    def synchronize(self) -> None:
+        event = self._event(True)
+        if event is not None:
+            event.synchronize()
+
+    def record(self, stream: Any = None) -> None:
+        raise RuntimeError("a PendingEvent is recorded by the layer loader's thread, not by its users")
+
+    def elapsed_time(self, end: Any) -> float:
+        """Milliseconds between this event and ``end`` (both recorded with timing; see ``LayerLoader.submit``)."""
+        start = self._event(True)
+        other = end._event(True) if isinstance(end, PendingEvent) else end
+        if start is None or other is None:
+            return 0.0
+        return start.elapsed_time(other)
+
+    def __repr__(self) -> str:
+        return f"PendingEvent({self._which} of {self._load!r})"
+
+
+class _Job:
+    __slots__ = ("load", "step", "start", "keep")
+
+    def __init__(self, load: LayerLoad, step: Callable[[int], None], start: Any, keep: tuple) -> None:
+        self.load, self.step, self.start, self.keep = load, step, start, keep
+
+
+class LayerLoader:
+    """A submitting thread with a stream of its own, for one device; jobs run in the order made.
+
+    Use :func:`layer_loader` for the process's loader of a device. :meth:`submit` returns at once
+    with a :class:`LayerLoad`; the thread calls ``step(layer)`` for each layer with its own stream
+    current (``step`` enqueues that layer's copies on the current stream, as a synchronous
+    per-layer call does) and records the layer's event after it.
+    """
+
+    def __init__(self, device: torch.device | str, timeout_s: float | None = None) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.timeout_s = timeout_from_env() if timeout_s is None else float(timeout_s)
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        # A stream of the thread's own (not from torch's pool, which may hand the same stream to someone
+        # else): only this thread enqueues on it, so jobs follow each other on it in the order made.
+        self.stream = _own_stream(device) if self.cuda else None
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._current: tuple[LayerLoad, int, float] | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"hicache-layer-loader-{device}", daemon=True)
+        self._thread.start()
+
+    def submit(self, layers: int, step: Callable[[int], None], *, start_event: Any = None,
+               keep: Iterable[Any] = (), timing: bool = False, what: str = "layer-wise load") -> LayerLoad:  # fmt: skip
+        """Hand a load of ``layers`` layers to the thread; returns at once.
+
+        ``start_event``: an event the caller already recorded after whatever the copies must follow
+        (a producer of the destination's pages, say); ``None`` records one now on the caller's
+        current stream. ``keep``: tensors the copies read (indices) that must stay allocated until
+        they are submitted; CUDA ones are also marked as used on the loader's stream.
+        ``timing``: record the start and finish events with timing, for ``elapsed_time``.
+        """
+        if self._closed:
+            raise RuntimeError(f"this layer loader ({self.device}) is closed")
+        if type(layers) is not int or layers < 0:
+            raise ValueError(f"layers must be an int >= 0, got {layers!r}")
+        if self.cuda and start_event is None:
+            start_event = torch.cuda.Event()
+            start_event.record(torch.cuda.current_stream(self.device))
+        load = LayerLoad(self, layers, what, timing)
+        self._queue.put(_Job(load, step, start_event, tuple(keep)))
+        return load
+
+    def describe_state(self) -> str:
+        """What the thread is doing now, in words (for timeouts)."""
+        current = self._current
+        if not self._thread.is_alive():
+            return "the loader's thread is not running"
+        if current is None:
+            return "the loader's thread is idle"
+        load, layer, since = current
+        busy = time.monotonic() - since
+        return f"the loader's thread has been submitting layer {layer} of {load.what!r} for {busy:.3f} s"
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking jobs; the thread ends after the jobs already queued."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if self.cuda:
+                    with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                        self._run_job(job)
+                else:
+                    self._run_job(job)
+            except BaseException as exc:  # noqa: BLE001 - the job carries it to its consumers
+                load = job.load
+                if load._error is None:
+                    load._fail(load._submitted, exc)
+                load._close(None, None)
+            finally:
+                self._current = None
+
+    def _run_job(self, job: _Job) -> None:
+        load, stream = job.load, self.stream
+        load.submitted_at = time.perf_counter()
+        start = finish = None
+        if stream is not None:
+            if job.start is not None:
+                stream.wait_event(job.start)  # recorded by the caller before it submitted this job
+            if load.timing:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+        for layer in range(load.layers):
+            self._current = (load, layer, time.monotonic())
+            try:
+                job.step(layer)
+            except BaseException as exc:  # noqa: BLE001 - raised by the consumer's wait, not here
+                load._fail(layer, exc)
+                break
+            event = None
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+            load._layer_done(event)
+        if stream is not None:
+            for t in job.keep:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(stream)
+            finish = torch.cuda.Event(enable_timing=load.timing)
+            finish.record(stream)
+        job.keep = ()
+        load._close(start, finish)
+
+
+def _own_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new non-blocking stream of the device, made for this loader alone."""
+    with torch.cuda.device(device):
+        # torch.cuda.Stream() takes one from a small shared pool; a stream made with a priority
+        # outside the pool's is still pooled, so go through cudaStreamCreateWithFlags instead.
+        ptr = _create_stream()
+        if ptr is None:
+            return torch.cuda.Stream(device)
+        return torch.cuda.ExternalStream(ptr, device=device)
+
+
+def _create_stream() -> int | None:
+    """``cudaStreamCreateWithFlags(cudaStreamNonBlocking)`` through the CUDA runtime torch loaded."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        handle = ctypes.c_void_p()
+        if lib.cudaStreamCreateWithFlags(ctypes.byref(handle), ctypes.c_uint(1)) == 0 and handle.value:
+            return handle.value
+    return None
+
+
+_loaders: dict[str, LayerLoader] = {}
+_loaders_lock = threading.Lock()
+
+
+def layer_loader(device: torch.device | str) -> LayerLoader:
+    """The process's layer loader for ``device`` (made on first use; one thread and stream per device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = str(device)
+    loader = _loaders.get(key)
+    if loader is None or loader._closed:
+        with _loaders_lock:
+            loader = _loaders.get(key)
+            if loader is None or loader._closed:
+                loader = _loaders[key] = LayerLoader(device)
+    return loader
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "ENV_TIMEOUT",
+    "LayerLoad",
+    "LayerLoadError",
+    "LayerLoadTimeout",
+    "LayerLoader",
+    "PendingEvent",
+    "layer_loader",
+]

@@ -1,0 +1,678 @@
+"""The core's side of a storage backend: :class:`PageStore`, pages in and out of a store.
+
+A :class:`~hicache_core.storage.StorageBackend` (a plugin) moves whole objects under full keys.
+:func:`~hicache_core.storage.make_storage` wraps it in a :class:`PageStore` bound to a host pool,
+and everything page-shaped lives here, once, for every backend: keys in the pool's namespace, the
+self-describing header and checksums (``page_format.py``), batches of :data:`STORAGE_BATCH_SIZE`
+pipelined against the store, validation of keys and host indices before any byte moves, per-page
+results and the statistics, and SGLang's ``HiCacheStorage`` page API.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import metrics as _metrics
+from ..lazy import Moved
+from .keys import Namespace, fingerprint, geometry_description
+from .outcomes import NotAPage, ObjectMissing, PageResult, PageStatus, SizeMismatch, StorageError, StorageFull
+from .page_format import (
+    CHECKSUM_DEVICE,
+    CHECKSUM_XXH3_64,
+    HEADER_SIZE,
+    HeaderError,
+    VersionError,
+    address_of,
+    checksum_runs,
+    checksum_threads,
+    hashed_runs,
+    pack_header,
+    parallel_checksums,
+    row_of,
+    stored_algorithm,
+    unpack_header,
+)
+from .pages import PageMap, Span
+
+if TYPE_CHECKING:
+    from .backend import StorageBackend
+
+#: The most pages one backend call moves (SGLang's ``STORAGE_BATCH_SIZE``).
+STORAGE_BATCH_SIZE = 128
+
+
+@dataclass
+class StorageStats:
+    """Counters of one page store; ``get_stats()`` returns a copy. Nothing fails uncounted."""
+
+    exists_queries: int = 0
+    exists_hits: int = 0
+    pages_written: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    write_failed: int = 0
+    write_refused_full: int = 0
+    pages_read: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    read_missing: int = 0
+    read_corrupt: int = 0
+    read_mismatch: int = 0
+    read_failed: int = 0
+    backend: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["write_gbps"] = self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0
+        out["read_gbps"] = self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
+        return out
+
+
+_READ_COUNTER = {
+    PageStatus.MISSING: "read_missing",
+    PageStatus.CORRUPT: "read_corrupt",
+    PageStatus.MISMATCH: "read_mismatch",
+}
+
+
+class PageStore:
+    """A storage backend bound to a host pool: SGLang's ``HiCacheStorage`` page API over the backend's primitives.
+
+    :param backend: the plugin's :class:`StorageBackend`; :attr:`backend` keeps it, for what only
+        that store has (its client, its paths). :meth:`close` closes it.
+    :param host_pool: the host pool whose pages move; ``None`` makes an unbound store (statistics
+        and administration only: :meth:`get_stats`, :meth:`clear`, :meth:`ping`, :meth:`close`).
+    :param namespace: the keys' :class:`Namespace` (required with a host pool).
+
+    Binding sets the backend's ``namespace`` and ``page_bytes`` and calls its
+    ``register_memory`` with the pool's buffers. ``HICACHE_L3_HOST_CHECK`` and
+    ``HICACHE_L3_HASH_THREADS`` are read here, once.
+    """
+
+    def __init__(self, backend: StorageBackend, host_pool: Any = None, namespace: Namespace | None = None) -> None:
+        if not callable(getattr(backend, "exists_objects", None)) or not hasattr(backend, "url"):
+            raise TypeError(f"PageStore wraps a hicache_core.storage.StorageBackend, got {type(backend).__name__}")
+        if host_pool is not None and namespace is None:
+            raise ValueError("PageStore needs the namespace of its keys with a host pool (make_storage makes both)")
+        own = self.__dict__
+        own["backend"] = backend
+        own["url"] = backend.url
+        own["_backend_name"] = type(backend).__name__
+        own["host_pool"] = host_pool
+        own["namespace"] = namespace
+        own["_pages"] = None
+        own["_fingerprint"] = b""
+        own["_stats"] = StorageStats()
+        own["_stats_lock"] = threading.Lock()
+        own["_io_pool"] = None
+        own["checksum_threads"] = checksum_threads()
+        own["device_checked"] = False
+        _adopt_overrides(self, backend)
+        backend.__dict__["_page_store"] = self  # the 0.2 page API on the backend reaches this store (legacy.py)
+        if host_pool is None:
+            return
+        pages = PageMap(host_pool)
+        own["_pages"] = pages
+        # From the pool itself, not the namespace: a page is checked against the geometry it
+        # would land in, even if a caller forced a namespace that does not describe this pool.
+        own["_fingerprint"] = bytes.fromhex(fingerprint(geometry_description(host_pool)))
+        #: Pages written device-checked (format algorithm 2): the pool verifies, and no host check was asked.
+        own["device_checked"] = pages.verifier is not None and os.environ.get("HICACHE_L3_HOST_CHECK", "") in ("", "0")
+        backend.namespace = namespace
+        backend.page_bytes = pages.page_bytes
+        backend.register_memory(pages.buffer_spans())
+
+    @property
+    def pages(self) -> PageMap:
+        """Where each page of the bound host pool lives in memory (its runs)."""
+        if self._pages is None:
+            raise self._unbound()
+        return self._pages
+
+    @property
+    def page_bytes(self) -> int:
+        """Payload bytes of one page of the bound host pool."""
+        return self.pages.page_bytes
+
+    def _unbound(self) -> RuntimeError:
+        return RuntimeError(
+            f"this {type(self.backend).__name__} store is not bound to a host pool: make it with "
+            "make_storage(url, host_pool, ...)"
+        )
+
+    # ---- SGLang's HiCacheStorage contract --------------------------------------------------------
+
+    def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
+        """How many leading page hashes of ``keys`` are stored (a prefix length, as SGLang's)."""
+        hashes = check_keys(keys)
+        if self.namespace is None:
+            raise self._unbound()
+        full = self.namespace.keys(hashes)
+        hits = 0
+        for start in range(0, len(full), STORAGE_BATCH_SIZE):
+            chunk = full[start : start + STORAGE_BATCH_SIZE]
+            found = self.backend.exists_objects(chunk)
+            if len(found) != len(chunk):
+                raise StorageError(f"{self._backend_name}.exists_objects answered {len(found)} of {len(chunk)} keys")
+            n = next((i for i, f in enumerate(found) if not f), len(found))
+            hits += n
+            if n < len(chunk):
+                break
+        with self._stats_lock:
+            self._stats.exists_queries += 1
+            self._stats.exists_hits += hits
+        return hits
+
+    def exists(self, key: str) -> bool:
+        """Whether the page ``key`` is stored."""
+        return self.batch_exists([key]) == 1
+
+    def batch_set_from(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Store the host pool's pages at ``host_indices`` (token slots, whole pages) under ``keys``."""
+        return [r.ok for r in self.write_pages(keys, host_indices)]
+
+    def batch_get_into(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        """Load the pages ``keys`` into the host pool at ``host_indices``; one bool per page."""
+        return [r.ok for r in self.read_pages(keys, host_indices)]
+
+    def write_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[PageResult]:
+        """Store pages; one :class:`PageResult` per key. Checks every argument before a byte moves."""
+        hashes = check_keys(keys)
+        pages = self.page_ids(hashes, host_indices)
+        pm = self.pages
+        refused: dict[int, PageResult] = {}
+        if pm.verifier is not None:  # a page that failed host-tier verification never reaches the store
+            pm.verifier.collect()
+            for i, page in enumerate(pages):
+                if page in pm.verifier.quarantine:
+                    refused[i] = PageResult(
+                        hashes[i],
+                        PageStatus.CORRUPT,
+                        f"host page {page} failed host-tier "
+                        "verification (quarantined until its slots are freed): not written",
+                    )
+            if refused:
+                keep = [i for i in range(len(pages)) if i not in refused]
+                written = iter(self.write_pages([hashes[i] for i in keep], _page_slots(
+                    [pages[i] for i in keep], pm.page_size)))  # fmt: skip
+                return [refused[i] if i in refused else next(written) for i in range(len(pages))]
+        work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
+                for a, b in self._chunks(len(hashes))]  # fmt: skip
+        # Two stages in flight: the next chunk's checksums are taken while the store writes this one.
+        return self._pipelined(work, lambda w: (w[0], w[1], self._stage_headers(w[1], w[2])), self._stage_put)
+
+    def read_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[PageResult]:
+        """Load pages; one :class:`PageResult` per key. A page that is not ``ok`` is never reported loaded.
+
+        Without zero-copy the pool's page is written only after its checksum passed. With
+        zero-copy the bytes land in the page first and are checked there, so the slots of a
+        page that failed hold unspecified bytes: they were reserved for it, nothing else is touched.
+        """
+        hashes = check_keys(keys)
+        pages = self.page_ids(hashes, host_indices)
+        pm = self.pages
+        work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
+                for a, b in self._chunks(len(hashes))]  # fmt: skip
+        # Two stages in flight: the store reads the next chunk while this one's checksums are checked.
+        return self._pipelined(work, self._stage_fetch, self._stage_check, fetch_first=True)
+
+    def set(self, key: str, value: torch.Tensor | None = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:  # fmt: skip
+        """Store one flat page (as ``host_pool.get_data_page(i, flat=True)`` returns it)."""
+        pages = self.pages
+        flat = _flat_bytes(value, pages.page_bytes)
+        (h,) = check_keys([key])
+        full = self.namespace.key(h)
+        ptr = flat.data_ptr()
+        span = Span(ptr, pages.page_bytes, memoryview(flat.numpy()).cast("B"))
+        return self._put([h], [full], [[span]])[0].ok
+
+    def get(
+        self, key: str, target_location: torch.Tensor | None = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        """Load one flat page into ``target_location`` (default: a new dummy flat page); ``None`` on any miss."""
+        pages = self.pages
+        (h,) = check_keys([key])
+        target = target_location if target_location is not None else self.host_pool.get_dummy_flat_data_page()
+        flat = _flat_bytes(target, pages.page_bytes)
+        span = Span(flat.data_ptr(), pages.page_bytes, memoryview(flat.numpy()).cast("B"))
+        full = self.namespace.key(h)
+        if pages.trailer_bytes:
+            # A verifying pool's pages carry their checksum row; a flat page has no place for it (the caller's
+            # set_from_flat_data_page takes the checksums from the bytes): read it into scratch. A page stored
+            # by set() has none: read again without.
+            scratch = bytearray(pages.trailer_bytes)
+            result = self._get([h], [full], [[span, Span(address_of(scratch), len(scratch), memoryview(scratch))]])[0]
+            if result.status is PageStatus.MISMATCH:
+                result = self._get([h], [full], [[span]])[0]
+        else:
+            result = self._get([h], [full], [[span]])[0]
+        return target if result.ok else None
+
+    def batch_set(self, keys: Sequence[str], values: Sequence[torch.Tensor] | None = None, **_: Any) -> bool:
+        """Store flat pages (SGLang's generic path); true when every page was stored.
+
+        Every key and every value is checked before the first page is written.
+        """
+        pages = self.pages
+        hashes = check_keys(keys)
+        if values is None or isinstance(values, torch.Tensor) or not isinstance(values, Sequence):
+            raise TypeError(f"batch_set needs one flat page tensor per key, got {type(values).__name__}")
+        if len(values) != len(hashes):
+            raise ValueError(f"batch_set got {len(hashes)} keys and {len(values)} values")
+        flats = [_flat_bytes(v, pages.page_bytes) for v in values]
+        spans = [[Span(f.data_ptr(), pages.page_bytes, memoryview(f.numpy()).cast("B"))] for f in flats]
+        return all(r.ok for r in self._put(hashes, self.namespace.keys(hashes), spans))
+
+    def batch_get(self, keys: Sequence[str], target_locations: Sequence[torch.Tensor] | None = None,
+                  **_: Any) -> list[torch.Tensor | None]:  # fmt: skip
+        """Load flat pages (SGLang's generic path); every key and target is checked before the first read."""
+        pages = self.pages
+        hashes = check_keys(keys)
+        if target_locations is None:
+            targets = [self.host_pool.get_dummy_flat_data_page() for _ in hashes]
+        else:
+            if isinstance(target_locations, torch.Tensor) or not isinstance(target_locations, Sequence):
+                raise TypeError(f"target_locations must be one tensor per key, got {type(target_locations).__name__}")
+            if len(target_locations) != len(hashes):
+                raise ValueError(f"batch_get got {len(hashes)} keys and {len(target_locations)} targets")
+            targets = list(target_locations)
+        flats = [_flat_bytes(t, pages.page_bytes) for t in targets]
+        spans = [[Span(f.data_ptr(), pages.page_bytes, memoryview(f.numpy()).cast("B"))] for f in flats]
+        results = self._get(hashes, self.namespace.keys(hashes), spans)
+        return [t if r.ok else None for t, r in zip(targets, results)]
+
+    def get_stats(self) -> StorageStats:
+        """A copy of the counters, with the store's own figures under ``backend``."""
+        with self._stats_lock:
+            snapshot = StorageStats(**{f.name: getattr(self._stats, f.name) for f in fields(self._stats)})
+        try:
+            snapshot.backend = dict(self.backend.backend_stats())
+        except Exception as exc:  # noqa: BLE001 - stats must not fail because the store is down
+            snapshot.backend = {"error": self.backend.redact(f"{type(exc).__name__}: {exc}")}
+        return snapshot
+
+    # ---- the page machinery ----------------------------------------------------------------------
+
+    def page_ids(self, hashes: Sequence[str], host_indices: torch.Tensor) -> list[int]:
+        """The host pages at ``host_indices`` (token slots, whole pages, one page per hash), checked.
+
+        Raises before anything moves: a tensor that is not 1-D int32/int64, a length that is not
+        ``len(hashes)`` pages, slots that are not whole pages, a page outside the pool, a page twice.
+        """
+        pages = self.pages
+        if not isinstance(host_indices, torch.Tensor):
+            raise TypeError(f"host_indices must be a torch tensor of token slots, got {type(host_indices).__name__}")
+        if host_indices.dtype not in (torch.int32, torch.int64) or host_indices.dim() != 1:
+            raise TypeError(
+                f"host_indices must be 1-D int32/int64, got {host_indices.dtype} {tuple(host_indices.shape)}"
+            )
+        p = pages.page_size
+        if host_indices.numel() != len(hashes) * p:
+            raise ValueError(
+                f"{len(hashes)} keys need {len(hashes) * p} host slots (page_size {p}), got {host_indices.numel()}"
+            )
+        if not hashes:
+            return []
+        slots = host_indices.to("cpu", torch.int64).reshape(-1, p)
+        starts = slots[:, 0]
+        if bool((starts % p).any()) or not bool((slots - starts[:, None] == torch.arange(p)).all()):
+            raise ValueError(f"host_indices must be whole pages: runs of {p} consecutive slots from a page start")
+        ids = (starts // p).tolist()
+        bad = [q for q in ids if not 0 <= q < pages.num_pages]
+        if bad:
+            raise IndexError(f"host slots of page {bad[0]} are outside the host pool ({pages.num_pages} pages)")
+        if len(set(ids)) != len(ids):
+            raise ValueError("host_indices name the same page twice")
+        return ids
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        """Batches of at most STORAGE_BATCH_SIZE pages and io_chunk_bytes of payload (at least one page)."""
+        if self.device_checked and self.backend.capabilities.zero_copy:
+            # No payload is hashed or copied on the host: nothing to overlap or keep cache-hot, one call per batch.
+            per = STORAGE_BATCH_SIZE
+        else:
+            per = max(1, min(STORAGE_BATCH_SIZE, self.backend.io_chunk_bytes // max(1, self.pages.page_bytes)))
+        return [(start, min(n, start + per)) for start in range(0, n, per)]
+
+    def _key_digest(self, full_key: str) -> bytes:
+        return hashlib.sha256(full_key.encode()).digest()
+
+    def _pipelined(self, work: list, first: Any, second: Any, fetch_first: bool = False) -> list[PageResult]:
+        """Run ``second(first(w))`` over ``work``, the store's stage on the I/O thread, overlapped with ours."""
+        if len(work) <= 1:
+            return [r for w in work for r in second(first(w))]
+        io = self._stage_thread()
+        results: list[PageResult] = []
+        if fetch_first:  # first = the store's read (I/O thread), second = our checks (this thread)
+            pending = io.submit(first, work[0])
+            for i in range(len(work)):
+                fetched = pending.result()
+                if i + 1 < len(work):
+                    pending = io.submit(first, work[i + 1])
+                results += second(fetched)
+        else:  # first = our checksums (this thread), second = the store's write (I/O thread)
+            prepared = first(work[0])
+            for i in range(len(work)):
+                pending = io.submit(second, prepared)
+                if i + 1 < len(work):
+                    prepared = first(work[i + 1])
+                results += pending.result()
+        return results
+
+    def _stage_thread(self) -> Any:
+        """The thread that runs the store's half of a pipelined read or write (made on first use)."""
+        with self._stats_lock:
+            if self._io_pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._io_pool = ThreadPoolExecutor(max_workers=1,
+                                                   thread_name_prefix=f"hicache-{self.backend.scheme}-io")  # fmt: skip
+            return self._io_pool
+
+    def _stage_headers(self, full: list[str], payloads: list[list[Span]]) -> list[list[Span]]:
+        size = self.pages.page_bytes
+        values = []
+        device_checked = self.device_checked
+        hashed = [hashed_runs([(s.ptr, s.nbytes) for s in spans], size, device_checked) for spans in payloads]
+        digests = parallel_checksums(hashed, self.checksum_threads)
+        for key, spans, checksum, runs in zip(full, payloads, digests, hashed):
+            words = (sum(s.nbytes for s in spans) - size) // 8  # the checksum row after the payload, if any
+            algorithm = CHECKSUM_DEVICE if words and len(runs) == 1 and device_checked else CHECKSUM_XXH3_64
+            header = bytearray(pack_header(payload_bytes=size, checksum=checksum, fingerprint=self._fingerprint,
+                                           key_digest=self._key_digest(key), verify_words=words,
+                                           algorithm=algorithm))  # fmt: skip
+            values.append([Span(address_of(header), HEADER_SIZE, memoryview(header)), *spans])
+        return values
+
+    def _put(self, hashes: list[str], full: list[str], payloads: list[list[Span]]) -> list[PageResult]:
+        return self._stage_put((hashes, full, self._stage_headers(full, payloads)))
+
+    def _stage_put(self, prepared: tuple[list[str], list[str], list[list[Span]]]) -> list[PageResult]:
+        hashes, full, values = prepared
+        size = self.pages.page_bytes
+        t0 = time.perf_counter()
+        try:
+            outcome = list(self.backend.put_objects(full, values))
+            if len(outcome) != len(full):
+                raise StorageError(f"{self._backend_name}.put_objects answered {len(outcome)} of {len(full)} keys")
+        except Exception as exc:  # noqa: BLE001 - the whole batch failed: every page says why
+            outcome = [exc] * len(full)
+        elapsed = time.perf_counter() - t0
+        results = []
+        for h, err in zip(hashes, outcome):
+            if err is None:
+                results.append(PageResult(h, PageStatus.OK))
+            elif isinstance(err, StorageFull):
+                results.append(PageResult(h, PageStatus.FULL, self.backend.redact(_describe(err))))
+            else:
+                results.append(PageResult(h, PageStatus.ERROR, self.backend.redact(_describe(err))))
+        with self._stats_lock:
+            ok = sum(r.ok for r in results)
+            self._stats.pages_written += ok
+            self._stats.bytes_written += ok * (size + HEADER_SIZE)
+            self._stats.write_seconds += elapsed
+            self._stats.write_refused_full += sum(r.status is PageStatus.FULL for r in results)
+            self._stats.write_failed += sum(r.status is PageStatus.ERROR for r in results)
+        _record_l3("write", results, size + HEADER_SIZE)
+        return results
+
+    def _get(self, hashes: list[str], full: list[str], targets: list[list[Span]]) -> list[PageResult]:
+        return self._stage_check(self._stage_fetch((hashes, full, targets)))
+
+    def _stage_fetch(self, work: tuple[list[str], list[str], list[list[Span]]]) -> tuple:
+        """The store's half of a read: the primitive call, and how long it took."""
+        hashes, full, targets = work
+        t0 = time.perf_counter()
+        headers: list[bytearray] = []
+        if self.backend.capabilities.zero_copy:
+            headers = [bytearray(HEADER_SIZE) for _ in full]
+            spans = [[Span(address_of(h), HEADER_SIZE, memoryview(h)), *t] for h, t in zip(headers, targets)]
+            try:
+                outcome = list(self.backend.get_objects_into(full, spans))
+                if len(outcome) != len(full):
+                    raise StorageError(f"{self._backend_name}.get_objects_into answered {len(outcome)} of {len(full)}")
+            except Exception as exc:  # noqa: BLE001 - the whole batch failed
+                outcome = [exc] * len(full)
+        else:
+            try:
+                outcome = list(self.backend.get_objects(full))
+                if len(outcome) != len(full):
+                    raise StorageError(f"{self._backend_name}.get_objects answered {len(outcome)} of {len(full)} keys")
+            except Exception as exc:  # noqa: BLE001
+                outcome = [exc] * len(full)
+        return work, headers, outcome, time.perf_counter() - t0
+
+    def _stage_check(self, fetched: tuple) -> list[PageResult]:
+        """Our half of a read: check each page; without zero-copy, copy the checked ones into the pool."""
+        (hashes, full, targets), headers, outcome, elapsed = fetched
+        size = self.pages.page_bytes
+        t0 = time.perf_counter()
+        results = []
+        if self.backend.capabilities.zero_copy:
+            arrived = [[(s.ptr, s.nbytes) for s in t] if e is None else [] for t, e in zip(targets, outcome)]
+            # A device-checked page (algorithm 2) is hashed here only in its checksum row: its payload is
+            # checked on the device after load, against that row.
+            digests = parallel_checksums([
+                r[-1:] if r and stored_algorithm(hd) == CHECKSUM_DEVICE else r for r, hd in zip(arrived, headers)
+            ], self.checksum_threads)  # fmt: skip
+            for h, key, header, runs, err, digest in zip(hashes, full, headers, arrived, outcome, digests):
+                if err is not None:
+                    results.append(_failed_read(h, err, self.backend.redact))
+                    continue
+                results.append(self._check_object(h, key, header, runs, size, digest))
+        else:
+            for h, key, target, blob in zip(hashes, full, targets, outcome):
+                if blob is None or isinstance(blob, BaseException):
+                    results.append(_failed_read(h, ObjectMissing(key) if blob is None else blob, self.backend.redact))
+                    continue
+                view = memoryview(blob).cast("B")
+                total = sum(s.nbytes for s in target)  # the payload, and the checksum row of a verifying pool
+                if len(view) != HEADER_SIZE + total:
+                    detail = f"object is {len(view)} bytes, a page here is {HEADER_SIZE + total}"
+                    results.append(PageResult(h, PageStatus.MISMATCH, detail))
+                    continue
+                base = address_of(view)
+                runs = [(base + HEADER_SIZE, total)]
+                digest = None
+                if stored_algorithm(view[:HEADER_SIZE]) == CHECKSUM_DEVICE and total > size:
+                    digest = checksum_runs([(base + HEADER_SIZE + size, total - size)])
+                result = self._check_object(h, key, view[:HEADER_SIZE], runs, size, digest)
+                if result.ok:  # only a verified page reaches the pool
+                    offset = base + HEADER_SIZE
+                    for s in target:
+                        ctypes.memmove(s.ptr, offset, s.nbytes)
+                        offset += s.nbytes
+                results.append(result)
+        elapsed += time.perf_counter() - t0
+        with self._stats_lock:
+            ok = sum(r.ok for r in results)
+            self._stats.pages_read += ok
+            self._stats.bytes_read += ok * (size + HEADER_SIZE)
+            self._stats.read_seconds += elapsed
+            for r in results:
+                if not r.ok:
+                    counter = _READ_COUNTER.get(r.status, "read_failed")
+                    setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+        _record_l3("read", results, size + HEADER_SIZE)
+        return results
+
+    def _check_object(self, h: str, key: str, header_bytes: Any, runs: list[tuple[int, int]], size: int,
+                digest: int | None = None) -> PageResult:  # fmt: skip
+        try:
+            header = unpack_header(header_bytes)
+        except VersionError as exc:
+            return PageResult(h, PageStatus.MISMATCH, str(exc))
+        except HeaderError as exc:
+            return PageResult(h, PageStatus.CORRUPT, str(exc))
+        if header.fingerprint != self._fingerprint:
+            return PageResult(h, PageStatus.MISMATCH, "stored for another pool geometry (fingerprint differs)")
+        if header.key_digest != self._key_digest(key):
+            return PageResult(h, PageStatus.MISMATCH, "the object carries another key")
+        if header.payload_bytes != size:
+            return PageResult(h, PageStatus.MISMATCH, f"payload is {header.payload_bytes} bytes, a page here is {size}")
+        words = (sum(n for _, n in runs) - size) // 8
+        if header.verify_words != words:
+            return PageResult(
+                h,
+                PageStatus.MISMATCH,
+                f"stored with {header.verify_words} host-tier verification "
+                f"words, a page here has {words} (written by a pool with verify set differently)",
+            )
+        if header.checksum_algorithm == CHECKSUM_DEVICE and digest is None:
+            digest = checksum_runs(row_of(runs, size))
+        if (checksum_runs(runs) if digest is None else digest) != header.checksum:
+            return PageResult(h, PageStatus.CORRUPT, "payload checksum mismatch")
+        return PageResult(h, PageStatus.OK)
+
+    def check_page(self, key: str) -> PageResult:
+        """Read the page ``key`` into a scratch flat page and check it, as a prefetch would; the pool is untouched."""
+        (h,) = check_keys([key])
+        pages = self.pages
+        flat = self.host_pool.get_dummy_flat_data_page().reshape(-1)
+        flat = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+        span = Span(flat.data_ptr(), pages.page_bytes, memoryview(flat.numpy()).cast("B"))
+        return self._get([h], [self.namespace.key(h)], [[span]])[0]
+
+    def clear(self) -> None:
+        """Delete every object the backend can see under its URL."""
+        self.backend.clear()
+
+    def ping(self) -> None:
+        """Raise :class:`StorageError` when the store cannot be reached (the backend's message)."""
+        self.backend.ping()
+
+    def close(self) -> None:
+        """Stop the I/O thread, then close the backend; the store is unusable after."""
+        with self._stats_lock:
+            io, self.__dict__["_io_pool"] = self._io_pool, None
+        if io is not None:
+            io.shutdown(wait=True)
+        self.backend.close()
+
+    def __repr__(self) -> str:
+        bound = f" namespace={self.namespace.prefix}" if self.namespace else " (unbound)"
+        return f"<PageStore {type(self.backend).__name__} {self.url.redacted}{bound}>"
+
+    # ---- 0.2's API, where the backend was the store: kept until hicache-core 0.4 ------------------
+
+    def __getattr__(self, name: str) -> Any:
+        backend = self.__dict__.get("backend")
+        if backend is None or name.startswith("__"):
+            raise AttributeError(f"'PageStore' object has no attribute {name!r}", name=name, obj=self)
+        value = getattr(backend, name)  # AttributeError: the backend lacks it too
+        _TO_BACKEND.warn("make_storage(...)", name)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self.__dict__ and not hasattr(type(self), name) and _backend_has(self.backend, name):
+            _TO_BACKEND.warn("make_storage(...)", f"{name} (set)")
+            setattr(self.backend, name, value)
+            return
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name not in self.__dict__ and name in self.backend.__dict__:
+            _TO_BACKEND.warn("make_storage(...)", f"{name} (deleted)")
+            delattr(self.backend, name)
+            return
+        object.__delattr__(self, name)
+
+
+#: Backend members read through the store: 0.2's make_storage returned the backend itself.
+_TO_BACKEND = Moved("hicache_core.storage.page_store", "make_storage(...).backend", since="0.3.0", until="0.4.0")
+
+
+def _backend_has(backend: StorageBackend, name: str) -> bool:
+    return name in backend.__dict__ or hasattr(type(backend), name)
+
+
+def _adopt_overrides(store: PageStore, backend: StorageBackend) -> None:
+    """A 0.2 backend that overrides a page method (``batch_exists``, ``get_stats``, ...) keeps it, with a warning."""
+    cls = type(backend)
+    for name, target in getattr(cls, "legacy_page_methods", {}).items():
+        member = getattr(cls, name, None)
+        if member is None or getattr(member, "hicache_forwarder", False):
+            continue  # the base class's forwarder: not overridden
+        warnings.warn(f"{cls.__name__}.{name} overrides a page method that moved to PageStore.{target} "
+                      "(hicache-core 0.3.0): the store calls the override until 0.4.0, then only its own",
+                      DeprecationWarning, stacklevel=4)  # fmt: skip
+        store.__dict__[target] = getattr(backend, name)
+
+
+#: What a page hash may be: every backend can store it as a name (a file, a Redis key, a Mooncake key).
+_PAGE_HASH = re.compile(r"[0-9A-Za-z_-]{1,200}")
+
+
+def _record_l3(op: str, results: list[PageResult], object_bytes: int) -> None:
+    """Pages by outcome, bytes moved, and checksum failures (hicache_core.metrics), once per batch."""
+    by: dict[str, int] = {}
+    for r in results:
+        by[r.status.value] = by.get(r.status.value, 0) + 1
+    for outcome, n in by.items():
+        _metrics.L3_PAGES.labels(op=op, outcome=outcome).inc(n)
+    if by.get("ok"):
+        _metrics.L3_BYTES.labels(op=op).inc(by["ok"] * object_bytes)
+    if by.get("corrupt"):
+        _metrics.record_checksum_failure("l3", by["corrupt"])
+
+
+def _page_slots(pages: list[int], page_size: int) -> torch.Tensor:
+    if not pages:
+        return torch.empty(0, dtype=torch.int64)
+    return (torch.tensor(pages, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+def check_keys(keys: Sequence[str]) -> list[str]:
+    """Every key checked before any byte of the batch moves (one bad key never leaves half a batch written)."""
+    if isinstance(keys, str) or not isinstance(keys, Sequence):
+        raise TypeError(f"keys must be a list of page hashes (str), got {type(keys).__name__}")
+    out = list(keys)
+    for i, k in enumerate(out):
+        if not isinstance(k, str) or not k:
+            raise TypeError(f"every key must be a non-empty str (a page hash), got {k!r} at position {i}")
+        if not _PAGE_HASH.fullmatch(k):
+            raise ValueError(
+                f"key {k[:80]!r} at position {i} is not a page hash (1-200 of A-Z a-z 0-9 _ -); nothing was moved"
+            )
+    if len(set(out)) != len(out):
+        dup = next(k for i, k in enumerate(out) if k in out[:i])
+        raise ValueError(f"key {dup[:80]!r} appears twice in one batch; nothing was moved")
+    return out
+
+
+def _flat_bytes(value: torch.Tensor | None, page_bytes: int) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"a flat page must be a torch tensor, got {type(value).__name__}")
+    if value.device.type != "cpu" or not value.is_contiguous():
+        raise ValueError("a flat page must be a contiguous CPU tensor")
+    flat = value.reshape(-1)
+    flat = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+    if flat.numel() != page_bytes:
+        raise ValueError(f"a flat page here is {page_bytes} bytes, got {flat.numel()}")
+    return flat
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _failed_read(h: str, err: BaseException, redact: Any = str) -> PageResult:
+    if isinstance(err, ObjectMissing):
+        return PageResult(h, PageStatus.MISSING, "not in the store")
+    if isinstance(err, (SizeMismatch, NotAPage)):
+        return PageResult(h, PageStatus.MISMATCH, redact(str(err)))
+    if isinstance(err, TimeoutError):
+        return PageResult(h, PageStatus.TIMEOUT, redact(_describe(err)))
+    return PageResult(h, PageStatus.ERROR, redact(_describe(err)))

@@ -1,0 +1,169 @@
+"""SGLang's layer-wise loads of hicache pools, submitted by hicache's layer loader.
+
+SGLang's ``L2TransferEngine.submit_host_to_device`` submits every layer of a prefix's load on
+the scheduler thread before the forward is queued, and records one ``LayerLoadingEvent`` event
+per layer; the forward's layer ``l`` makes its stream wait on event ``l``
+(``LayerDoneCounter.wait_until``). Where every pool of a load is hicache's, this module takes
+that load: the scheduler thread does what SGLang does before the copies (the start event, the
+load fence, index resolution on SGLang's host-to-device stream), records one event there, and
+hands the copies to :mod:`hicache_core.layer_loads`, whose thread waits on that event on a
+stream of its own and submits layer after layer, in SGLang's order and with SGLang's per-pool
+layer mapping (drafts, sidecars, indexers, pipeline stages). The forward's wait for layer ``l``
+first waits on the host until layer ``l`` was submitted, then on its event: no stream ever
+waits on an event not yet recorded, so no hardware-queue aliasing can deadlock it.
+
+The completion SGLang keeps (its ack, the allocator's transfer-done event, the counter's
+``finish_event``) holds :class:`~hicache_core.layer_loads.PendingEvent` objects, which answer
+``query``, ``wait``, ``synchronize`` and ``elapsed_time`` as CUDA events do. A load whose pools
+are not all hicache's, or whose per-layer callback is not SGLang's counter, runs SGLang's own code.
+``HICACHE_SGLANG_LAYER_LOADS=sglang`` keeps SGLang's own submission for every load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hicache_core.layer_loads import LayerLoad, layer_loader
+from hicache_core.settings import choice
+
+from .pool_api import CoreSlots
+
+CHOICES = ("hicache", "sglang")
+MODE = choice("HICACHE_SGLANG_LAYER_LOADS", CHOICES, default="hicache",
+              doc="who submits hicache pools' layer-wise loads: hicache (its layer loader, off the scheduler thread; "
+                  "the default) or sglang (SGLang's own loop)")  # fmt: skip
+ENV = MODE.name
+_installed: list[tuple[type, str, Any]] = []
+
+
+def mode() -> str:
+    """Who submits hicache pools' layer-wise loads: ``hicache`` (the default) or ``sglang``."""
+    return MODE.read()
+
+
+def _served(transfers: list, on_layer_done: Any) -> bool:
+    if not transfers or not all(isinstance(t.host_pool, CoreSlots) for t in transfers):
+        return False
+    if on_layer_done is not None and not isinstance(getattr(on_layer_done, "__self__", None), _event_class()):
+        return False  # a callback of someone else's: it stays on the thread SGLang calls it from
+    return True
+
+
+def _event_class() -> type:
+    from sglang.srt.managers.cache_controller import LayerLoadingEvent
+
+    return LayerLoadingEvent
+
+
+def submit_host_to_device(engine: Any, transfers: list, *, transfer_layer_id_max: int, start_event: Any = None,
+                          on_layer_done: Any = None, _original: Any = None) -> Any:  # fmt: skip
+    """``L2TransferEngine.submit_host_to_device`` for loads of hicache pools (see the module's text)."""
+    if not _served(transfers, on_layer_done):
+        return _original(engine, transfers, transfer_layer_id_max=transfer_layer_id_max, start_event=start_event,
+                         on_layer_done=on_layer_done)  # fmt: skip
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.l2_transfer import TransferCompletion, _timing_events_supported
+    from sglang.srt.utils import get_device_module
+
+    device_module = get_device_module()
+    stream = engine.host_to_device_stream
+    start_event = engine._start_event(start_event)
+    with device_module.stream(stream):
+        try:
+            # What SGLang's own submission does before the first copy, on the same stream.
+            start_event.wait(stream)
+            prepared = engine._prepare_transfers(transfers)
+        except Exception:
+            stream.synchronize()
+            raise
+        ready = None
+        device = torch.device(getattr(transfers[0].device_pool, "device", "cpu"))
+        if device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(stream)
+    engine._record_stream(transfers + prepared, stream)
+    delay_cycles = envs.SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES.get()
+    io_backend = engine.io_backend
+    primary = prepared[0]
+
+    def step(layer_id: int) -> None:
+        if delay_cycles:
+            torch.cuda._sleep(delay_cycles)
+        for transfer in prepared:
+            local = transfer.layer_mapper(layer_id) if transfer.layer_mapper is not None else layer_id
+            if local is None or (
+                transfer is not primary and transfer.layer_mapper is None and layer_id >= transfer.host_pool.layer_num
+            ):
+                continue
+            transfer.host_pool.load_to_device_per_layer_physical(
+                transfer.device_pool, transfer.host_indices, transfer.device_indices, local, io_backend,
+                is_draft=transfer.is_draft,
+            )  # fmt: skip
+
+    keep = [t for tr in transfers + prepared for t in (tr.host_indices, tr.device_indices) if t is not None]
+    timing = _timing_events_supported() and device.type == "cuda"
+    load = layer_loader(device).submit(
+        transfer_layer_id_max, step, start_event=ready, keep=keep, timing=timing,
+        what=f"SGLang load of {len(transfers[0].host_indices)} tokens into {transfer_layer_id_max} layers",
+    )  # fmt: skip
+    if on_layer_done is not None:
+        on_layer_done.__self__._hicache_load = load
+    return TransferCompletion(load.start_event, load.finish_event, timing)
+
+
+def _wait(self: Any, layer_index: int, _original: Any = None) -> None:
+    load: LayerLoad | None = getattr(self, "_hicache_load", None)
+    if load is None:
+        return _original(self, layer_index)
+    load.wait(layer_index)
+
+
+def _finish_event(self: Any) -> Any:
+    load: LayerLoad | None = getattr(self, "_hicache_load", None)
+    return self.load_events[-1] if load is None else load.finish_event
+
+
+def install() -> None:
+    """Serve hicache pools' layer-wise loads through hicache's layer loader (idempotent)."""
+    if _installed or mode() == "sglang":
+        return
+    from sglang.srt.mem_cache.l2_transfer import L2TransferEngine
+
+    events = _event_class()
+    original_submit = L2TransferEngine.submit_host_to_device
+    original_wait = events.wait
+
+    def submit(self, transfers, *, transfer_layer_id_max, start_event=None, on_layer_done=None):
+        return submit_host_to_device(self, transfers, transfer_layer_id_max=transfer_layer_id_max,
+                                     start_event=start_event, on_layer_done=on_layer_done,
+                                     _original=original_submit)  # fmt: skip
+
+    def wait(self, layer_index):
+        return _wait(self, layer_index, _original=original_wait)
+
+    def complete(self, layer_index):
+        # SGLang's own submission records its events; a load of hicache's carries its own.
+        self._hicache_load = None
+        return original_complete(self, layer_index)
+
+    original_complete = events.complete
+    for owner, name, new in (
+        (L2TransferEngine, "submit_host_to_device", submit),
+        (events, "wait", wait),
+        (events, "complete", complete),
+        (events, "finish_event", property(_finish_event)),
+    ):
+        _installed.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, new)
+
+
+def uninstall() -> None:
+    """Give SGLang its own submission and events back."""
+    while _installed:
+        owner, name, old = _installed.pop()
+        setattr(owner, name, old)
+
+
+__all__ = ["CHOICES", "ENV", "install", "mode", "submit_host_to_device", "uninstall"]

@@ -1,0 +1,95 @@
+"""Processes of the peer tier's tests: an owner that publishes pages, a reader that reads them in a loop.
+
+Run as ``python peer_proc.py ROLE URL WORKDIR [N_PAGES]``. Each page's bytes are a function of
+its key (:func:`page_content`), so any process checks any page it read without asking the owner.
+The owner writes ``WORKDIR/ready.json`` (its keys and stats) once its pages are published and
+runs until ``WORKDIR/stop`` exists (or it is killed); in role ``churn`` it keeps freeing and
+republishing its pages meanwhile (another key in each freed slot).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hicache_core.storage import make_storage
+from hicache_core.storage.keys import page_hashes
+from hicache_core.testing.storage_kit import StorageCase, make_pool
+
+CASE = StorageCase("mha", "page_first", "plain", 4)
+MODEL = "peer-test"
+
+
+def page_content(host, key: str) -> torch.Tensor:
+    """The flat bytes the page ``key`` holds, wherever it lives."""
+    n = host.get_data_page(0, flat=True).view(torch.uint8).numel()
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(int(key[:12], 16)))
+
+
+def fill(host, slots: torch.Tensor, keys: list[str]) -> None:
+    dummy = host.get_data_page(0, flat=True)
+    for slot, key in zip(slots[:: host.page_size].tolist(), keys):
+        host.set_from_flat_data_page(slot, page_content(host, key).view(dummy.dtype))
+
+
+def keys_for(salt: int, n_pages: int) -> list[str]:
+    return page_hashes([(salt * 7919 + i) % 50000 for i in range(n_pages * CASE.page_size)], CASE.page_size)
+
+
+def owner(url: str, workdir: Path, n_pages: int, churn: bool) -> None:
+    host = make_pool(CASE, pages=4 * n_pages, seed=3)
+    store = make_storage(url, host, model_id=MODEL)
+    keys = keys_for(1, n_pages)
+    slots = host.alloc(n_pages * CASE.page_size)
+    fill(host, slots, keys)
+    results = store.write_pages(keys, slots)
+    assert all(r.ok for r in results), results[:2]
+    backend = getattr(store, "backend", store)
+    (workdir / "ready.tmp").write_text(json.dumps({"keys": keys, "stats": backend.backend_stats()}))
+    (workdir / "ready.tmp").rename(workdir / "ready.json")
+    rounds = 0
+    while not (workdir / "stop").exists():
+        if not churn:
+            time.sleep(0.02)
+            continue
+        # Evict half the pages, put other pages' bytes in slots just freed, publish them, then bring the
+        # first keys back: every slot keeps changing while readers read.
+        rounds += 1
+        half = n_pages // 2 * CASE.page_size
+        host.free(slots[:half])
+        other = keys_for(1000 + rounds, n_pages // 2)
+        fresh = host.alloc(half)
+        fill(host, fresh, other)
+        store.write_pages(other, fresh)
+        host.free(fresh)
+        back = host.alloc(half)
+        fill(host, back, keys[: n_pages // 2])
+        store.write_pages(keys[: n_pages // 2], back)
+        slots = torch.cat([back, slots[half:]])
+    stats = backend.backend_stats()
+    store.close()
+    (workdir / "owner-final.json").write_text(json.dumps({"rounds": rounds, "stats": stats}))
+
+
+def reader(url: str, workdir: Path, n_pages: int) -> None:
+    """Read the owner's pages over and over until killed (the test kills it mid-read)."""
+    host = make_pool(CASE, pages=2 * n_pages, seed=4)
+    store = make_storage(url, host, model_id=MODEL, serve=0)
+    keys = json.loads((workdir / "ready.json").read_text())["keys"]
+    slots = host.alloc(n_pages * CASE.page_size)
+    (workdir / "reader-started").write_text("1")
+    while True:
+        store.read_pages(keys, slots)
+
+
+if __name__ == "__main__":
+    role, url, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    n = int(sys.argv[4]) if len(sys.argv) > 4 else 16
+    if role == "reader":
+        reader(url, work, n)
+    else:
+        owner(url, work, n, churn=role == "churn")

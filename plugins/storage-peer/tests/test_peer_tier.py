@@ -1,0 +1,250 @@
+"""The peer tier between real processes: pages read from another instance's host pool through NIXL (UCX/TCP)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from peer_proc import CASE, MODEL, page_content
+
+from hicache_core.storage import make_storage
+from hicache_core.storage.backend import PageStatus, StorageError
+from hicache_core.testing.storage_kit import StorageCase, make_pool
+
+N = 16
+
+
+def reader_store(url: str, **kw):
+    host = make_pool(CASE, pages=2 * N, seed=9)
+    store = make_storage(url, host, model_id=kw.pop("model_id", MODEL), serve=0, **kw)
+    return host, store, host.alloc(N * CASE.page_size)
+
+
+def page_of(host, slots, i):
+    return host.get_data_page(int(slots[i * CASE.page_size]), flat=True).view(torch.uint8)
+
+
+def test_reader_gets_the_owners_pages_byte_for_byte(peer_url, procs, tmp_path):
+    owner = procs("owner", peer_url, tmp_path)
+    keys = owner.ready()["keys"]
+    host, store, slots = reader_store(peer_url)
+    try:
+        assert store.batch_exists(keys) == N
+        results = store.read_pages(keys, slots)
+        assert [r.status for r in results] == [PageStatus.OK] * N, results[:2]
+        for i, key in enumerate(keys):
+            assert torch.equal(page_of(host, slots, i), page_content(host, key)), f"page {i} differs"
+        stats = store.get_stats()
+        assert stats.pages_read == N and stats.backend["transfers"] >= 2  # the pages, then the generation words
+        from hicache_core.storage.explain import explain_miss
+
+        toks = [(1 * 7919 + i) % 50000 for i in range((N + 2) * CASE.page_size)]  # peer_proc.keys_for(1, N + 2)
+        reasons = [p.reason for p in explain_miss(store, toks).pages]
+        assert reasons == ["in_store"] * N + ["not_in_store"] * 2, reasons
+    finally:
+        store.close()
+    final = owner.stop()
+    assert final["stats"]["published_pages"] == N and final["stats"]["nixl_registrations"] == 2
+
+
+def test_other_model_geometry_or_rank_share_is_never_found(peer_url, procs, tmp_path):
+    keys = procs("owner", peer_url, tmp_path).ready()["keys"]
+    for kw in ({"model_id": "another-model"}, {"tp_rank": 1, "tp_size": 2}):
+        host, store, _ = reader_store(peer_url, **kw)
+        try:
+            assert store.batch_exists(keys) == 0, kw
+        finally:
+            store.close()
+    other = make_pool(StorageCase("mha", "page_first", "plain", 1), pages=2 * N * 4, seed=1)  # another page size
+    store = make_storage(peer_url, other, model_id=MODEL, serve=0)
+    try:
+        assert store.batch_exists(keys) == 0
+    finally:
+        store.close()
+
+
+def test_a_page_freed_behind_a_stale_directory_is_a_miss_never_its_new_bytes(redis_server, peer_url):
+    """The owner frees and refills its slots; the directory is put back as it was before: generations catch it."""
+    import redis
+
+    owner_host = make_pool(CASE, pages=2 * N, seed=1)
+    owner = make_storage(peer_url, owner_host, model_id=MODEL)
+    host, store, slots = reader_store(peer_url)
+    try:
+        from peer_proc import fill, keys_for
+
+        keys = keys_for(5, 4)
+        src = owner_host.alloc(4 * CASE.page_size)
+        fill(owner_host, src, keys)
+        assert all(r.ok for r in owner.write_pages(keys, src))
+        client = redis.Redis(port=redis_server.port)
+        prefix = peer_url.split("prefix=")[1].split("&")[0]
+        saved = {k: client.hgetall(k) for k in client.scan_iter(match=f"{prefix}page:*")}
+        assert len(saved) == 4 and all(saved.values()), saved
+        owner_host.free(src)  # generations move before the slots can be reused
+        again = owner_host.alloc(4 * CASE.page_size)
+        fill(owner_host, again, keys_for(6, 4))  # other pages' bytes in the same slots
+        counters = getattr(owner, "backend", owner).counters
+        deadline = time.monotonic() + 5
+        while counters["unpublished"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)  # the owner unpublishes in the background; restore after it did
+        assert counters["unpublished"] == 4 and store.batch_exists(keys) == 0
+        for k, fields in saved.items():  # a stale directory: the old entries are back
+            client.hset(k, mapping=fields)
+        assert store.batch_exists(keys) == 4  # the directory says yes ...
+        before = torch.stack([page_of(host, slots, i).clone() for i in range(4)])
+        results = store.read_pages(keys, slots[: 4 * CASE.page_size])
+        assert [r.status for r in results] == [PageStatus.MISSING] * 4, results  # ... the generations say no
+        assert store.get_stats().backend["stale_reads"] == 4
+        assert store.get_stats().read_corrupt == 0
+        del before
+    finally:
+        store.close()
+        owner.close()
+
+
+def test_owner_evicting_under_load_never_gives_wrong_bytes(peer_url, procs, tmp_path):
+    owner = procs("churn", peer_url, tmp_path)
+    keys = owner.ready()["keys"]
+    host, store, slots = reader_store(peer_url)
+    ok = missed = 0
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            for i, r in enumerate(store.read_pages(keys, slots)):
+                if r.ok:
+                    ok += 1
+                    assert torch.equal(page_of(host, slots, i), page_content(host, keys[i])), f"wrong bytes {i}"
+                else:
+                    assert r.status in (PageStatus.MISSING, PageStatus.SKIPPED), r
+                    missed += 1
+        stats = store.get_stats()
+        assert stats.read_corrupt == 0 and stats.read_mismatch == 0
+    finally:
+        store.close()
+    final = owner.stop()
+    assert final["rounds"] > 0 and ok > 0, (final, ok, missed)
+
+
+def test_paused_owner_times_out_bounded_and_no_late_byte_lands(peer_url, procs, tmp_path):
+    owner = procs("owner", peer_url, tmp_path)
+    keys = owner.ready()["keys"]
+    host, store, slots = reader_store(peer_url)
+    try:
+        assert all(r.ok for r in store.read_pages(keys, slots))  # connected
+        owner.signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        results = store.read_pages(keys, slots)
+        took = time.monotonic() - t0
+        assert took < 4.0, took  # timeout=2 in the URL
+        assert all(r.status in (PageStatus.TIMEOUT, PageStatus.SKIPPED) for r in results), results[:2]
+        assert store.get_stats().backend["transfer_timeouts"] == 1
+        sentinel = torch.full_like(page_of(host, slots, 0), 0x5A)
+        dummy = host.get_data_page(0, flat=True)
+        for i in range(N):  # a flat page is a copy: write through the pool's own setter
+            host.set_from_flat_data_page(int(slots[i * CASE.page_size]), sentinel.view(dummy.dtype))
+        assert all(torch.equal(page_of(host, slots, i), sentinel) for i in range(N))
+        owner.signal(signal.SIGCONT)
+        time.sleep(0.5)
+        assert all(torch.equal(page_of(host, slots, i), sentinel) for i in range(N)), "a late read wrote a slot"
+        results = store.read_pages(keys, slots)  # reconnects
+        assert all(r.ok for r in results), results[:2]
+        assert torch.equal(page_of(host, slots, 3), page_content(host, keys[3]))
+    finally:
+        store.close()
+    owner.stop()
+
+
+def test_owner_killed_mid_read_fails_bounded_and_its_entries_expire(peer_url, procs, tmp_path):
+    owner = procs("owner", peer_url, tmp_path)
+    keys = owner.ready()["keys"]
+    host, store, slots = reader_store(peer_url)
+    try:
+        owner.signal(signal.SIGSTOP)  # the read below starts and cannot finish
+        out: list = []
+        reading = threading.Thread(target=lambda: out.append(store.read_pages(keys, slots)))
+        reading.start()
+        time.sleep(0.5)
+        owner.kill()
+        reading.join(6.0)
+        assert not reading.is_alive(), "the read did not return"
+        assert not any(r.ok for r in out[0]), out[0][:2]
+        time.sleep(3.5)  # lease=3 in the URL
+        assert store.batch_exists(keys) == 0
+        assert store.get_stats().backend["expired_entries"] >= 1
+    finally:
+        store.close()
+
+
+def test_directory_down_is_reported_and_a_restarted_one_is_refilled(tmp_path, procs, own_redis):
+    server = own_redis
+    url = f"peer://127.0.0.1:{server.port}/0?timeout=1&lease=1.5"
+    try:
+        keys = procs("owner", url, tmp_path / "o").ready()["keys"]
+        host, store, slots = reader_store(url)
+        try:
+            server.kill()
+            t0 = time.monotonic()
+            with pytest.raises(StorageError, match="directory 127.0.0.1"):
+                store.batch_exists(keys)
+            results = store.read_pages(keys, slots)
+            assert all(r.status is PageStatus.ERROR for r in results) and "directory" in results[0].detail
+            assert time.monotonic() - t0 < 4.0
+            server.start()  # same port, empty
+            deadline = time.monotonic() + 5.0
+            while store.batch_exists(keys) < N and time.monotonic() < deadline:
+                time.sleep(0.1)  # the owner's heartbeat finds its lease gone and republishes
+            results = store.read_pages(keys, slots)
+            assert all(r.ok for r in results), results[:2]
+            assert torch.equal(page_of(host, slots, 0), page_content(host, keys[0]))
+        finally:
+            store.close()
+    finally:
+        server.stop()
+
+
+def test_a_reader_killed_mid_read_leaves_the_owner_serving_others(peer_url, procs, tmp_path):
+    owner = procs("owner", peer_url, tmp_path)
+    keys = owner.ready()["keys"]
+    before = owner.ready()["stats"]
+    dying = procs("reader", peer_url, tmp_path)
+    dying.wait_for("reader-started")
+    time.sleep(0.3)  # reading in a loop now
+    dying.signal(signal.SIGKILL)
+    host, store, slots = reader_store(peer_url)
+    try:
+        assert all(r.ok for r in store.read_pages(keys, slots))
+        assert torch.equal(page_of(host, slots, N - 1), page_content(host, keys[-1]))
+    finally:
+        store.close()
+    after = owner.stop()["stats"]
+    assert after["nixl_registrations"] == before["nixl_registrations"] == 2
+    assert after["published_pages"] == N and after["heartbeat_failed"] == 0
+
+
+def test_bad_options_are_refused_before_anything_opens(peer_url):
+    with pytest.raises(ValueError, match="lease"):
+        make_storage(peer_url + "&lease=0")
+    with pytest.raises(ValueError, match="database number"):
+        make_storage(peer_url.replace("/0?", "/x?"))
+    with pytest.raises(ValueError, match="does not take option"):
+        make_storage(peer_url + "&capacity=1")
+
+
+def test_demo_second_instance_serves_the_prefix_from_the_first_ones_host_tier(peer_url):
+    """``hicache demo --storage peer://... --writer-stays``: process 2 prefetches process 1's prefix through the
+    storage controller while process 1 holds it, and loads the same bytes to its device pool."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "hicache_core.cli", "demo", "--storage", peer_url, "--writer-stays",
+                           "--device", "cpu"], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "UCX_TLS": "tcp,self"})  # fmt: skip
+    out = "\n".join(line for line in done.stdout.splitlines() if "NIXL INFO" not in line)
+    assert done.returncode == 0, out + done.stderr[-2000:]
+    assert "found 32 of 32 pages, prefetched 32" in out and "pages_read 32," in out and "read_corrupt 0" in out
+    assert "the bytes match what process 1 computed" in out

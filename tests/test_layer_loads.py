@@ -1,0 +1,365 @@
+"""Layer-wise loads off the caller's thread (hicache_core.layer_loads), on CPU pools.
+
+On the CPU the loader's thread runs the copies itself, so a consumer's wait is the host wait
+of the GPU schedule (until its layer was submitted) without the event: the same order. The
+second half models the GPU's side: streams on a few in-order hardware queues, and checks that
+the loader's protocol (waits only on events already recorded) cannot deadlock whatever the
+number of queues, where the retired protocol (a wait queued before the copies it waits for) can.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from hicache_core import MHADevicePool, make_host_pool
+from hicache_core.layer_loads import (
+    ENV_TIMEOUT,
+    LayerLoader,
+    LayerLoadError,
+    LayerLoadTimeout,
+    PendingEvent,
+    layer_loader,
+    timeout_from_env,
+)
+
+LAYERS = 4
+
+
+def _pools(io_backend: str = "direct", layout: str = "page_first_direct"):
+    dev = MHADevicePool(size=256, page_size=16, layer_num=LAYERS, head_num=2, head_dim=8, dtype=torch.bfloat16,
+                        device="cpu")  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    for t in dev.k_buffer + dev.v_buffer:
+        t.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, t.shape, generator=gen, dtype=torch.int16))
+    host = make_host_pool(dev, layout=layout, io_backend=io_backend)
+    return dev, host
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)  # compared as bits: random bf16 patterns include NaNs
+
+
+def _written(dev, slots):
+    return [(_bits(dev.k_buffer[layer][slots]), _bits(dev.v_buffer[layer][slots])) for layer in range(LAYERS)]
+
+
+def _equal(dev, slots, written, layer) -> bool:
+    k, v = written[layer]
+    return torch.equal(_bits(dev.k_buffer[layer][slots]), k) and torch.equal(_bits(dev.v_buffer[layer][slots]), v)
+
+
+@pytest.mark.parametrize("io_backend, layout", [("direct", "page_first_direct"), ("torch", "page_first"),
+                                                ("direct", "layer_first")])  # fmt: skip
+def test_submit_load_moves_every_layer_byte_exact(io_backend, layout):
+    dev, host = _pools(io_backend, layout)
+    src = torch.arange(32, 64)
+    h = host.alloc(32)
+    host.backup_from_device_all_layer(dev, h, src, io_backend)
+    written = _written(dev, src)
+    dst = torch.arange(128, 160)
+    load = host.submit_load(dev, h, dst, io_backend)
+    for layer in range(LAYERS):
+        load.wait(layer)
+        assert _equal(dev, dst, written, layer), layer
+    load.result()
+    assert load.finish_event.query() and "4/4 layers submitted, done" in repr(load)
+
+
+def test_layers_run_on_the_loaders_thread_and_the_caller_returns_first():
+    dev, host = _pools()
+    h = host.alloc(16)
+    host.backup_from_device_all_layer(dev, h, torch.arange(16), "direct")
+    written = _written(dev, torch.arange(16))
+    gate, seen = threading.Event(), []
+    impl = host.implementation_for("load_to_device_per_layer")
+    real = impl.load_to_device_per_layer
+
+    def held(h_, d_, layer):
+        seen.append(threading.current_thread().name)
+        assert gate.wait(10)
+        real(h_, d_, layer)
+
+    impl.load_to_device_per_layer = held
+    dst = torch.arange(64, 80)
+    load = host.submit_load(dev, h, dst, "direct")
+    assert not load.submitted(0) and not load.finish_event.query()  # the caller is back before any copy
+    gate.set()
+    for layer in range(LAYERS):
+        load.wait(layer)
+        assert _equal(dev, dst, written, layer)
+    assert set(seen) == {"hicache-layer-loader-cpu"}
+
+
+def test_bad_input_is_refused_before_anything_is_queued():
+    dev, host = _pools()
+    h = host.alloc(16)
+    before = [t.clone() for t in dev.k_buffer]
+    with pytest.raises(ValueError, match=r"must be 1-D and of equal length, got \(16,\) and \(8,\)"):
+        host.submit_load(dev, h, torch.arange(8), "direct")
+    with pytest.raises(IndexError, match=r"layer_id 9 is out of range \[0, 4\)"):
+        host.submit_load(dev, h, torch.arange(16), "direct", layer_ids=[0, 9])
+    with pytest.raises(ValueError, match="io_backend 'kernel' was not resolved"):
+        host.submit_load(dev, h, torch.arange(16), "kernel")
+    with pytest.raises(TypeError, match="host_indices must be a torch tensor"):
+        host.submit_load(dev, [0, 1], torch.arange(2), "direct")
+    other, _ = _pools()
+    with pytest.raises(ValueError, match="not the device pool this host pool was made for"):
+        host.submit_load(other, h, torch.arange(16), "direct")
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(before, dev.k_buffer))
+
+
+def test_a_failed_layer_raises_in_every_later_wait_and_the_next_load_runs():
+    loader = LayerLoader("cpu", timeout_s=5)
+    done = []
+
+    def step(layer):
+        if layer == 2:
+            raise RuntimeError("planted copy failure")
+        done.append(layer)
+
+    load = loader.submit(5, step, what="planted")
+    load.wait(0)
+    load.wait(1)
+    for layer in (2, 4):
+        with pytest.raises(LayerLoadError, match=r"^planted: layer 2 failed to load \(RuntimeError: planted copy "
+                                                 rf"failure\); layer {layer} and every later layer"):  # fmt: skip
+            load.wait(layer)
+    with pytest.raises(LayerLoadError, match="planted copy failure"):
+        load.finish_event.synchronize()
+    with pytest.raises(LayerLoadError):
+        load.result()
+    assert done == [0, 1] and isinstance(load.error, RuntimeError)
+    after = loader.submit(3, done.append)
+    after.result()
+    assert done == [0, 1, 0, 1, 2]
+    loader.close()
+
+
+def test_a_slow_submitter_times_out_with_what_it_is_doing_then_finishes():
+    loader = LayerLoader("cpu", timeout_s=0.2)
+    release = threading.Event()
+
+    def step(layer):
+        if layer == 1:
+            release.wait(10)
+
+    load = loader.submit(3, step, what="slow")
+    load.wait(0)
+    with pytest.raises(LayerLoadTimeout, match=r"^slow: layer 2 was not submitted within 0.2 s \(1 of 3 layers "
+                                               r"submitted; the loader's thread has been submitting layer 1 of "
+                                               r"'slow' for 0\.\d+ s\); raise the bound with "
+                                               r"HICACHE_LOAD_TIMEOUT_S"):  # fmt: skip
+        load.wait(2)
+    release.set()
+    load.wait(2)
+    load.result()
+    loader.close()
+
+
+def test_bad_layer_and_bad_settings_are_refused(monkeypatch):
+    loader = LayerLoader("cpu", timeout_s=1)
+    load = loader.submit(2, lambda layer: None)
+    with pytest.raises(IndexError, match=r"layer 2 is out of range \[0, 2\)"):
+        load.wait(2)
+    with pytest.raises(ValueError, match="layers must be an int >= 0"):
+        loader.submit(-1, lambda layer: None)
+    with pytest.raises(RuntimeError, match="recorded by the layer loader's thread"):
+        load.finish_event.record()
+    loader.close()
+    with pytest.raises(RuntimeError, match=r"this layer loader \(cpu\) is closed"):
+        loader.submit(1, lambda layer: None)
+    for bad in ("0", "-1", "soon", "inf"):
+        monkeypatch.setenv(ENV_TIMEOUT, bad)
+        with pytest.raises(ValueError, match=rf"^HICACHE_LOAD_TIMEOUT_S='{bad}' is not a number of seconds > 0$"):
+            timeout_from_env()
+    monkeypatch.setenv(ENV_TIMEOUT, "2.5")
+    assert timeout_from_env() == 2.5
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        LayerLoader("cpu", timeout_s=0)
+
+
+def test_the_process_has_one_loader_per_device():
+    assert layer_loader("cpu") is layer_loader(torch.device("cpu"))
+
+
+def test_randomized_rounds_consumers_before_during_and_after_submission():
+    """200 rounds (the GPU gate runs 1,000 on CUDA): consumers on other threads wait for random layers at
+    random moments; some rounds fail at a random layer, some submit slowly. Every wait returns the right
+    bytes or raises the planted error for its layer; nothing hangs (each wait is bounded)."""
+    dev, host = _pools()
+    rng = random.Random(7)
+    h = host.alloc(32)
+    src = torch.arange(32)
+    host.backup_from_device_all_layer(dev, h, src, "direct")
+    written = _written(dev, src)
+    loader = LayerLoader("cpu", timeout_s=10)
+    problems: list[str] = []
+    for round_ in range(200):
+        fail_at = rng.randrange(LAYERS) if rng.random() < 0.15 else None
+        slow = rng.random() < 0.2
+        dst = torch.arange(64, 96) if round_ % 2 else torch.arange(128, 160)
+        for layer in range(LAYERS):
+            dev.k_buffer[layer][dst] = 0
+            dev.v_buffer[layer][dst] = 0
+
+        def step(layer, fail_at=fail_at, slow=slow, dst=dst):
+            if slow:
+                time.sleep(0.0005)
+            if layer == fail_at:
+                raise RuntimeError(f"planted at {layer}")
+            host.load_to_device_per_layer(dev, h, dst, layer, "direct")
+
+        def consume(layer, delay, load_box, dst=dst, fail_at=fail_at, round_=round_):
+            time.sleep(delay)
+            while not load_box:
+                time.sleep(0)
+            try:
+                load_box[0].wait(layer)
+            except LayerLoadError as exc:
+                if fail_at is None or layer < fail_at or f"planted at {fail_at}" not in str(exc.__cause__):
+                    problems.append(f"round {round_} layer {layer}: unexpected {exc}")
+                return
+            if fail_at is not None and layer >= fail_at:
+                problems.append(f"round {round_} layer {layer}: no error after the planted one at {fail_at}")
+            elif not _equal(dev, dst, written, layer):
+                problems.append(f"round {round_} layer {layer}: wrong bytes after the wait")
+
+        box: list = []
+        consumers = [threading.Thread(target=consume, args=(rng.randrange(LAYERS), rng.choice([0, 0.0002, 0.001]), box))
+                     for _ in range(3)]  # fmt: skip
+        early = rng.random() < 0.5
+        if early:
+            for c in consumers:
+                c.start()
+        box.append(loader.submit(LAYERS, step, what=f"round {round_}"))
+        if not early:
+            for c in consumers:
+                c.start()
+        for c in consumers:
+            c.join(15)
+            assert not c.is_alive(), f"round {round_}: a consumer hung"
+        try:
+            box[0].result()
+        except LayerLoadError:
+            assert fail_at is not None
+    loader.close()
+    assert not problems, problems[:5]
+
+
+def test_pending_event_answers_like_a_cuda_event_on_the_cpu():
+    loader = LayerLoader("cpu", timeout_s=5)
+    gate = threading.Event()
+    load = loader.submit(1, lambda layer: gate.wait(5))
+    assert isinstance(load.finish_event, PendingEvent) and load.finish_event.query() is False
+    gate.set()
+    load.finish_event.synchronize()
+    load.finish_event.wait()
+    assert load.finish_event.query() is True and load.start_event.elapsed_time(load.finish_event) == 0.0
+    loader.close()
+
+
+# ---- the GPU's side, modelled ------------------------------------------------------------------------------
+
+
+class Gpu:
+    """Streams mapped onto ``queues`` in-order hardware queues (stream ``s`` on queue ``s % queues``, as
+    streams beyond CUDA_DEVICE_MAX_CONNECTIONS share them). An operation runs once everything before it in
+    its queue ran and, for a wait, its condition holds: an event wait needs the event's last record, as of
+    when the wait was enqueued, to have run (CUDA's semantics; no record yet: nothing to wait for); a
+    value wait (stream memory operations) needs a word written later by anyone."""
+
+    def __init__(self, queues: int) -> None:
+        self.queues = [[] for _ in range(queues)]
+        self.recorded: dict[str, int] = {}  # event -> id of its latest record op
+        self.ran: set[int] = set()
+        self.words: dict[str, int] = {}
+        self.next_id = 0
+
+    def enqueue(self, stream: int, op: tuple) -> None:
+        self.next_id += 1
+        if op[0] == "record":
+            self.recorded[op[1]] = self.next_id
+        if op[0] == "wait_event":
+            op = ("wait_record", self.recorded.get(op[1]))
+        self.queues[stream % len(self.queues)].append((self.next_id, op))
+
+    def drain(self) -> bool:
+        """Run until nothing can run; True when every queue is empty (False: a deadlock)."""
+        progress = True
+        while progress:
+            progress = False
+            for q in self.queues:
+                while q:
+                    op_id, op = q[0]
+                    if op[0] == "wait_record" and op[1] is not None and op[1] not in self.ran:
+                        break
+                    if op[0] == "wait_value" and self.words.get(op[1], 0) < op[2]:
+                        break
+                    if op[0] == "write_value":
+                        self.words[op[1]] = op[2]
+                    q.pop(0)
+                    self.ran.add(op_id)
+                    progress = True
+        return not any(self.queues)
+
+
+def _loader_schedule(gpu: Gpu, layers: int, consumers: int, rng: random.Random) -> None:
+    """The loader's protocol: a consumer enqueues its wait for layer l only once the loader's thread
+    recorded l's event (the host wait); the loader's stream waits only on the caller's start event."""
+    caller, loader, streams = 0, 1, list(range(2, 2 + consumers))
+    gpu.enqueue(caller, ("record", "start"))
+    gpu.enqueue(loader, ("wait_event", "start"))
+    wanted = {s: sorted(rng.sample(range(layers), k=min(layers, 3))) for s in streams}
+    submitted = 0
+    while submitted < layers or any(wanted.values()):
+        if submitted < layers and rng.random() < 0.5:
+            gpu.enqueue(loader, ("copy", submitted))
+            gpu.enqueue(loader, ("record", f"layer{submitted}"))
+            submitted += 1
+            continue
+        s = rng.choice(streams)
+        if wanted[s] and wanted[s][0] < submitted:  # the host wait has returned for this layer
+            layer = wanted[s].pop(0)
+            gpu.enqueue(s, ("wait_event", f"layer{layer}"))
+            gpu.enqueue(s, ("compute", layer))
+        elif submitted >= layers and wanted[s]:
+            continue
+
+
+def _retired_schedule(gpu: Gpu, layers: int, consumers: int, rng: random.Random) -> None:
+    """The retired worker: the caller's stream waits on a value the worker's stream writes after its
+    copies, and consumers wait on the caller's stream; all of it enqueued before the worker's copies."""
+    caller, worker, streams = 0, 1, list(range(2, 2 + consumers))
+    gpu.enqueue(caller, ("write_value", "start", 1))
+    gpu.enqueue(caller, ("wait_value", "done", 1))
+    gpu.enqueue(caller, ("record", "after_load"))
+    for s in streams:
+        gpu.enqueue(s, ("wait_event", "after_load"))
+        gpu.enqueue(s, ("compute", 0))
+    gpu.enqueue(worker, ("wait_value", "start", 1))
+    for layer in range(layers):
+        gpu.enqueue(worker, ("copy", layer))
+    gpu.enqueue(worker, ("write_value", "done", 1))
+
+
+@pytest.mark.parametrize("queues", [1, 2, 8, 32])
+def test_model_the_loaders_protocol_never_deadlocks(queues):
+    rng = random.Random(queues)
+    for _ in range(300):
+        gpu = Gpu(queues)
+        _loader_schedule(gpu, layers=8, consumers=32, rng=rng)
+        assert gpu.drain(), "deadlock in the loader's protocol"
+
+
+@pytest.mark.parametrize("queues", [1, 2, 8, 32])
+def test_model_the_retired_protocol_deadlocks_where_queues_are_shared(queues):
+    """The model is not vacuous: the retired worker's order deadlocks once a consumer shares the
+    worker's queue (the H200 showed it at 2, 8 and 32 connections with 32 consumer streams)."""
+    gpu = Gpu(queues)
+    _retired_schedule(gpu, layers=8, consumers=32, rng=random.Random(0))
+    assert gpu.drain() is False
