@@ -7,7 +7,7 @@ layout and operation, else from :func:`static_rule`. Where different buckets get
 different implementations (or settings), the pool runs an :class:`AutoChooser`, whose
 per-call choice is a comparison or two against the bucket edges and a list index.
 
-The static rule, from H200 measurements (``benchmarks/results/``, README "Performance"):
+The static rule, from H200 measurements (``benchmarks/results/``, docs/performance.md):
 
 * **Copy engine** (``direct``) wherever it claims the request and every piece it
   moves (one page of one part of one layer) is a 1-D copy of at least

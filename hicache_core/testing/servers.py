@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -10,12 +11,38 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+# Under pytest-xdist every worker draws ports from a range of its own, below Linux's ephemeral ports
+# (32768 and up, where bind(0) and outgoing connections take theirs): two workers never pick the same
+# port in the moment between the check here and the server's own bind.
+_WORKER_PORTS = 1000
+_WORKER_PORT_BASE = 10000
+_handed_out: set[int] = set()
+
+
+def _xdist_worker() -> int | None:
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else None
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now (from this xdist worker's own range)."""
+    worker = _xdist_worker()
+    if worker is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    first = _WORKER_PORT_BASE + (worker % 22) * _WORKER_PORTS
+    candidates = [p for p in range(first, first + _WORKER_PORTS) if p not in _handed_out]
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port left in xdist worker gw{worker}'s range {first}-{first + _WORKER_PORTS - 1}")
 
 
 def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:

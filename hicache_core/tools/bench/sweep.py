@@ -365,7 +365,7 @@ def _gemm_rows(case: Case) -> list[dict]:
 
 
 def _summary(records: list[dict]) -> str:
-    """The README table: per implementation, operation and shape, the best layout's fraction at >= 4096 tokens."""
+    """docs/performance.md's table: per implementation, operation and shape, the best layout at >= 4096 tokens."""
     rows = {}
     for r in records:
         if "tokens" not in r or "gbps" not in r or r["tokens"] < 4096 or r["page_size"] < 64 or \
