@@ -114,8 +114,8 @@ def test_submission_plot_draws_from_the_committed_h200_records(tmp_path):
 def test_overlap_modes_are_named_and_an_unknown_one_is_refused_before_any_work():
     from hicache_core.tools.bench.overlap import MODES, prefill_run
 
-    assert MODES == ("sglang", "interleaved")
-    with pytest.raises(ValueError, match="sglang, interleaved"):
+    assert MODES == ("sglang", "loader", "interleaved")
+    with pytest.raises(ValueError, match="sglang, loader, interleaved"):
         prefill_run(None, 1, None, False, mode="sglang-ish")
 
 
