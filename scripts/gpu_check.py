@@ -223,7 +223,7 @@ def direct_steps(py: str, cuda: dict):
     """The copy engine's batched path, byte for byte, every layout and stream case; then its 2-D batch."""
 
     def make() -> list[dict]:
-        batched = run("direct-batched", [py, "scripts/gpu/direct_check.py", "--out", str(RESULTS)], 150, cuda)
+        batched = run("direct-batched", [py, "scripts/gpu/direct_check.py", "--out", str(RESULTS)], 240, cuda)
         two_d = run("direct-batch-2d", [py, "scripts/gpu/direct_check.py", "--only-2d", "--out", str(RESULTS)], 40,
                     cuda)  # fmt: skip
         return [batched, two_d]
