@@ -105,28 +105,35 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens", default="4096", help="cached tokens, comma-separated")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--io", default="kernel,direct", help="io backends, comma-separated")
+    ap.add_argument("--beside-all", action="store_true",
+                    help="run every load check on the side stream, beside SM copy kernels too (an experiment)")
     args = ap.parse_args()
+    if args.beside_all:
+        from hicache_core.verify import PageVerifier
+
+        check = PageVerifier.check
+        PageVerifier.check = lambda self, h, d, layer, seq, beside=True: check(self, h, d, layer, seq, True)
     if not torch.cuda.is_available():
         raise SystemExit("verify_cost.py measures the GPU: run it on the GPU machine")
     rows = []
     cases = [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first")]
-    for kind, layout in cases:
-        for io in args.io.split(","):
-            try:
-                rows.append(_case(kind, layout, io, args.tokens, args.page, args.repeats))
-            except hc.UnsupportedCombinationError as exc:
-                rows.append({"pool": kind, "layout": layout, "io_backend": io, "refused": str(exc).splitlines()[0]})
-            r = rows[-1]
-            if "refused" in r:
-                print(f"{kind:4} {layout:12} {io:7} refused")
-                continue
-            print(f"{kind:4} {layout:12} {io:7} load {r['load_ms_plain']:.3f} -> {r['load_ms_verified']:.3f} ms "
-                  f"({r['load_overhead']:+.1%}), backup {r['backup_ms_plain']:.3f} -> {r['backup_ms_verified']:.3f} "
-                  f"ms ({r['backup_overhead']:+.1%}); ceiling h2d {r['ceiling_h2d_ms']:.3f} ms")  # fmt: skip
+    for tokens, (kind, layout), io in [(int(t), c, io) for t in args.tokens.split(",") for c in cases
+                                       for io in args.io.split(",")]:  # fmt: skip
+        try:
+            rows.append(_case(kind, layout, io, tokens, args.page, args.repeats))
+        except hc.UnsupportedCombinationError as exc:
+            rows.append({"pool": kind, "layout": layout, "io_backend": io, "refused": str(exc).splitlines()[0]})
+        r = rows[-1]
+        if "refused" in r:
+            print(f"{tokens:6} {kind:4} {layout:12} {io:7} refused")
+            continue
+        print(f"{tokens:6} {kind:4} {layout:12} {io:7} load {r['load_ms_plain']:.3f} -> {r['load_ms_verified']:.3f} ms "
+              f"({r['load_overhead']:+.1%}), backup {r['backup_ms_plain']:.3f} -> {r['backup_ms_verified']:.3f} "
+              f"ms ({r['backup_overhead']:+.1%}); ceiling h2d {r['ceiling_h2d_ms']:.3f} ms")  # fmt: skip
     import triton
 
     out = {
@@ -138,6 +145,7 @@ def main() -> None:
             "loadavg": open("/proc/loadavg").read().split()[:3],
         },  # fmt: skip
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
+        "beside_all": args.beside_all,
         "rows": rows,
     }
     with open(args.out, "w") as f:

@@ -198,7 +198,8 @@ class PageVerifier:
         self._flag_off = self._words.data_ptr() - base
         self._failed_off = self._flag_off + 8
         width = max(self.words)
-        self._block_w = min(1024, 1 << max(4, (width - 1).bit_length()))
+        # Two 64-bit sums per lane: wider tiles spill registers (the loop covers longer rows).
+        self._block_w = min(256, 1 << max(4, (width - 1).bit_length()))
         self._group_tile = GROUP_TOKENS if self.tokens > GROUP_TOKENS else 1 << (self.tokens - 1).bit_length()
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the entry tables are on the device before the first launch

@@ -1,0 +1,176 @@
+"""The page-checksum kernel alone: the time a load's check adds per layer, beside the layer's copy at the link.
+
+Run on the GPU machine::
+
+    python benchmarks/checksum_kernel.py --out $OUT/checksum-kernel-h200.json
+
+For a llama-8b-like MHA pool (K and V rows of 2048 B) and an MLA pool (1152 B rows), page 64, at
+4096 and 32768 tokens: one load check per layer (``PageVerifier._launch(..., check=True)``, the
+kernel a verifying pool runs after each per-layer load), timed over all layers with CUDA events
+(median of ``--repeats``), in three variants:
+
+* ``retired``: the kernel as it was before 0.4 (two 64-bit multiplies per word, the table read last);
+* ``current``: the kernel hicache runs (``hicache_core.gpu.page_checksum_kernel``);
+* ``current_device_table``: the same kernel reading a copy of the table in device memory, which
+  shows what the table's round trip over the link costs.
+
+Beside each: one layer's bytes copied host -> device by the copy engine (``cudaMemcpyAsync``, one
+pinned buffer), the ceiling of the load the check follows, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+
+import hicache_core as hc
+from hicache_core.gpu import page_checksum_kernel as pck
+from hicache_core.page_checksum import M2
+
+_M2 = tl.constexpr(M2)
+
+
+@triton.jit(do_not_specialize=("entries", "hidx", "didx", "seq"))
+def _retired(anchor, entries, hidx, didx, table, fail_word, fail_pages, seq, host_pages, table_columns,
+             TOKENS: tl.constexpr, GROUP: tl.constexpr, BLOCK_W: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
+    # The kernel before 0.4, kept here only to measure against.
+    page = tl.program_id(0).to(tl.int64)
+    entry = (anchor + entries).to(tl.pointer_type(tl.int64)) + tl.program_id(1) * 6
+    group = tl.program_id(2)
+    layer_off = tl.load(entry)
+    row_stride = tl.load(entry + 1)
+    words = tl.load(entry + 2)
+    s = tl.load(entry + 3)
+    column = tl.load(entry + 4)
+    rows = tl.load(entry + 5)
+    hp = tl.load((anchor + hidx).to(tl.pointer_type(tl.int64)) + page * TOKENS) // TOKENS
+    t = group * GROUP + tl.arange(0, GROUP)
+    live_t = t < TOKENS
+    r = tl.load((anchor + didx).to(tl.pointer_type(tl.int64)) + page * TOKENS + t, mask=live_t, other=-1)
+    ok_t = live_t & (r >= 0) & (r < rows)
+    base = (anchor + layer_off + r * row_stride).to(tl.pointer_type(tl.int32))
+    lanes = tl.arange(0, BLOCK_W)
+    acc = tl.zeros((GROUP, BLOCK_W), dtype=tl.int64)
+    w0 = 0
+    while w0 < words:
+        w = w0 + lanes
+        mask = ok_t[:, None] & (w < words)[None, :]
+        vals = tl.load(base[:, None] + w[None, :], mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+        pos = t.to(tl.int64)[:, None] * words + w[None, :]
+        acc += vals * (s + pos * _M2)
+        w0 += BLOCK_W
+    total = tl.sum(tl.sum(acc, axis=1), axis=0)
+    slot = (anchor + table).to(tl.pointer_type(tl.int64)) + hp * table_columns + column + group
+    live = (hp >= 0) & (hp < host_pages)
+    if CHECK:
+        expected = tl.load(slot, mask=live, other=0)
+        bad = live & (expected != total)
+        tl.store((anchor + fail_word).to(tl.pointer_type(tl.int64)), seq, mask=bad)
+        tl.store((anchor + fail_pages).to(tl.pointer_type(tl.int64)) + hp, seq, mask=bad)
+    else:
+        tl.store(slot, total, mask=live)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _case(kind: str, tokens: int, page: int, repeats: int) -> dict:
+    size = tokens + 4 * page
+    if kind == "mha":
+        dp = hc.MHADevicePool(size, page, torch.bfloat16, 8, 128, 32, "cuda")
+        bufs = dp.k_buffer + dp.v_buffer
+    else:
+        dp = hc.MLADevicePool(size, page, torch.bfloat16, 512, 64, 61, "cuda")
+        bufs = dp.kv_buffer
+    for t in bufs:
+        t.copy_(torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int16, device="cuda").view(t.dtype))
+    host = hc.make_host_pool(dp, layout="page_first", io_backend="kernel", verify=True, size=2 * size)
+    slots = host.alloc(tokens).cuda()
+    dev = torch.arange(page, page + tokens, device="cuda")
+    host.backup_from_device_all_layer(dp, slots, dev, "kernel")
+    torch.cuda.synchronize()
+    v = host.verifier
+    layers = dp.layer_num
+    h, d = v._move(slots, v.device), v._move(dev, v.device)
+    device_table = v.table.to("cuda")
+    host_table_off = v._table_off
+
+    def checks() -> None:
+        for layer in range(layers):
+            v._launch(h, d, layer, 1, True)
+
+    row = {"pool": kind, "tokens": tokens, "page": page, "layers": layers, "layer_bytes": host.get_size_per_token()
+           * tokens // layers, "block_w": v._block_w}  # fmt: skip
+    current = pck.page_checksums
+    for name, kernel, table_off in (("retired", _retired, host_table_off), ("current", current, host_table_off),
+                                    ("current_device_table", current, device_table.data_ptr() - v._base)):  # fmt: skip
+        pck.page_checksums = kernel
+        v._table_off = table_off
+        block_w = v._block_w
+        if kernel is _retired:
+            v._block_w = min(1024, 1 << max(4, (max(v.words) - 1).bit_length()))
+        try:
+            for _ in range(3):
+                checks()
+            torch.cuda.synchronize()
+            row[f"check_us_per_layer_{name}"] = _median_ms(checks, repeats) * 1000 / layers
+        finally:
+            pck.page_checksums = current
+            v._table_off = host_table_off
+            v._block_w = block_w
+    host.check_verified()  # every check above was clean: nothing may be reported
+    nbytes = row["layer_bytes"]
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dbuf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    row["copy_us_per_layer_ceiling"] = _median_ms(lambda: dbuf.copy_(pinned, non_blocking=True), repeats) * 1000
+    for name in ("retired", "current", "current_device_table"):
+        row[f"check_of_copy_{name}"] = row[f"check_us_per_layer_{name}"] / row["copy_us_per_layer_ceiling"]
+    host.destroy()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("checksum_kernel.py measures the GPU: run it on the GPU machine")
+    rows = []
+    for kind in ("mha", "mla"):
+        for tokens in (4096, 32768):
+            r = _case(kind, tokens, 64, args.repeats)
+            rows.append(r)
+            print(f"{kind} {tokens:6}: copy {r['copy_us_per_layer_ceiling']:8.1f} us/layer; check retired "
+                  f"{r['check_us_per_layer_retired']:7.1f}, current {r['check_us_per_layer_current']:7.1f}, "
+                  f"device table {r['check_us_per_layer_current_device_table']:7.1f}")  # fmt: skip
+    out = {
+        "what": "the load check's kernel per layer beside the layer's copy-engine copy (the ceiling), same run",
+        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "cpus": os.cpu_count(),
+                    "loadavg": open("/proc/loadavg").read().split()[:3]},  # fmt: skip
+        "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
+        "rows": rows,
+    }
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
