@@ -109,14 +109,7 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--io", default="kernel,direct", help="io backends, comma-separated")
-    ap.add_argument("--beside-all", action="store_true",
-                    help="run every load check on the side stream, beside SM copy kernels too (an experiment)")
     args = ap.parse_args()
-    if args.beside_all:
-        from hicache_core.verify import PageVerifier
-
-        check = PageVerifier.check
-        PageVerifier.check = lambda self, h, d, layer, seq, beside=True: check(self, h, d, layer, seq, True)
     if not torch.cuda.is_available():
         raise SystemExit("verify_cost.py measures the GPU: run it on the GPU machine")
     rows = []
@@ -145,7 +138,6 @@ def main() -> None:
             "loadavg": open("/proc/loadavg").read().split()[:3],
         },  # fmt: skip
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
-        "beside_all": args.beside_all,
         "rows": rows,
     }
     with open(args.out, "w") as f:

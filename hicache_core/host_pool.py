@@ -35,7 +35,7 @@ from .pool_kinds import PoolKind
 from .registry import Registry, get_registry
 from .settings import flag
 from .validation import positive_int, strict_int
-from .verify import PageVerifier, verify_default
+from .verify import CheckBatch, PageVerifier, verify_default
 
 ENV_VALIDATE = "HICACHE_VALIDATE"
 VALIDATE = flag(ENV_VALIDATE, doc="1 checks indices, page structure and layer ownership on every host-pool call")
@@ -202,8 +202,6 @@ def _device_layers(device_pool, draft_pools, geometry: PoolGeometry) -> dict[str
 #: Returned by ``_host_layer`` for a layer another rank owns: the call checks its arguments and does nothing.
 _NOT_OWNED = -1
 _INT64, _INT32 = torch.int64, torch.int32
-#: Transfers whose checksum kernels run beside them on a side stream (hicache_core.verify).
-_COPY_ENGINE = "copy_engine"
 
 
 class HostPool(PageAccess):
@@ -459,7 +457,7 @@ class HostPool(PageAccess):
         if h is not None:
             verifier = self.verifier
             if verifier is not None:
-                verifier.before_backup(entry[0].engine == _COPY_ENGINE)
+                verifier.before_backup()
             self._call(entry[0], BACKUP_ALL, h, d)
             if verifier is not None:
                 verifier.backup(h, d, None, self._drops.seq)
@@ -489,12 +487,16 @@ class HostPool(PageAccess):
             self._host_layer(device_pool, layer_id, False)
         self._check_indices(host_indices, device_indices)
 
+        # A verifying pool checks the load's layers in one launch after the last one (verify.CheckBatch).
+        batch = self.verifier.batch() if self.verifier is not None else None
+
         def step(i: int) -> None:
-            self._per_layer(LOAD, device_pool, host_indices, device_indices, ids[i], io_backend, False)
+            self._per_layer(LOAD, device_pool, host_indices, device_indices, ids[i], io_backend, False, batch)
 
         return layer_loader(self.plan.device).submit(
             len(ids), step, start_event=start_event, keep=(host_indices, device_indices), timing=timing,
             what=f"load of {host_indices.shape[0]} slots into {len(ids)} layers",
+            finish=batch.flush if batch is not None else None,
         )  # fmt: skip
 
     def _check_indices(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
@@ -521,7 +523,8 @@ class HostPool(PageAccess):
             check_bounds(host_indices, self.size, "host_indices")
             check_bounds(device_indices, min(self._rows) * per_item, "device_indices")
 
-    def _per_layer(self, op, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft) -> None:
+    def _per_layer(self, op, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft,
+                   batch: CheckBatch | None = None) -> None:  # fmt: skip
         entry = self._impls.get((op, io_backend)) or self._impl(op, io_backend)
         # The common call (an owned layer of this pool, an int layer id) is mapped inline; the rest,
         # and every error, goes through _host_layer.
@@ -534,7 +537,7 @@ class HostPool(PageAccess):
         impl = entry[0]
         verifier = self.verifier
         if verifier is not None and op != LOAD:
-            verifier.before_backup(impl.engine == _COPY_ENGINE)
+            verifier.before_backup()
         t0 = perf_counter()
         try:  # inline rather than through _call: this is the per-layer hot path
             getattr(impl, op)(h, d, layer)
@@ -548,7 +551,10 @@ class HostPool(PageAccess):
             raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
         if verifier is not None:
             if op == LOAD:
-                verifier.check(h, d, layer, self._drops.seq, impl.engine == _COPY_ENGINE)
+                if batch is not None:
+                    batch.add(h, d, layer, self._drops.seq)
+                else:
+                    verifier.check(h, d, layer, self._drops.seq)
             else:
                 verifier.backup(h, d, layer, self._drops.seq)
 

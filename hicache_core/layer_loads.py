@@ -234,10 +234,11 @@ class PendingEvent:
 
 
 class _Job:
-    __slots__ = ("load", "step", "start", "keep")
+    __slots__ = ("load", "step", "start", "keep", "finish")
 
-    def __init__(self, load: LayerLoad, step: Callable[[int], None], start: Any, keep: tuple) -> None:
-        self.load, self.step, self.start, self.keep = load, step, start, keep
+    def __init__(self, load: LayerLoad, step: Callable[[int], None], start: Any, keep: tuple,
+                 finish: Callable[[], None] | None) -> None:  # fmt: skip
+        self.load, self.step, self.start, self.keep, self.finish = load, step, start, keep, finish
 
 
 class LayerLoader:
@@ -268,7 +269,8 @@ class LayerLoader:
         self._thread.start()
 
     def submit(self, layers: int, step: Callable[[int], None], *, start_event: Any = None,
-               keep: Iterable[Any] = (), timing: bool = False, what: str = "layer-wise load") -> LayerLoad:  # fmt: skip
+               keep: Iterable[Any] = (), timing: bool = False, what: str = "layer-wise load",
+               finish: Callable[[], None] | None = None) -> LayerLoad:  # fmt: skip
         """Hand a load of ``layers`` layers to the thread; returns at once.
 
         ``start_event``: an event the caller already recorded after whatever the copies must follow
@@ -276,6 +278,9 @@ class LayerLoader:
         current stream. ``keep``: tensors the copies read (indices) that must stay allocated until
         they are submitted; CUDA ones are also marked as used on the loader's stream.
         ``timing``: record the start and finish events with timing, for ``elapsed_time``.
+        ``finish``: called on the thread after the last layer's step (or the one that failed), on the
+        loader's stream, before the finish event: work that follows the whole load (its checks, say).
+        Layer events do not wait for it; an error it raises is the last layer's.
         """
         if self._closed:
             raise RuntimeError(f"this layer loader ({self.device}) is closed")
@@ -285,7 +290,7 @@ class LayerLoader:
             start_event = torch.cuda.Event()
             start_event.record(torch.cuda.current_stream(self.device))
         load = LayerLoad(self, layers, what, timing)
-        self._queue.put(_Job(load, step, start_event, tuple(keep)))
+        self._queue.put(_Job(load, step, start_event, tuple(keep), finish))
         return load
 
     def describe_state(self) -> str:
@@ -347,6 +352,12 @@ class LayerLoader:
                 event = torch.cuda.Event()
                 event.record(stream)
             load._layer_done(event)
+        if job.finish is not None:
+            try:
+                job.finish()
+            except BaseException as exc:  # noqa: BLE001 - raised by the consumer's wait, not here
+                if load._error is None:
+                    load._fail(load.layers - 1, exc)
         if stream is not None:
             for t in job.keep:
                 if isinstance(t, torch.Tensor) and t.is_cuda:

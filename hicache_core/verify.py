@@ -4,13 +4,16 @@ Opt-in per host pool (``make_host_pool(..., verify=True)``, or ``HICACHE_VERIFY=
 pool). ``HICACHE_VALIDATE`` does not imply it: validation checks a call's arguments on the
 host, verification checks the bytes, and costs a table and a pass of device time per transfer.
 
-* **At backup** (all-layer or per-layer), after the copy is submitted on the caller's stream, a
+* **At backup** (all-layer or per-layer), beside the copy (on CUDA a side stream, ordered after what
+  the caller's stream held before the copy; the caller's stream waits for it after), a
   kernel reads the *device pool's* rows of the pages it backs up and stores their checksums
   (:mod:`hicache_core.page_checksum`: one 64-bit word per page, host layer, component and group
   of 8 items) in the pool's checksum table, indexed by host page. The table is host memory,
   pinned on CUDA, next to the host buffers, reached by the kernel through UVA.
-* **After a load** (per layer), a kernel on the caller's stream checksums the device rows that
-  were just loaded and compares them with the table. A mismatch stores the call's number in a
+* **After a load**, a kernel checksums the device rows that were just loaded and compares them with
+  the table: after each per-layer load on a side stream (the layer's consumers do not wait for it), and
+  for a layer-wise load (``HostPool.submit_load``) once for all its layers, after the last one, on the
+  loader's stream (:class:`CheckBatch`). A mismatch stores the call's number in a
   pinned failure word and in the failing host pages' slots, as a kernel that masks indices
   reports them (:mod:`hicache_core.drops`): no host sync, no host hashing, nothing on the link
   when every page is good.
@@ -156,14 +159,16 @@ class PageVerifier:
             if not interpreting():
                 raise ValueError("the checksum kernel runs CPU pools only under TRITON_INTERPRET=1")
         self.kernel = self.cuda if kernel is None else bool(kernel)
-        # On CUDA, beside a copy-engine transfer, the checksum kernels run on a side stream, off the
-        # transfer's own critical path: a backup's beside its copies (it reads the same device rows), a
-        # load's after its copies while the layer's consumers go on. Beside SM copy kernels they stay on
-        # the caller's stream: there they compete for the SMs (measured: benchmarks/results/
-        # verify-cost-side-stream-h200.json). Every wait between the two streams is on a recorded event.
+        # On CUDA the checksum kernels run on a side stream, off the transfer's own critical path: a
+        # backup's beside its copies (it reads the same device rows), a load's after its copies while the
+        # layer's consumers go on. Every wait between the two streams is on a recorded event.
         self._side: Any = None
         self._before: Any = None  # recorded on the caller's stream before a backup's copies
         self._unjoined: Any = None  # the last load check's end, joined by the next call on the pool
+        # A batched check writes numbers of its own, one per layer (negative, never a call's): they map
+        # back to the layers' calls here (the newest _BATCH_CALLS numbers).
+        self._batch_calls: dict[int, int] = {}
+        self._next_batch_number = -1
         if self.kernel:
             self._bind_kernel()
             if self.cuda:
@@ -172,7 +177,7 @@ class PageVerifier:
     # ---- the device side --------------------------------------------------------------------
 
     def _bind_kernel(self) -> None:
-        from .gpu.page_checksum_kernel import ENTRY_COLUMNS
+        from .gpu.page_checksum_kernel import ENTRY_COLUMNS, tile_shape
 
         self._anchor = self.components[0][0]
         self._device_index = self.device.index if self.device.index is not None else -1
@@ -197,27 +202,39 @@ class PageVerifier:
         self._table_off = self.table.data_ptr() - base
         self._flag_off = self._words.data_ptr() - base
         self._failed_off = self._flag_off + 8
-        width = max(self.words)
-        # Two 64-bit sums per lane: wider tiles spill registers (the loop covers longer rows).
-        self._block_w = min(256, 1 << max(4, (width - 1).bit_length()))
-        self._group_tile = GROUP_TOKENS if self.tokens > GROUP_TOKENS else 1 << (self.tokens - 1).bit_length()
+        self._tile = tile_shape(self.tokens, max(self.words))
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the entry tables are on the device before the first launch
 
-    def _launch(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int | None, seq: int, check: bool) -> None:
+    def _entries(self, layers: int | list[int] | None) -> tuple[torch.Tensor, int]:
+        """The entry table of ``layers`` (None: every layer) and its byte offset from the anchor."""
+        if layers is None:
+            return self._entries_all, self._entries_all.data_ptr() - self._base
+        if type(layers) is int:
+            t = self._entries_layer[layers]
+            return t, t.data_ptr() - self._base
+        first = layers[0]
+        if layers == list(range(first, first + len(layers))):  # a run of layers: a slice of the whole table
+            t = self._entries_all[first * len(self.components) : (first + len(layers)) * len(self.components)]
+        else:
+            t = torch.cat([self._entries_layer[layer] for layer in layers])
+        return t, t.data_ptr() - self._base
+
+    def _launch(self, hidx: torch.Tensor, didx: torch.Tensor, layers: int | list[int] | None, seq: int, check: bool,
+                seq_step: int = 0) -> None:  # fmt: skip
         from .gpu.page_checksum_kernel import launch
 
-        entries = self._entries_all if layer is None else self._entries_layer[layer]
+        if self.cuda and torch._C._cuda_getDevice() != self._device_index:  # Triton launches on the current device
+            with torch.cuda.device(self._device_index):
+                return self._launch(hidx, didx, layers, seq, check, seq_step)
+        entries, entries_off = self._entries(layers)
         h = self._move(hidx, self.device)
         d = self._move(didx, self.device)
         pages = h.numel() // self.tokens
         base = self._base
-        if self.cuda and torch._C._cuda_getDevice() != self._device_index:  # Triton launches on the current device
-            with torch.cuda.device(self._device_index):
-                return self._launch(hidx, didx, layer, seq, check)
-        launch(self._anchor, entries.data_ptr() - base, h.data_ptr() - base, d.data_ptr() - base, self._table_off,
-               self._flag_off, self._failed_off, seq, self.num_pages, self.columns, pages, entries.shape[0],
-               self.groups, self.tokens, self._group_tile, self._block_w, check)  # fmt: skip
+        launch(self._anchor, entries_off, h.data_ptr() - base, d.data_ptr() - base, self._table_off, self._flag_off,
+               self._failed_off, seq, self.num_pages, self.columns, pages, entries.shape[0], self.groups, self.tokens,
+               self._tile, check, seq_step)  # fmt: skip
 
     # ---- the torch side (CPU pools) ---------------------------------------------------------
 
@@ -247,15 +264,12 @@ class PageVerifier:
 
     # ---- the pool's calls -------------------------------------------------------------------
 
-    def before_backup(self, beside: bool = True) -> None:
+    def before_backup(self) -> None:
         """Mark the caller's stream before a backup's copies, so its checksums can run beside them (CUDA).
 
-        A backup rewrites table rows that a load's check may still be reading: it follows the last check.
-        ``beside=False``: the checksums will run on the caller's stream after the copies."""
+        A backup rewrites table rows that a load's check may still be reading: it follows the last check."""
         if self._side is not None:
             self.join()
-            if not beside:
-                return
             self._before = torch.cuda.Event()
             self._before.record(torch.cuda.current_stream(self.device))
 
@@ -270,15 +284,35 @@ class PageVerifier:
         done = self._on_side(hidx, didx, layer, seq, False, before)
         torch.cuda.current_stream(self.device).wait_event(done)
 
-    def check(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, seq: int, beside: bool = True) -> None:
+    def check(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, seq: int) -> None:
         """Compare the loaded pages of ``layer`` with the table; a mismatch is reported (see the module doc).
 
         On CUDA the check runs on the side stream after the copies; the caller's stream does not wait
-        for it (a failure is reported by a later call, as ever); the next backup joins it. ``beside=False``
-        (SM copy kernels): on the caller's stream, after the copies."""
-        if self._side is None or not beside:
+        for it (a failure is reported by a later call, as ever); the next backup joins it."""
+        if self._side is None:
             return (self._launch if self.kernel else self._torch)(hidx, didx, layer, seq, True)
         self._unjoined = self._on_side(hidx, didx, layer, seq, True, None)
+
+    def batch(self) -> CheckBatch:
+        """A batch for one layer-wise load's checks: one launch after its last layer (:class:`CheckBatch`)."""
+        return CheckBatch(self)
+
+    def _check_layers(self, hidx: torch.Tensor, didx: torch.Tensor, layers: list[int], seqs: list[int]) -> None:
+        if not self.kernel:
+            for layer, seq in zip(layers, seqs):
+                self._torch(hidx, didx, layer, seq, True)
+            return
+        with self._lock:
+            first = self._next_batch_number
+            self._next_batch_number -= len(layers)
+            for k, seq in enumerate(seqs):
+                self._batch_calls[first - k] = seq
+            while len(self._batch_calls) > _BATCH_CALLS:
+                del self._batch_calls[next(iter(self._batch_calls))]
+        self._launch(hidx, didx, layers, first, True, seq_step=len(self.components))
+        for t in (hidx, didx):
+            if t.is_cuda:
+                t.record_stream(torch.cuda.current_stream(self.device))
 
     def join(self) -> None:
         """Order the caller's stream after the last load check (an event already recorded; CUDA only)."""
@@ -326,7 +360,7 @@ class PageVerifier:
             return
         by_call: dict[int, list[int]] = {}
         for page, s in zip(page_list, seqs.tolist()):
-            by_call.setdefault(s, []).append(page)
+            by_call.setdefault(self._batch_calls.get(s, s), []).append(page)
         calls, parts = [], []
         for s in sorted(by_call):
             op, layer_id, items = self._describe(s)
@@ -392,6 +426,41 @@ class PageVerifier:
         """
         for layer, comp, rows in host_views:
             self.table[page, layer, comp] = checksum_rows(rows, layer, comp, self.tokens)[0]
+
+
+#: Batched checks' numbers remembered (layers of recent loads).
+_BATCH_CALLS = 1 << 16
+
+
+class CheckBatch:
+    """The load checks of one layer-wise load (:meth:`HostPool.submit_load`), run as one launch after its last layer.
+
+    A per-layer check costs a launch per layer; a load's layers share their indices, so one launch
+    over all of them checks the same bytes against the same table rows. Layers are consumed as soon
+    as their copies end (their events do not wait for the check); a failure is reported as ever, by
+    the pool's first call after the check ran, naming each failing layer's own call.
+    """
+
+    def __init__(self, verifier: PageVerifier) -> None:
+        self._verifier = verifier
+        self._hidx: torch.Tensor | None = None
+        self._didx: torch.Tensor | None = None
+        self._layers: list[int] = []
+        self._seqs: list[int] = []
+
+    def add(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, seq: int) -> None:
+        """Note a layer just loaded (its copies enqueued on the current stream) with these indices."""
+        if self._hidx is None:
+            self._hidx, self._didx = hidx, didx
+        self._layers.append(layer)
+        self._seqs.append(seq)
+
+    def flush(self) -> None:
+        """Enqueue the checks of the layers noted so far, on the current stream (the load's)."""
+        if self._layers:
+            layers, seqs, self._layers, self._seqs = self._layers, self._seqs, [], []
+            self._verifier._check_layers(self._hidx, self._didx, layers, seqs)
+        self._hidx = self._didx = None
 
 
 def _pages_text(pages: list[int], limit: int = 16) -> str:

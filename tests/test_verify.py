@@ -90,6 +90,57 @@ def test_kernel_matches_the_torch_definition(kind, layout):
     assert not kernel.flagged()
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu", reason="the kernel on CPU pools")
+@pytest.mark.parametrize("page_size", [1, 12, 72])
+def test_kernel_tiles_pages_of_any_size_as_the_definition_groups_them(page_size):
+    # 1: a page is one group of one item; 12: two groups, the second half full; 72: two tiles of rows.
+    pytest.importorskip("triton")
+    dp, host = _pool("mha", "page_first", page_size=page_size)
+    kernel = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+    slots = host.alloc(2 * page_size)
+    dev = torch.arange(page_size, 3 * page_size)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    kernel.backup(slots, dev, None, 1)
+    assert kernel.table.shape[-1] == -(-page_size // GROUP_TOKENS)
+    assert torch.equal(kernel.table, host.verifier.table) and host.verifier.table.any()
+
+
+@pytest.mark.parametrize("with_kernel", [False, True])
+def test_a_layer_wise_load_is_checked_once_after_its_last_layer_naming_each_failing_layers_call(with_kernel):
+    if with_kernel and (os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu"):
+        pytest.skip("the kernel on CPU pools: under TRITON_INTERPRET=1")
+    dp, host = _pool("mha", "page_first")
+    if with_kernel:
+        host.verifier = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+    p = host.page_size
+    slots = host.alloc(3 * p)
+    dev = torch.arange(p, 4 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    first, last = int(slots[0]) // p, int(slots[2 * p]) // p
+    _flip_host_byte(host, first, layer=0)
+    _flip_host_byte(host, last, layer=2, part=1)
+    calls = []
+    checked = host.verifier._check_layers
+
+    def once(*args):  # the load's checks reach the verifier in one batch, after the last layer
+        calls.append(list(args[2]))
+        checked(*args)
+
+    host.verifier._check_layers = once
+    seq = host._drops.seq
+    load = host.submit_load(dp, slots, dev, "auto")
+    load.result()
+    _sync()
+    assert calls == [[0, 1, 2]]
+    with pytest.raises(PageVerificationError) as info:
+        host.check_verified()
+    err = info.value
+    assert err.pages == [first, last] and err.layer_ids == [0, 2]
+    assert [c[0] - seq for c in err.calls] == [1, 3]  # each layer's own call: layers 0, 1, 2 were calls 1, 2, 3
+    assert all(c[1] == "load_to_device_per_layer" for c in err.calls)
+    assert f"host pages [{first}]" in str(err) and f"host pages [{last}]" in str(err)
+
+
 # ---- detection ----------------------------------------------------------------------------------
 
 

@@ -1,18 +1,21 @@
 """The page checksum on the device, in Triton (imports triton: only :mod:`hicache_core.verify` imports it, lazily,
 for a verifying pool on CUDA).
 
-One program per (page of the call, entry, group of :data:`~hicache_core.page_checksum.GROUP_TOKENS`
-items): an entry is one (host layer, component) with its device layer's address, row stride, row
-words, seed and column in the checksum table. A program reads its group's rows as 2-D tiles
-(``GROUP`` rows by ``BLOCK_W`` words, coalesced along the row): one pass over the page bytes.
-``CHECK=False`` stores the sums in the checksum table (backup); ``CHECK=True`` compares them with
-it (after a load) and, for a mismatch, stores the call's number in the failure word and in the
-page's failure slot (masked stores: a clean check writes nothing).
+One program per (page of the call, entry): an entry is one (host layer, component) with its
+device layer's address, row stride, row words, seed and column in the checksum table. A program
+reads its page's rows in tiles of ``TILE_T`` rows by ``BLOCK_W`` words (coalesced along the row),
+sums each row, then each group of ``GROUP`` rows: one pass over the page bytes, and the page's
+checksum words read or written as one run of the table row. ``CHECK=False`` stores the sums in
+the checksum table (backup); ``CHECK=True`` compares them with it (after a load) and, for a
+mismatch, stores the call's number in the failure word and in the page's failure slot (masked
+stores: a clean check writes nothing). One launch may cover many layers (a whole load's): with
+``SEQ_STEP > 0`` the call number written for entry ``e`` is ``seq - e // SEQ_STEP`` (one number
+per layer of the launch, which the verifier maps back to the layer's call).
 
 The definition's sum ``sum(w_j * (s + j * M2))`` is taken as ``s * sum(w_j) + M2 * sum(j * w_j)``
 (equal mod 2**64): per word one 32 x 32 -> 64-bit multiply and two adds instead of two 64-bit
-multiplies, so the check keeps up with HBM. A check issues its table load (host memory, a round
-trip over the link) before it reads the rows, so the two overlap.
+multiplies. A check issues its table load (host memory, a round trip over the link) before it
+reads the rows, so the two overlap.
 
 Every address is a byte offset from one anchor tensor, as in hicache's transfer kernels, so the
 device rows, the pinned table and the failure words (reached through UVA) are addressed alike.
@@ -32,7 +35,11 @@ ENTRY_COLUMNS = 6
 _COLS = tl.constexpr(ENTRY_COLUMNS)
 
 
-@triton.jit(do_not_specialize=("entries", "hidx", "didx", "seq"))
+#: Runtime arguments: never specialised on (value or alignment), so one compiled kernel serves every call.
+_RUNTIME = ("entries", "hidx", "didx", "table", "fail_word", "fail_pages", "seq", "host_pages", "table_columns")
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
 def page_checksums(
     anchor,
     entries,
@@ -45,58 +52,83 @@ def page_checksums(
     host_pages,
     table_columns,
     TOKENS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    TILE_T: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_W: tl.constexpr,
     CHECK: tl.constexpr,
+    SEQ_STEP: tl.constexpr,
 ):
     page = tl.program_id(0).to(tl.int64)
-    entry = (anchor + entries).to(tl.pointer_type(tl.int64)) + tl.program_id(1) * _COLS
-    group = tl.program_id(2)
+    e = tl.program_id(1)
+    entry = (anchor + entries).to(tl.pointer_type(tl.int64)) + e * _COLS
     layer_off = tl.load(entry)
     row_stride = tl.load(entry + 1)
     words = tl.load(entry + 2).to(tl.int32)
-    s = tl.load(entry + 3)
+    s = tl.load(entry + 3).to(tl.uint64, bitcast=True)
     column = tl.load(entry + 4)
     rows = tl.load(entry + 5)
+    if SEQ_STEP > 0:
+        fail_seq = seq - e // SEQ_STEP
+    else:
+        fail_seq = seq
 
     hp = tl.load((anchor + hidx).to(tl.pointer_type(tl.int64)) + page * TOKENS) // TOKENS
-    slot = (anchor + table).to(tl.pointer_type(tl.int64)) + hp * table_columns + column + group
     live = (hp >= 0) & (hp < host_pages)
-    if CHECK:
-        expected = tl.load(slot, mask=live, other=0)
-    t = group * GROUP + tl.arange(0, GROUP)  # the items (tokens) of this group, within the page
-    live_t = t < TOKENS
-    r = tl.load((anchor + didx).to(tl.pointer_type(tl.int64)) + page * TOKENS + t, mask=live_t, other=-1)
-    ok_t = live_t & (r >= 0) & (r < rows)
-    base = (anchor + layer_off + r * row_stride).to(tl.pointer_type(tl.int32))
+    slots = (anchor + table).to(tl.pointer_type(tl.int64)) + hp * table_columns + column
     lanes = tl.arange(0, BLOCK_W)
-    sum_w = tl.zeros((GROUP, BLOCK_W), dtype=tl.uint64)
-    sum_jw = tl.zeros((GROUP, BLOCK_W), dtype=tl.uint64)
-    w0 = 0
-    while w0 < words:  # a while loop: the interpreter runs it too
-        w = w0 + lanes
-        mask = ok_t[:, None] & (w < words)[None, :]
-        vals = tl.load(base[:, None] + w[None, :], mask=mask, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-        j = (t[:, None] * words + w[None, :]).to(tl.uint32, bitcast=True).to(tl.uint64)  # < 2**31: a page's words
-        sum_w += vals
-        sum_jw += vals * j  # a 32 x 32 -> 64-bit product: it cannot wrap
-        w0 += BLOCK_W
-    total_w = tl.sum(tl.sum(sum_w, axis=1), axis=0)
-    total_jw = tl.sum(tl.sum(sum_jw, axis=1), axis=0)
-    total = (total_w * s.to(tl.uint64, bitcast=True) + total_jw * _M2).to(tl.int64, bitcast=True)
+    t0 = 0
+    while t0 < TOKENS:  # while loops: the interpreter runs them too
+        g = t0 // GROUP + tl.arange(0, TILE_T // GROUP)  # this tile's groups
+        live_g = live & (g < GROUPS)
+        if CHECK:
+            expected = tl.load(slots + g, mask=live_g, other=0)
+        t = t0 + tl.arange(0, TILE_T)  # the items (tokens) of this tile, within the page
+        live_t = t < TOKENS
+        r = tl.load((anchor + didx).to(tl.pointer_type(tl.int64)) + page * TOKENS + t, mask=live_t, other=-1)
+        ok_t = live_t & (r >= 0) & (r < rows)
+        base = (anchor + layer_off + r * row_stride).to(tl.pointer_type(tl.int32))
+        sum_w = tl.zeros((TILE_T, BLOCK_W), dtype=tl.uint64)
+        sum_jw = tl.zeros((TILE_T, BLOCK_W), dtype=tl.uint64)
+        w0 = 0
+        while w0 < words:
+            w = w0 + lanes
+            mask = ok_t[:, None] & (w < words)[None, :]
+            vals = tl.load(base[:, None] + w[None, :], mask=mask, other=0)
+            vals = vals.to(tl.uint32, bitcast=True).to(tl.uint64)
+            j = (t[:, None] * words + w[None, :]).to(tl.uint32, bitcast=True).to(tl.uint64)  # < 2**31 in a page
+            sum_w += vals
+            sum_jw += vals * j  # a 32 x 32 -> 64-bit product: it cannot wrap
+            w0 += BLOCK_W
+        group_w = tl.sum(tl.reshape(tl.sum(sum_w, axis=1), (TILE_T // GROUP, GROUP)), axis=1)
+        group_jw = tl.sum(tl.reshape(tl.sum(sum_jw, axis=1), (TILE_T // GROUP, GROUP)), axis=1)
+        total = (group_w * s + group_jw * _M2).to(tl.int64, bitcast=True)
+        if CHECK:
+            bad = tl.max((live_g & (expected != total)).to(tl.int32), axis=0) > 0
+            tl.store((anchor + fail_word).to(tl.pointer_type(tl.int64)), fail_seq, mask=bad)
+            tl.store((anchor + fail_pages).to(tl.pointer_type(tl.int64)) + hp, fail_seq, mask=bad)
+        else:
+            tl.store(slots + g, total, mask=live_g)
+        t0 += TILE_T
 
-    if CHECK:
-        bad = live & (expected != total)
-        tl.store((anchor + fail_word).to(tl.pointer_type(tl.int64)), seq, mask=bad)
-        tl.store((anchor + fail_pages).to(tl.pointer_type(tl.int64)) + hp, seq, mask=bad)
-    else:
-        tl.store(slot, total, mask=live)
+
+def tile_shape(tokens: int, row_words: int) -> tuple[int, int, int]:
+    """``(TILE_T, GROUP, BLOCK_W)`` for pages of ``tokens`` items whose widest row has ``row_words`` words."""
+    from ..page_checksum import GROUP_TOKENS
+
+    tile_t = min(64, 1 << (tokens - 1).bit_length())
+    group = min(GROUP_TOKENS, tile_t)
+    # Two 64-bit sums per lane: a tile of 64 x 64 words keeps them in registers (the loop covers longer rows).
+    block_w = min(64, 1 << max(2, (row_words - 1).bit_length()))
+    return tile_t, group, block_w
 
 
 def launch(anchor, entries_off, hidx_off, didx_off, table_off, fail_word_off, fail_pages_off, seq, host_pages,
-           table_columns, pages, num_entries, groups, tokens, group, block_w, check) -> None:  # fmt: skip
-    """Launch :func:`page_checksums` over ``pages`` x ``num_entries`` x ``groups`` programs."""
-    page_checksums[(pages, num_entries, groups)](
+           table_columns, pages, num_entries, groups, tokens, tile, check, seq_step) -> None:  # fmt: skip
+    """Launch :func:`page_checksums` over ``pages`` x ``num_entries`` programs (``tile``: :func:`tile_shape`)."""
+    tile_t, group, block_w = tile
+    page_checksums[(pages, num_entries)](
         anchor, entries_off, hidx_off, didx_off, table_off, fail_word_off, fail_pages_off, seq, host_pages,
-        table_columns, TOKENS=tokens, GROUP=group, BLOCK_W=block_w, CHECK=check, num_warps=4,
+        table_columns, TOKENS=tokens, GROUPS=groups, TILE_T=tile_t, GROUP=group, BLOCK_W=block_w, CHECK=check,
+        SEQ_STEP=seq_step, num_warps=8 if tile_t * block_w >= 4096 else 4,
     )  # fmt: skip
