@@ -5,14 +5,16 @@ Run on the GPU machine::
     python benchmarks/checksum_kernel.py --out $OUT/checksum-kernel-h200.json
 
 For a llama-8b-like MHA pool (K and V rows of 2048 B) and an MLA pool (1152 B rows), page 64, at
-4096 and 32768 tokens: one load check per layer (``PageVerifier._launch(..., check=True)``, the
-kernel a verifying pool runs after each per-layer load), timed over all layers with CUDA events
-(median of ``--repeats``), in three variants:
+4096 and 32768 tokens: the GPU time of a load's checks per layer (kernels queued behind a sleeping
+one, so host time is not measured), median of ``--repeats``, in four variants:
 
-* ``retired``: the kernel as it was before 0.4 (two 64-bit multiplies per word, the table read last);
-* ``current``: the kernel hicache runs (``hicache_core.gpu.page_checksum_kernel``);
-* ``current_device_table``: the same kernel reading a copy of the table in device memory, which
-  shows what the table's round trip over the link costs.
+* ``retired``: the kernel as it was before 0.4 (a program per group of 8 rows, two 64-bit multiplies
+  per word, the table read last), one launch per layer;
+* ``per_layer``: the kernel hicache runs (``hicache_core.gpu.page_checksum_kernel``), one launch per
+  layer (a synchronous per-layer load's check);
+* ``per_layer_device_table``: the same, reading a copy of the table in device memory, which shows
+  what the table's round trip over the link costs;
+* ``one_launch``: every layer in one launch (a layer-wise load's check, ``CheckBatch``).
 
 Beside each: one layer's bytes copied host -> device by the copy engine (``cudaMemcpyAsync``, one
 pinned buffer), the ceiling of the load the check follows, in the same run.
@@ -31,7 +33,6 @@ import triton
 import triton.language as tl
 
 import hicache_core as hc
-from hicache_core.gpu import page_checksum_kernel as pck
 from hicache_core.page_checksum import M2
 
 _M2 = tl.constexpr(M2)
@@ -78,10 +79,12 @@ def _retired(anchor, entries, hidx, didx, table, fail_word, fail_pages, seq, hos
         tl.store(slot, total, mask=live)
 
 
-def _median_ms(fn, repeats: int) -> float:
+def _gpu_ms(fn, repeats: int) -> float:
+    """Median GPU time of ``fn``'s launches, queued behind a sleeping kernel so that host time is not measured."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(repeats):
+        torch.cuda._sleep(20_000_000)
         start.record()
         fn()
         stop.record()
@@ -110,37 +113,49 @@ def _case(kind: str, tokens: int, page: int, repeats: int) -> dict:
     h, d = v._move(slots, v.device), v._move(dev, v.device)
     device_table = v.table.to("cuda")
     host_table_off = v._table_off
+    every = list(range(layers))
+    base = v._base
 
-    def checks() -> None:
-        for layer in range(layers):
+    def per_layer() -> None:
+        for layer in every:
             v._launch(h, d, layer, 1, True)
 
+    def one_launch() -> None:
+        v._launch(h, d, every, -1, True, seq_step=len(v.components))
+
+    def retired() -> None:
+        block_w = min(1024, 1 << max(4, (max(v.words) - 1).bit_length()))
+        group = min(8, 1 << (v.tokens - 1).bit_length())
+        for layer in every:
+            entries = v._entries_layer[layer]
+            _retired[(h.numel() // v.tokens, entries.shape[0], v.groups)](
+                v._anchor, entries.data_ptr() - base, h.data_ptr() - base, d.data_ptr() - base, v._table_off,
+                v._flag_off, v._failed_off, 1, v.num_pages, v.columns, TOKENS=v.tokens, GROUP=group,
+                BLOCK_W=block_w, CHECK=True, num_warps=4,
+            )  # fmt: skip
+
     row = {"pool": kind, "tokens": tokens, "page": page, "layers": layers, "layer_bytes": host.get_size_per_token()
-           * tokens // layers, "block_w": v._block_w}  # fmt: skip
-    current = pck.page_checksums
-    for name, kernel, table_off in (("retired", _retired, host_table_off), ("current", current, host_table_off),
-                                    ("current_device_table", current, device_table.data_ptr() - v._base)):  # fmt: skip
-        pck.page_checksums = kernel
+           * tokens // layers, "tile": list(v._tile)}  # fmt: skip
+    variants = {"retired": (retired, host_table_off), "per_layer": (per_layer, host_table_off),
+                "per_layer_device_table": (per_layer, device_table.data_ptr() - base),
+                "one_launch": (one_launch, host_table_off)}  # fmt: skip
+    for name, (fn, table_off) in variants.items():
         v._table_off = table_off
-        block_w = v._block_w
-        if kernel is _retired:
-            v._block_w = min(1024, 1 << max(4, (max(v.words) - 1).bit_length()))
         try:
             for _ in range(3):
-                checks()
+                fn()
             torch.cuda.synchronize()
-            row[f"check_us_per_layer_{name}"] = _median_ms(checks, repeats) * 1000 / layers
+            row[f"check_us_per_layer_{name}"] = _gpu_ms(fn, repeats) * 1000 / layers
         finally:
-            pck.page_checksums = current
             v._table_off = host_table_off
-            v._block_w = block_w
     host.check_verified()  # every check above was clean: nothing may be reported
     nbytes = row["layer_bytes"]
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dbuf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    row["copy_us_per_layer_ceiling"] = _median_ms(lambda: dbuf.copy_(pinned, non_blocking=True), repeats) * 1000
-    for name in ("retired", "current", "current_device_table"):
+    row["copy_us_per_layer_ceiling"] = _gpu_ms(lambda: dbuf.copy_(pinned, non_blocking=True), repeats) * 1000
+    for name in variants:
         row[f"check_of_copy_{name}"] = row[f"check_us_per_layer_{name}"] / row["copy_us_per_layer_ceiling"]
+        row[f"hbm_tbps_{name}"] = nbytes / row[f"check_us_per_layer_{name}"] / 1e6
     host.destroy()
     return row
 
@@ -157,9 +172,9 @@ def main() -> None:
         for tokens in (4096, 32768):
             r = _case(kind, tokens, 64, args.repeats)
             rows.append(r)
-            print(f"{kind} {tokens:6}: copy {r['copy_us_per_layer_ceiling']:8.1f} us/layer; check retired "
-                  f"{r['check_us_per_layer_retired']:7.1f}, current {r['check_us_per_layer_current']:7.1f}, "
-                  f"device table {r['check_us_per_layer_current_device_table']:7.1f}")  # fmt: skip
+            print(f"{kind} {tokens:6}: copy {r['copy_us_per_layer_ceiling']:8.1f} us/layer; check (us/layer) "
+                  + ", ".join(f"{k[len('check_us_per_layer_'):]} {v:.1f}" for k, v in r.items()
+                              if k.startswith("check_us_per_layer_")))  # fmt: skip
     out = {
         "what": "the load check's kernel per layer beside the layer's copy-engine copy (the ceiling), same run",
         "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "cpus": os.cpu_count(),

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from . import metrics as _metrics
-from .page_checksum import GROUP_TOKENS, checksum_rows, groups_per_page, row_words, seed
+from .page_checksum import checksum_rows, groups_per_page, row_words, seed
 from .settings import flag
 
 ENV_VERIFY = "HICACHE_VERIFY"
