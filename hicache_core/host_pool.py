@@ -487,8 +487,8 @@ class HostPool(PageAccess):
             self._host_layer(device_pool, layer_id, False)
         self._check_indices(host_indices, device_indices)
 
-        # A verifying pool checks the load's layers in one launch after the last one (verify.CheckBatch).
-        batch = self.verifier.batch() if self.verifier is not None else None
+        # A verifying pool checks the load's layers in a few launches, beside its copies (verify.CheckBatch).
+        batch = self.verifier.batch(len(ids)) if self.verifier is not None else None
 
         def step(i: int) -> None:
             self._per_layer(LOAD, device_pool, host_indices, device_indices, ids[i], io_backend, False, batch)

@@ -203,6 +203,12 @@ class PageVerifier:
         self._flag_off = self._words.data_ptr() - base
         self._failed_off = self._flag_off + 8
         self._tile = tile_shape(self.tokens, max(self.words))
+        # Rows that all start on 16 bytes (offsets, strides, lengths) are read in 16-byte vectors.
+        facts = [t.data_ptr() - base for layers in self.components for t in layers]
+        facts += [layers[0].stride(0) for layers in self.components] + [4 * w for w in self.words]
+        self._align = next(a for a in (4, 2, 1) if all(f % (4 * a) == 0 for f in facts))
+        # Compiled: the word loop is software-pipelined; the interpreter runs plain loops.
+        self._stages = 0 if not self.cuda else 3
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the entry tables are on the device before the first launch
 
@@ -234,7 +240,7 @@ class PageVerifier:
         base = self._base
         launch(self._anchor, entries_off, h.data_ptr() - base, d.data_ptr() - base, self._table_off, self._flag_off,
                self._failed_off, seq, self.num_pages, self.columns, pages, entries.shape[0], self.groups, self.tokens,
-               self._tile, check, seq_step)  # fmt: skip
+               self._tile, check, seq_step, self._align, self._stages)  # fmt: skip
 
     # ---- the torch side (CPU pools) ---------------------------------------------------------
 
@@ -293,15 +299,17 @@ class PageVerifier:
             return (self._launch if self.kernel else self._torch)(hidx, didx, layer, seq, True)
         self._unjoined = self._on_side(hidx, didx, layer, seq, True, None)
 
-    def batch(self) -> CheckBatch:
-        """A batch for one layer-wise load's checks: one launch after its last layer (:class:`CheckBatch`)."""
-        return CheckBatch(self)
+    def batch(self, layers: int) -> CheckBatch:
+        """A batch for the checks of one layer-wise load of ``layers`` layers (:class:`CheckBatch`)."""
+        return CheckBatch(self, layers)
 
-    def _check_layers(self, hidx: torch.Tensor, didx: torch.Tensor, layers: list[int], seqs: list[int]) -> None:
+    def _check_layers(self, hidx: torch.Tensor, didx: torch.Tensor, layers: list[int], seqs: list[int]) -> Any:
+        """Check ``layers`` (whose calls were ``seqs``) in one launch; on CUDA beside the caller's stream, returning
+        the event that ends it."""
         if not self.kernel:
             for layer, seq in zip(layers, seqs):
                 self._torch(hidx, didx, layer, seq, True)
-            return
+            return None
         with self._lock:
             first = self._next_batch_number
             self._next_batch_number -= len(layers)
@@ -309,10 +317,9 @@ class PageVerifier:
                 self._batch_calls[first - k] = seq
             while len(self._batch_calls) > _BATCH_CALLS:
                 del self._batch_calls[next(iter(self._batch_calls))]
-        self._launch(hidx, didx, layers, first, True, seq_step=len(self.components))
-        for t in (hidx, didx):
-            if t.is_cuda:
-                t.record_stream(torch.cuda.current_stream(self.device))
+        if self._side is None:
+            return self._launch(hidx, didx, layers, first, True, seq_step=len(self.components))
+        return self._on_side(hidx, didx, layers, first, True, None, seq_step=len(self.components))
 
     def join(self) -> None:
         """Order the caller's stream after the last load check (an event already recorded; CUDA only)."""
@@ -320,7 +327,7 @@ class PageVerifier:
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
 
-    def _on_side(self, hidx, didx, layer, seq, check, before) -> Any:
+    def _on_side(self, hidx, didx, layers, seq, check, before, seq_step: int = 0) -> Any:
         caller = torch.cuda.current_stream(self.device)
         if before is None:
             before = torch.cuda.Event()
@@ -328,7 +335,7 @@ class PageVerifier:
         side = self._side
         side.wait_event(before)
         with torch.cuda.stream(side):
-            self._launch(hidx, didx, layer, seq, check)
+            self._launch(hidx, didx, layers, seq, check, seq_step)
             done = torch.cuda.Event()
             done.record(side)
         for t in (hidx, didx):
@@ -430,23 +437,26 @@ class PageVerifier:
 
 #: Batched checks' numbers remembered (layers of recent loads).
 _BATCH_CALLS = 1 << 16
-
-
 class CheckBatch:
-    """The load checks of one layer-wise load (:meth:`HostPool.submit_load`), run as one launch after its last layer.
+    """The load checks of one layer-wise load (:meth:`HostPool.submit_load`), a few launches for all its layers.
 
     A per-layer check costs a launch per layer; a load's layers share their indices, so one launch
-    over all of them checks the same bytes against the same table rows. Layers are consumed as soon
-    as their copies end (their events do not wait for the check); a failure is reported as ever, by
-    the pool's first call after the check ran, naming each failing layer's own call.
+    over a run of layers checks the same bytes against the same table rows. The layers are checked
+    in :data:`CHECK_RUNS` runs, each launched on the side stream when its last layer's copies are
+    enqueued, so the checks overlap the copies of the layers after them; only the last run follows
+    the last copy. Layers are consumed as soon as their copies end (their events do not wait for a
+    check); the load's finish follows every check. A failure is reported as ever, by the pool's first
+    call after the check ran, naming each failing layer's own call.
     """
 
-    def __init__(self, verifier: PageVerifier) -> None:
+    def __init__(self, verifier: PageVerifier, layers: int) -> None:
         self._verifier = verifier
+        self._run = max(1, -(-layers // CHECK_RUNS))
         self._hidx: torch.Tensor | None = None
         self._didx: torch.Tensor | None = None
         self._layers: list[int] = []
         self._seqs: list[int] = []
+        self._done: Any = None
 
     def add(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, seq: int) -> None:
         """Note a layer just loaded (its copies enqueued on the current stream) with these indices."""
@@ -454,13 +464,25 @@ class CheckBatch:
             self._hidx, self._didx = hidx, didx
         self._layers.append(layer)
         self._seqs.append(seq)
+        if len(self._layers) >= self._run:
+            self._launch()
 
-    def flush(self) -> None:
-        """Enqueue the checks of the layers noted so far, on the current stream (the load's)."""
+    def _launch(self) -> None:
         if self._layers:
             layers, seqs, self._layers, self._seqs = self._layers, self._seqs, [], []
-            self._verifier._check_layers(self._hidx, self._didx, layers, seqs)
+            self._done = self._verifier._check_layers(self._hidx, self._didx, layers, seqs) or self._done
+
+    def flush(self) -> None:
+        """Check the layers noted since the last run, and order the current stream (the load's) after every check."""
+        self._launch()
+        done, self._done = self._done, None
+        if done is not None:
+            torch.cuda.current_stream(self._verifier.device).wait_event(done)  # recorded: the runs were launched
         self._hidx = self._didx = None
+
+
+#: Runs a layer-wise load's checks are launched in: the last one follows the load's last copy.
+CHECK_RUNS = 4
 
 
 def _pages_text(pages: list[int], limit: int = 16) -> str:

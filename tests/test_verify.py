@@ -10,6 +10,8 @@ import torch
 from core_helpers import DEVICE, device_pool, fill_random
 
 import hicache_core as hc
+import hicache_core.verify
+from hicache_core.layer_loads import LayerLoadError
 from hicache_core.page_checksum import GROUP_TOKENS, M2, checksum_bytes_reference, checksum_rows, seed
 from hicache_core.storage import PageStatus, make_storage
 from hicache_core.storage.page_format import HEADER_SIZE
@@ -106,7 +108,7 @@ def test_kernel_tiles_pages_of_any_size_as_the_definition_groups_them(page_size)
 
 
 @pytest.mark.parametrize("with_kernel", [False, True])
-def test_a_layer_wise_load_is_checked_once_after_its_last_layer_naming_each_failing_layers_call(with_kernel):
+def test_a_layer_wise_loads_checks_run_in_runs_of_layers_naming_each_failing_layers_call(with_kernel, monkeypatch):
     if with_kernel and (os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu"):
         pytest.skip("the kernel on CPU pools: under TRITON_INTERPRET=1")
     dp, host = _pool("mha", "page_first")
@@ -118,25 +120,33 @@ def test_a_layer_wise_load_is_checked_once_after_its_last_layer_naming_each_fail
     host.backup_from_device_all_layer(dp, slots, dev, "auto")
     first, last = int(slots[0]) // p, int(slots[2 * p]) // p
     _flip_host_byte(host, first, layer=0)
-    _flip_host_byte(host, last, layer=2, part=1)
+    _flip_host_byte(host, last, layer=1, part=1)
     calls = []
     checked = host.verifier._check_layers
 
-    def once(*args):  # the load's checks reach the verifier in one batch, after the last layer
+    def run(*args):
         calls.append(list(args[2]))
-        checked(*args)
+        return checked(*args)
 
-    host.verifier._check_layers = once
+    host.verifier._check_layers = run
+    monkeypatch.setattr(hicache_core.verify, "CHECK_RUNS", 2)
     seq = host._drops.seq
     load = host.submit_load(dp, slots, dev, "auto")
-    load.result()
-    _sync()
-    assert calls == [[0, 1, 2]]
-    with pytest.raises(PageVerificationError) as info:
-        host.check_verified()
-    err = info.value
-    assert err.pages == [first, last] and err.layer_ids == [0, 2]
-    assert [c[0] - seq for c in err.calls] == [1, 3]  # each layer's own call: layers 0, 1, 2 were calls 1, 2, 3
+    try:
+        load.result()
+    except LayerLoadError as exc:  # the first run's check ran before layer 2's call, which raised it
+        assert "layer 2 failed to load" in str(exc)
+        err = exc.__cause__
+    else:  # on a GPU the check may run later: the next call reports it
+        assert DEVICE != "cpu"
+        _sync()
+        with pytest.raises(PageVerificationError) as info:
+            host.check_verified()
+        err = info.value
+    assert calls[0] == [0, 1]  # runs of ceil(3 / 2) layers, launched when their last layer's copies are enqueued
+    assert isinstance(err, PageVerificationError)
+    assert err.pages == [first, last] and err.layer_ids == [0, 1]
+    assert [c[0] - seq for c in err.calls] == [1, 2]  # each layer's own call
     assert all(c[1] == "load_to_device_per_layer" for c in err.calls)
     assert f"host pages [{first}]" in str(err) and f"host pages [{last}]" in str(err)
 

@@ -35,6 +35,15 @@ ENTRY_COLUMNS = 6
 _COLS = tl.constexpr(ENTRY_COLUMNS)
 
 
+@triton.jit
+def _sum_words(base, ok_t, t, w, words, sum_w, sum_jw):
+    """Add one tile's words (``w``: their positions in the row) to the two running sums."""
+    mask = ok_t[:, None] & (w < words)[None, :]
+    vals = tl.load(base[:, None] + w[None, :], mask=mask, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    j = (t[:, None] * words + w[None, :]).to(tl.uint32, bitcast=True).to(tl.uint64)  # < 2**31 in a page
+    return sum_w + vals, sum_jw + vals * j  # a 32 x 32 -> 64-bit product: it cannot wrap
+
+
 #: Runtime arguments: never specialised on (value or alignment), so one compiled kernel serves every call.
 _RUNTIME = ("entries", "hidx", "didx", "table", "fail_word", "fail_pages", "seq", "host_pages", "table_columns")
 
@@ -58,6 +67,8 @@ def page_checksums(
     BLOCK_W: tl.constexpr,
     CHECK: tl.constexpr,
     SEQ_STEP: tl.constexpr,
+    ALIGN: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     page = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1)
@@ -65,6 +76,8 @@ def page_checksums(
     layer_off = tl.load(entry)
     row_stride = tl.load(entry + 1)
     words = tl.load(entry + 2).to(tl.int32)
+    if ALIGN > 1:
+        words = tl.multiple_of(words, ALIGN)  # so the row-end mask is constant over each vector
     s = tl.load(entry + 3).to(tl.uint64, bitcast=True)
     column = tl.load(entry + 4)
     rows = tl.load(entry + 5)
@@ -87,19 +100,20 @@ def page_checksums(
         live_t = t < TOKENS
         r = tl.load((anchor + didx).to(tl.pointer_type(tl.int64)) + page * TOKENS + t, mask=live_t, other=-1)
         ok_t = live_t & (r >= 0) & (r < rows)
-        base = (anchor + layer_off + r * row_stride).to(tl.pointer_type(tl.int32))
+        row_off = layer_off + r * row_stride
+        if ALIGN > 1:  # every row starts on ALIGN words: vector loads
+            row_off = tl.multiple_of(row_off, ALIGN * 4)
+        base = (anchor + row_off).to(tl.pointer_type(tl.int32))
         sum_w = tl.zeros((TILE_T, BLOCK_W), dtype=tl.uint64)
         sum_jw = tl.zeros((TILE_T, BLOCK_W), dtype=tl.uint64)
-        w0 = 0
-        while w0 < words:
-            w = w0 + lanes
-            mask = ok_t[:, None] & (w < words)[None, :]
-            vals = tl.load(base[:, None] + w[None, :], mask=mask, other=0)
-            vals = vals.to(tl.uint32, bitcast=True).to(tl.uint64)
-            j = (t[:, None] * words + w[None, :]).to(tl.uint32, bitcast=True).to(tl.uint64)  # < 2**31 in a page
-            sum_w += vals
-            sum_jw += vals * j  # a 32 x 32 -> 64-bit product: it cannot wrap
-            w0 += BLOCK_W
+        if STAGES > 0:  # compiled: the next tiles' loads are in flight while this one is summed
+            for w0 in tl.range(0, words, BLOCK_W, num_stages=STAGES):
+                sum_w, sum_jw = _sum_words(base, ok_t, t, w0 + lanes, words, sum_w, sum_jw)
+        else:
+            w0 = 0
+            while w0 < words:
+                sum_w, sum_jw = _sum_words(base, ok_t, t, w0 + lanes, words, sum_w, sum_jw)
+                w0 += BLOCK_W
         group_w = tl.sum(tl.reshape(tl.sum(sum_w, axis=1), (TILE_T // GROUP, GROUP)), axis=1)
         group_jw = tl.sum(tl.reshape(tl.sum(sum_jw, axis=1), (TILE_T // GROUP, GROUP)), axis=1)
         total = (group_w * s + group_jw * _M2).to(tl.int64, bitcast=True)
@@ -124,11 +138,13 @@ def tile_shape(tokens: int, row_words: int) -> tuple[int, int, int]:
 
 
 def launch(anchor, entries_off, hidx_off, didx_off, table_off, fail_word_off, fail_pages_off, seq, host_pages,
-           table_columns, pages, num_entries, groups, tokens, tile, check, seq_step) -> None:  # fmt: skip
-    """Launch :func:`page_checksums` over ``pages`` x ``num_entries`` programs (``tile``: :func:`tile_shape`)."""
+           table_columns, pages, num_entries, groups, tokens, tile, check, seq_step, align,
+           stages) -> None:  # fmt: skip
+    """Launch :func:`page_checksums` over ``pages`` x ``num_entries`` programs (``tile``: :func:`tile_shape`;
+    ``align``: words every device row starts on, 1, 2 or 4; ``stages``: 0 under the interpreter)."""
     tile_t, group, block_w = tile
     page_checksums[(pages, num_entries)](
         anchor, entries_off, hidx_off, didx_off, table_off, fail_word_off, fail_pages_off, seq, host_pages,
         table_columns, TOKENS=tokens, GROUPS=groups, TILE_T=tile_t, GROUP=group, BLOCK_W=block_w, CHECK=check,
-        SEQ_STEP=seq_step, num_warps=8 if tile_t * block_w >= 4096 else 4,
+        SEQ_STEP=seq_step, ALIGN=align, STAGES=stages, num_warps=8 if tile_t * block_w >= 4096 else 4,
     )  # fmt: skip
