@@ -438,13 +438,12 @@ class PageVerifier:
 #: Batched checks' numbers remembered (layers of recent loads).
 _BATCH_CALLS = 1 << 16
 class CheckBatch:
-    """The load checks of one layer-wise load (:meth:`HostPool.submit_load`), a few launches for all its layers.
+    """The load checks of one layer-wise load (:meth:`HostPool.submit_load`), in one launch for all its layers.
 
     A per-layer check costs a launch per layer; a load's layers share their indices, so one launch
     over a run of layers checks the same bytes against the same table rows. The layers are checked
     in :data:`CHECK_RUNS` runs, each launched on the side stream when its last layer's copies are
-    enqueued, so the checks overlap the copies of the layers after them; only the last run follows
-    the last copy. Layers are consumed as soon as their copies end (their events do not wait for a
+    enqueued. Layers are consumed as soon as their copies end (their events do not wait for a
     check); the load's finish follows every check. A failure is reported as ever, by the pool's first
     call after the check ran, naming each failing layer's own call.
     """
@@ -481,8 +480,10 @@ class CheckBatch:
         self._hidx = self._didx = None
 
 
-#: Runs a layer-wise load's checks are launched in: the last one follows the load's last copy.
-CHECK_RUNS = 4
+#: Runs a layer-wise load's checks are launched in; the last one follows the load's last copy. One: checks
+#: beside the copies of later layers slowed SM copy kernels more than one run after the last copy costs
+#: (benchmarks/results/verify-cost-h200.json, docs/correctness.md).
+CHECK_RUNS = 1
 
 
 def _pages_text(pages: list[int], limit: int = 16) -> str:
