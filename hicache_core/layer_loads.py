@@ -113,20 +113,21 @@ class LayerLoad:
         """The error a layer met, or ``None``."""
         return self._error
 
-    def _await(self, ready: Callable[[], bool], what: str) -> None:
+    def _await(self, ready: Callable[[], bool], what: str, timeout: float | None = None) -> None:
+        bound = self.loader.timeout_s if timeout is None else timeout
         deadline = None
         with self._cond:
             while not ready():
                 if self._error is not None and (self._done or self._failed_layer is not None):
                     break
                 if deadline is None:
-                    deadline = time.monotonic() + self.loader.timeout_s
+                    deadline = time.monotonic() + bound
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise LayerLoadTimeout(
-                        f"{self.what}: {what} was not submitted within {self.loader.timeout_s:g} s "
+                        f"{self.what}: {what} was not submitted within {bound:g} s "
                         f"({self._submitted} of {self.layers} layers submitted; {self.loader.describe_state()}); "
-                        f"raise the bound with {ENV_TIMEOUT}"
+                        + (f"raise the bound with {ENV_TIMEOUT}" if timeout is None else "the caller's timeout")
                     )
                 self._cond.wait(left)
 
@@ -163,9 +164,14 @@ class LayerLoad:
             (stream if stream is not None else torch.cuda.current_stream(self.loader.device)).wait_event(event)
 
     def result(self, timeout: float | None = None) -> None:
-        """Wait until every layer was submitted (not until the copies are done); raise the job's error."""
+        """Wait until every layer was submitted (not until the copies are done); raise the job's error.
+
+        ``timeout``: seconds to wait (default: the loader's bound, ``HICACHE_LOAD_TIMEOUT_S``); past it,
+        :class:`LayerLoadTimeout`."""
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         if not self._done:
-            self._await(lambda: self._done, "the whole load")
+            self._await(lambda: self._done, "the whole load", timeout)
         if self._error is not None:
             self._raise_for(self._failed_layer or 0)
 

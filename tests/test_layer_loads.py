@@ -155,6 +155,11 @@ def test_a_slow_submitter_times_out_with_what_it_is_doing_then_finishes():
                                                r"'slow' for 0\.\d+ s\); raise the bound with "
                                                r"HICACHE_LOAD_TIMEOUT_S"):  # fmt: skip
         load.wait(2)
+    with pytest.raises(LayerLoadTimeout, match=r"^slow: the whole load was not submitted within 0.05 s .*; "
+                                               r"the caller's timeout$"):  # fmt: skip
+        load.result(timeout=0.05)
+    with pytest.raises(ValueError, match="timeout must be > 0 seconds, got 0"):
+        load.result(timeout=0)
     release.set()
     load.wait(2)
     load.result()
