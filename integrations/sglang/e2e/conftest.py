@@ -5,6 +5,7 @@ one baseline server without HiCache per page size, and one HiCache server per ca
 started together (``HICACHE_E2E_PARALLEL`` at a time, default 3) when the first test needs
 them and stopped, each by its process group, at the end of the session (also on failure).
 Each server gets the workload once (:func:`workload.run`); the tests check its outcome.
+The stores the cases need (a redis-server, SeaweedFS) start on 127.0.0.1 first.
 ``HICACHE_E2E_LOG_DIR`` keeps the server logs (default: a temporary directory).
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import workload
+from object_store import ObjectStore
 from server import RedisServer, Server, start_all, stop_all
 from tiny_model import make_llama
 
@@ -33,8 +35,8 @@ class Case:
     io_backend: str
     page_size: int
     write_policy: str
-    #: L3: "file" (SGLang's own backend), "hicache-file" / "hicache-redis" (hicache's tier through
-    #: SGLang's dynamic backend, hicache_sglang.storage)
+    #: L3: "file" (SGLang's own backend), "hicache-file" / "hicache-redis" / "hicache-s3" / "hicache-peer"
+    #: (hicache's tier through SGLang's dynamic backend, hicache_sglang.storage)
     storage: str | None = None
     resolved: tuple[str, str] | None = None  # (layout, io backend) after SGLang's resolution, when it rewrites
     extra: tuple[str, ...] = field(default=())
@@ -69,6 +71,7 @@ CASES = [
     Case("lf-kernel-p16-wb", "layer_first", "kernel", 16, "write_back"),
     Case("pf-kernel-p1-wt-file", "page_first", "kernel", 1, "write_through", storage="file"),
     Case("ph-kernel-p16-wt-redis", "page_head", "kernel", 16, "write_through", storage="hicache-redis"),
+    Case("lf-direct-p16-wt-s3", "layer_first", "direct", 16, "write_through", storage="hicache-s3"),
 ]
 CASE_IDS = [c.name for c in CASES]
 BY_NAME = {c.name: c for c in CASES}
@@ -84,6 +87,7 @@ class Fleet:
     outcomes: dict[str, workload.Outcome] = field(default_factory=dict)
     prompts: workload.Prompts = field(default_factory=workload.Prompts.make)
     redis: RedisServer | None = None
+    s3: ObjectStore | None = None
 
     def server(self, name: str) -> Server:
         srv = self.servers[name]
@@ -109,6 +113,8 @@ class Fleet:
             return f"file://{self.storage_dir(case.name)}"
         if case.storage == "hicache-redis":
             return f"redis://127.0.0.1:{self.redis.port}/0"
+        if case.storage == "hicache-s3":
+            return self.s3.url(case.name)
         return None
 
     def new_server(self, name: str, case: Case) -> Server:
@@ -116,6 +122,8 @@ class Fleet:
         env = {"HICACHE_E2E_CORRUPT_FLAG": self.corrupt_flag(name)}
         if case.storage == "file":
             env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = self.storage_dir(case.name)
+        if case.storage == "hicache-s3":
+            env.update(self.s3.env())
         return Server(name, self.model, case.args(self.storage_url(case)), self.log_dir, env=env)
 
     @property
@@ -123,7 +131,7 @@ class Fleet:
         return os.environ.get("HICACHE_E2E_LOG_DIR") or self.root
 
 
-def _selected(names: list[str]) -> list[str]:
+def selected(names: list[str]) -> list[str]:
     only = os.environ.get("HICACHE_E2E_ONLY")  # development: a comma-separated subset of the servers
     return names if not only else [n for n in names if n in only.split(",")]
 
@@ -146,10 +154,12 @@ def fleet():
         os.makedirs(log_dir, exist_ok=True)
     model = make_llama(os.path.join(root, "tiny-llama"))
     f = Fleet(root, model, {})
-    names = _selected(["base-p1", "base-p16", *CASE_IDS])
+    names = selected(["base-p1", "base-p16", *CASE_IDS])
     try:
         if any(c.storage == "hicache-redis" and c.name in names for c in CASES):
             f.redis = RedisServer(os.path.join(root, "redis")).start()
+        if any(c.storage == "hicache-s3" and c.name in names for c in CASES):
+            f.s3 = ObjectStore(os.path.join(root, "seaweedfs"))
         for page_size in (1, 16):
             name = f"base-p{page_size}"
             f.servers[name] = Server(name, model, ["--page-size", str(page_size)], f.log_dir)
@@ -164,6 +174,8 @@ def fleet():
         stop_all(list(f.servers.values()))
         if f.redis is not None:
             f.redis.stop()
+        if f.s3 is not None:
+            f.s3.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -1,6 +1,6 @@
 """L3 through the real server, across a restart: SGLang's ``file`` storage backend on hicache host
-pools, and hicache's own tier (``file://``, ``redis://``) plugged into SGLang's ``dynamic`` backend
-(``hicache_sglang.storage``).
+pools, and hicache's own tier (``file://``, ``redis://``, ``s3://`` on a real SeaweedFS) plugged into
+SGLang's ``dynamic`` backend (``hicache_sglang.storage``).
 
 Each storage server of the fleet has served the workload, writing its host pages to the store.
 It is stopped, a new server is started on the same store, and the prefix is sent again: it
@@ -20,9 +20,11 @@ from server import start_all
 
 
 def _stored(fleet, case) -> int:
-    """Objects in the case's store: files (SGLang's file backend, hicache's file://) or Redis keys."""
+    """Objects in the case's store: files (SGLang's file backend, hicache's file://), Redis keys, or S3 objects."""
     if case.storage == "hicache-redis":
         return fleet.redis.keys()
+    if case.storage == "hicache-s3":
+        return fleet.s3.count(case.name)
     return sum(len(files) for _, _, files in os.walk(fleet.storage_dir(case.name)))
 
 

@@ -12,6 +12,12 @@ from hicache_core.storage.backend import StorageError
 
 #: Seconds between polls of an in-flight transfer (the progress thread moves the bytes meanwhile).
 _POLL_S = 20e-6
+#: The longest the UCX progress thread sleeps (µs; NIXL rounds up to whole ms) when no event woke it.
+#: NIXL's Python agent passes 0, a poll() that never sleeps: the thread then holds a core even when
+#: idle (measured: 0.7-1.0 s of CPU per second in an idle owner). Events (a peer's request) still wake
+#: it at once; the timeout bounds only a wakeup UCX missed (NIXL keeps the timeout for those).
+PROGRESS_DELAY_US = 1000
+_construct_lock = threading.Lock()
 
 
 def _ucx_defaults() -> None:
@@ -24,6 +30,34 @@ def _ucx_defaults() -> None:
     ib = "/sys/class/infiniband"
     if not (os.path.isdir(ib) and os.listdir(ib)):
         os.environ.setdefault("UCX_MODULES", "^ib")
+
+
+def new_agent(nixl: Any, name: str, config: Any) -> Any:
+    """``nixl.nixl_agent(name, config)`` with the progress thread's delay set to :data:`PROGRESS_DELAY_US`.
+
+    nixl-cu13 1.5.1's ``nixl_agent`` fills its C++ config itself, delay 0 included, and takes no delay:
+    while it runs, the module's ``nixlBind`` is a stand-in whose ``nixlAgent`` sets the delay first
+    and that hands every other name on to the real one.
+    """
+    bind = getattr(nixl, "nixlBind", None)
+    if bind is None:  # another NIXL than the one pinned: its own defaults
+        return nixl.nixl_agent(name, config)
+
+    class _Bind:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(bind, attr)
+
+        @staticmethod
+        def nixlAgent(agent_name: str, agent_config: Any) -> Any:  # noqa: N802 - NIXL's name
+            agent_config.pthrDelay = PROGRESS_DELAY_US
+            return bind.nixlAgent(agent_name, agent_config)
+
+    with _construct_lock:
+        nixl.nixlBind = _Bind()
+        try:
+            return nixl.nixl_agent(name, config)
+        finally:
+            nixl.nixlBind = bind
 
 
 def load_nixl() -> Any:
@@ -52,7 +86,7 @@ class PeerAgent:
         nixl = load_nixl()
         self.name = name
         try:
-            self._agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+            self._agent = new_agent(nixl, name, nixl.nixl_agent_config(backends=["UCX"]))
         except Exception as exc:  # noqa: BLE001 - NIXL raises bare RuntimeErrors/nixlBind errors
             raise StorageError(f"peer://: NIXL agent {name!r} did not start ({exc})") from None
         if "UCX" not in self._agent.backends:
