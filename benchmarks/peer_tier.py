@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -78,11 +77,10 @@ def main() -> None:
     from hicache_storage_peer.directory import Entry
 
     from hicache_core.storage import make_storage
-    from hicache_core.testing.servers import ServerProcess
+    from hicache_core.testing.servers import start_redis
 
     work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
-    redis = ServerProcess(lambda p: [shutil.which("redis-server"), "--port", str(p), "--bind", "127.0.0.1", "--save",
-                                     "", "--appendonly", "no"], work / "redis.log").start()  # fmt: skip
+    redis = start_redis(work)
     url = f"peer://127.0.0.1:{redis.port}/0?timeout=30"
     proc = subprocess.Popen([sys.executable, __file__, "--owner", url, str(args.pages), str(work)])
     try:
@@ -173,7 +171,9 @@ def _version(dist: str) -> str:
 
 
 def _redis_version() -> str:
-    out = subprocess.run([shutil.which("redis-server"), "--version"], capture_output=True, text=True).stdout
+    from hicache_core.testing.servers import redis_binary
+
+    out = subprocess.run([redis_binary(), "--version"], capture_output=True, text=True).stdout
     return out.split("v=")[1].split()[0] if "v=" in out else out.strip()
 
 

@@ -27,7 +27,7 @@ from hicache_core.storage import StorageBackend, make_storage
 from hicache_core.storage.backend import Capabilities, StorageError
 from hicache_core.storage.keys import page_hashes
 from hicache_core.storage.url import redact_text, redact_url, scrub_exception
-from hicache_core.testing.servers import free_port
+from hicache_core.testing.servers import free_port, start_redis
 from hicache_core.testing.storage_kit import StorageCase, make_pool, slots_of
 
 SECRET = "Pl4nted-pw-7f3e"  # in user-info
@@ -73,7 +73,7 @@ def _file_store(tmp_path: Path) -> Iterator[Row]:
 
 @contextlib.contextmanager
 def _redis_store(tmp_path: Path) -> Iterator[Row]:
-    server = _helper("storage-redis", "redis_server").start_redis(tmp_path, "--requirepass", SECRET)
+    server = start_redis(tmp_path, "--requirepass", SECRET)
     try:
         port = server.port
         yield Row(
@@ -131,7 +131,7 @@ def _s3_store(tmp_path: Path) -> Iterator[Row]:
 @contextlib.contextmanager
 def _peer_store(tmp_path: Path) -> Iterator[Row]:
     pytest.importorskip("nixl_cu13", reason="NIXL is not installed (pip install nixl-cu13==1.5.1)")
-    server = _helper("storage-redis", "redis_server").start_redis(tmp_path, "--requirepass", SECRET)
+    server = start_redis(tmp_path, "--requirepass", SECRET)
     try:
         port = server.port
         yield Row(

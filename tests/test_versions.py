@@ -73,8 +73,9 @@ def test_hicache_plugins_shows_each_range_and_what_is_incompatible(monkeypatch, 
 
 def test_every_plugin_in_the_tree_pins_a_range_that_admits_this_core():
     """Read from the manifests, installed or not: a plugin pinned to another core loads as INCOMPATIBLE."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     root = Path(__file__).resolve().parents[1]
     manifests = sorted([*root.glob("plugins/*/pyproject.toml"), *root.glob("integrations/*/pyproject.toml")])

@@ -186,3 +186,31 @@ def check_cli(sc: Scenario, run: Callable[[list[str]], tuple[int, str]], outdir:
         report = json.loads(out)
         assert [p["reason"] for p in report["pages"]] == sc.remembered(name), (name, report)
         assert report["outcomes_read"] is True
+
+
+def check_against_server(url: str, corrupt: Callable[[Any, str, int], None], workdir: Path,
+                         main: Callable[[list[str]], int], capsys: Any, *, stop: Callable[[], None] | None = None,
+                         start_hint: str = "") -> None:  # fmt: skip
+    """The whole kit against a live store: the scenario, the live API and the command, every reason.
+
+    ``main`` is ``hicache_core.cli.main`` and ``capsys`` pytest's fixture (the command's output). With
+    ``stop``, the store's server is stopped afterwards and the command must then say it is not
+    reachable, with ``start_hint`` (how to start the server) and no traceback.
+    """
+    outdir = workdir / "outcomes"
+    outdir.mkdir()
+
+    def run(argv: list[str]) -> tuple[int, str]:
+        code = main(argv)
+        return code, capsys.readouterr().out
+
+    sc = run_scenario(url, corrupt, outdir)
+    try:
+        check_live_api(sc)
+        check_cli(sc, run, outdir)
+    finally:
+        sc.storage.close()
+    if stop is not None:
+        stop()
+        code, out = run(cli_args(sc, "mixed"))
+        assert code == 2 and "not reachable" in out and start_hint in out and "Traceback" not in out, (code, out)

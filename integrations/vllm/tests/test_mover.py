@@ -164,19 +164,10 @@ def l3_url(request, tmp_path):
     if request.param == "file":
         yield f"file://{tmp_path / 'l3'}"
         return
-    import shutil
-
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
     pytest.importorskip("hicache_storage_redis", reason="hicache-storage-redis is not installed")
-    from hicache_core.testing.servers import ServerProcess
+    from hicache_core.testing.servers import start_redis
 
-    def argv(port):
-        return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(tmp_path), "--protected-mode", "no"]  # fmt: skip
-
-    server = ServerProcess(argv, tmp_path / "redis.log", start_timeout=20).start()
+    server = start_redis(tmp_path)
     try:
         yield f"redis://127.0.0.1:{server.port}/0"
     finally:

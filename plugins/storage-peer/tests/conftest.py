@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,25 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from hicache_core.testing.servers import ServerProcess
+from hicache_core.testing.servers import start_redis
 
 pytest.importorskip("nixl_cu13", reason="NIXL is not installed (pip install nixl-cu13==1.5.1)")
 pytest.importorskip("redis", reason="the redis package is not installed (pip install redis==8.1.0)")
 # The tier's transport in these tests is UCX over TCP on loopback (as between two machines without RDMA).
 os.environ.setdefault("UCX_TLS", "tcp,self")
 HERE = Path(__file__).parent
-
-
-def start_redis(tmp_path: Path, port: int | None = None) -> ServerProcess:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server): the directory needs a real server")
-
-    def argv(p):
-        return [binary, "--port", str(p), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(tmp_path), "--protected-mode", "no"]  # fmt: skip
-
-    return ServerProcess(argv, tmp_path / f"redis-{uuid.uuid4().hex[:6]}.log", port=port, start_timeout=20).start()
 
 
 @pytest.fixture(scope="module")

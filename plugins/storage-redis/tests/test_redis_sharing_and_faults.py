@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from redis_server import start_redis
 
 from hicache_core.storage import make_storage
 from hicache_core.storage.backend import PageStatus
 from hicache_core.testing import storage_faults as F
+from hicache_core.testing.servers import start_redis
 from hicache_core.testing.storage_kit import slots_of
 
 

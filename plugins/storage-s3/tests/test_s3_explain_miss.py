@@ -17,21 +17,9 @@ from hicache_core.testing import explain_kit as kit
 def test_every_reason_against_s3(tmp_path, capsys, monkeypatch, s3_env):
     monkeypatch.delenv("HICACHE_METRICS_DIR", raising=False)
     server = start_seaweedfs(tmp_path / "weed")
-    outdir = tmp_path / "outcomes"
-    outdir.mkdir()
     try:
         server.create_bucket("explain")
         url = server.url("explain", "kit", timeout=2, connect_timeout=1, retries=0)
-        sc = kit.run_scenario(url, flip_byte, outdir)
-        kit.check_live_api(sc)
-
-        def run(argv):
-            code = main(argv)
-            return code, capsys.readouterr().out
-
-        kit.check_cli(sc, run, outdir)
-        sc.storage.close()
+        kit.check_against_server(url, flip_byte, tmp_path, main, capsys, stop=server.stop, start_hint="weed server -s3")
     finally:
         server.stop()
-    code, out = run(kit.cli_args(sc, "mixed"))
-    assert code == 2 and "not reachable" in out and "weed server -s3" in out and "Traceback" not in out
