@@ -55,14 +55,22 @@ def test_corrupted_loads_change_the_outputs(run):
     assert bad["A again"]["tokens"] != base["A again"]["tokens"], "random KV bytes did not change the outputs"
 
 
-def test_restarted_engine_serves_the_prefix_from_l3(run, l3):
+def test_restarted_engine_serves_the_prefix_from_s3(run, l3):
+    """The first engine wrote its offloaded pages through to S3 (a real SeaweedFS) and exited; a fresh engine,
+    its host tier empty, serves prefix A from the object store: the S3 server counts one GET per page, vLLM
+    counts the tokens as from disk, and the outputs equal those of the engine without a connector."""
+    assert l3.startswith("s3://"), l3
     base = run("baseline")
     run("hicache", l3)  # the first engine wrote its offloaded pages through to L3, then exited
     again = run("restart", l3)
     first = again["A from L3"]
-    assert first["cached"][0] >= 224, f"a restarted engine found {first['cached'][0]} prefix tokens in L3"
-    assert first["metrics"].get("vllm:external_prefix_cache_hits", 0) == first["cached"][0]
-    assert first["metrics"].get("vllm:kv_offload_load_bytes", 0) == first["cached"][0] // BLOCK * LAYERS * PAGE
+    cached = first["cached"][0]
+    assert cached >= 224, f"a restarted engine found {cached} prefix tokens in L3"
+    pages = cached // BLOCK
+    assert first["metrics"].get("vllm:external_prefix_cache_hits", 0) == cached
+    assert first["metrics"].get("vllm:prompt_tokens_cached_by_source{source=disk}", 0) == cached
+    assert first["s3_gets"] - again["s3_gets_before"] == pages, "the S3 server did not serve one GET per page"
+    assert first["metrics"].get("vllm:kv_offload_load_bytes", 0) == pages * LAYERS * PAGE
     assert first["tokens"] == base["A"]["tokens"]
     assert again["A again"]["tokens"] == base["A again"]["tokens"]
 

@@ -24,6 +24,7 @@ def test_every_reason_against_redis(tmp_path, capsys, monkeypatch):
     server = start_redis(tmp_path / "redis")
     try:
         url = f"redis://127.0.0.1:{server.port}/0?timeout=2"
-        kit.check_against_server(url, _corrupt, tmp_path, main, capsys, stop=server.stop, start_hint="redis-server --port")
+        hint = "redis-server --port"
+        kit.check_against_server(url, _corrupt, tmp_path, main, capsys, stop=server.stop, start_hint=hint)
     finally:
         server.stop()
