@@ -151,7 +151,7 @@ def run(model, mla_model, tmp_path_factory, request):
             _engine_blocks[mla] = blocks
             record = json.loads((out / "result.json").read_text())
             # the steps by name, and what the engine made of the test's sizes under "engine"
-            cache[key] = {"engine": record["engine"], "s3_gets_before": record["s3_gets_before"],
+            cache[key] = {"engine": record["engine"], "s3_sent_before": record["s3_sent_before"],
                           **{s["name"]: s for s in record["steps"]}}  # fmt: skip
         return cache[key]
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,32 @@ class Proc:
             self.proc.kill()
             self.proc.wait(10)
         self.log.close()
+
+
+@dataclass
+class SharedOwner:
+    """The module's shared owner process, its URL (a directory prefix of its own) and the keys it published."""
+
+    proc: Proc
+    url: str
+    keys: list[str]
+
+
+@pytest.fixture(scope="module")
+def shared_owner(redis_server, tmp_path_factory):
+    """One owner process for the tests that only read from it (each process start costs seconds of CPU).
+
+    When the module's last such test is done, the owner must still publish all its pages under its
+    two NIXL registrations, with no failed heartbeat: readers, dying ones included, never change that.
+    """
+    url = f"peer://127.0.0.1:{redis_server.port}/0?prefix=s{uuid.uuid4().hex[:8]}:&timeout=2&lease=3"
+    owner = Proc("owner", url, tmp_path_factory.mktemp("shared-owner"))
+    try:
+        yield SharedOwner(owner, url, owner.ready()["keys"])
+        final = owner.stop()["stats"]
+        assert (final["published_pages"], final["nixl_registrations"], final["heartbeat_failed"]) == (16, 2, 0), final
+    finally:
+        owner.kill()
 
 
 @pytest.fixture
