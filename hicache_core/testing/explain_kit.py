@@ -189,14 +189,17 @@ def check_cli(sc: Scenario, run: Callable[[list[str]], tuple[int, str]], outdir:
 
 
 def check_against_server(url: str, corrupt: Callable[[Any, str, int], None], workdir: Path,
-                         main: Callable[[list[str]], int], capsys: Any, *, stop: Callable[[], None] | None = None,
+                         main: Callable[[list[str]], int], capsys: Any, *, unreachable: str = "",
                          start_hint: str = "") -> None:  # fmt: skip
     """The whole kit against a live store: the scenario, the live API and the command, every reason.
 
     ``main`` is ``hicache_core.cli.main`` and ``capsys`` pytest's fixture (the command's output). With
-    ``stop``, the store's server is stopped afterwards and the command must then say it is not
-    reachable, with ``start_hint`` (how to start the server) and no traceback.
+    ``unreachable`` (the URL of the same store where nothing answers: a port nothing listens on), the
+    command must then say the store is not reachable, with ``start_hint`` (how to start its server)
+    and no traceback.
     """
+    import dataclasses
+
     outdir = workdir / "outcomes"
     outdir.mkdir()
 
@@ -210,7 +213,6 @@ def check_against_server(url: str, corrupt: Callable[[Any, str, int], None], wor
         check_cli(sc, run, outdir)
     finally:
         sc.storage.close()
-    if stop is not None:
-        stop()
-        code, out = run(cli_args(sc, "mixed"))
+    if unreachable:
+        code, out = run(cli_args(dataclasses.replace(sc, url=unreachable), "mixed"))
         assert code == 2 and "not reachable" in out and start_hint in out and "Traceback" not in out, (code, out)

@@ -12,19 +12,28 @@ from ..storage.controller import PrefetchTimeout, StorageController
 from ..storage.keys import page_hashes
 from ..storage.make import make_storage
 from .storage_kit import StorageCase, make_pool, page_bytes, pool_image, slots_of
-from .storage_procs import run_ranks, server
+from .storage_procs import run_ranks, server, start_ranks
 
 BIG = StorageCase("mha", "page_first", "plain", 64)  # 12 KiB pages
 
 
 def two_servers_share(url: str, workdir: Path, *, ranks: int = 2, n_pages: int = 12, options: dict | None = None,
                       model_id: str = "shared-model") -> tuple[list[dict], list[dict]]:  # fmt: skip
-    """Server A (``ranks`` gloo processes) backs a prefix up and exits; server B (fresh pools) prefetches it."""
-    a = run_ranks(server, ranks, workdir / "a", timeout=180, url=url, role="backup", model_id=model_id, seed=3,
-                  n_pages=n_pages, options=options)  # fmt: skip
-    b = run_ranks(server, ranks, workdir / "b", timeout=180, url=url, role="prefetch", model_id=model_id, seed=3,
-                  n_pages=n_pages, options=options)  # fmt: skip
-    return a, b
+    """Server A (``ranks`` gloo processes) backs a prefix up and exits; server B (fresh pools) prefetches it.
+
+    B's processes start beside A's, so that their start (imports, gloo) overlaps A's work, but open the
+    store only once every process of A has exited.
+    """
+    a_done = workdir / "a-exited"
+    b = start_ranks(server, ranks, workdir / "b", url=url, role="prefetch", model_id=model_id, seed=3,
+                    n_pages=n_pages, options=options, start_after=str(a_done))  # fmt: skip
+    try:
+        a = run_ranks(server, ranks, workdir / "a", timeout=180, url=url, role="backup", model_id=model_id, seed=3,
+                      n_pages=n_pages, options=options)  # fmt: skip
+        a_done.touch()
+        return a, b.join(180)
+    finally:
+        b.kill()
 
 
 def assert_shared(a: list[dict], b: list[dict], n_pages: int = 12) -> None:
