@@ -110,7 +110,9 @@ def _page_of(image, host, page):
 def slow_store_timeout(url: str, slow_down=None, **options: Any) -> None:
     """A slow store: the ``timeout`` policy returns, within its limit (plus the batch in flight), what arrived.
 
-    ``slow_down(stop_event)`` makes the real server slow (pauses it) until ``stop_event`` is set; without
+    ``slow_down(stop_event, slowed_event)`` makes the real server slow (pauses it), sets ``slowed_event``
+    once it is, and keeps it slow until ``stop_event`` is set; the prefetch starts only once the store is
+    slow (a thread that starts late on a busy machine must not let the whole prefetch through). Without
     one, each read call of the store is delayed by 0.3 s at the primitive (for stores a test cannot pause).
     """
     host, store, toks, keys, src = stored_pages(url, n_pages=16, salt=9, **options)
@@ -124,16 +126,18 @@ def slow_store_timeout(url: str, slow_down=None, **options: Any) -> None:
 
         setattr(store.backend, name, delayed)
 
-        def slow_down(stop):
+        def slow_down(stop, slowed):
+            slowed.set()
             stop.wait()
 
     limit = PrefetchTimeout(base_s=1.0, per_ki_token_s=0.0, max_s=1.0)
     with StorageController(store, prefetch_policy="timeout", prefetch_timeout=limit, batch_pages=2,
                            op_timeout=30) as ctl:  # fmt: skip
-        stop = threading.Event()
-        slower = threading.Thread(target=slow_down, args=(stop,), daemon=True)
+        stop, slowed = threading.Event(), threading.Event()
+        slower = threading.Thread(target=slow_down, args=(stop, slowed), daemon=True)
         slower.start()
         try:
+            assert slowed.wait(10), "the store was not slowed within 10 s"
             t0 = time.monotonic()
             res = ctl.prefetch(toks).result(30)
             waited = time.monotonic() - t0
