@@ -79,6 +79,7 @@ def main() -> None:
     from hicache_core.storage import make_storage
     from hicache_core.testing.servers import start_redis
 
+    load_before = _loadavg()
     work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
     redis = start_redis(work)
     url = f"peer://127.0.0.1:{redis.port}/0?timeout=30"
@@ -133,7 +134,8 @@ def main() -> None:
             "what": "peer tier read vs NIXL's own READ of the same bytes, same two processes",
             "transport": f"UCX over {os.environ['UCX_TLS']} on 127.0.0.1 (loopback), no RDMA",
             "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                        "note": "shared CPU machine, no GPU; other jobs ran at the same time"},  # fmt: skip
+                        "note": "shared CPU machine, no GPU; other jobs ran at the same time",
+                        "loadavg_before": load_before, "loadavg_after": _loadavg()},  # fmt: skip
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "nixl": _version("nixl-cu13"), "redis-server": _redis_version()},  # fmt: skip
             "pages": args.pages, "page_bytes": nbytes // args.pages, "bytes": nbytes, "reps": args.reps,
@@ -162,6 +164,10 @@ def make_ref(slot: int, pages: int):
     if "host" not in _REF:
         _REF["host"] = make_host(pages + 2)  # same seed as the owner's pool, same slots (first alloc)
     return _REF["host"].get_data_page(slot, flat=True)
+
+
+def _loadavg() -> list[float]:
+    return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
 
 
 def _version(dist: str) -> str:

@@ -325,7 +325,8 @@ class PeerStorage(StorageBackend):
         deadline can still deliver bytes later, and those must never reach a slot the pool hands out
         again. One NIXL READ per staging buffer's worth of pages: over UCX/TCP, reads split into
         4 MiB sub-batches (to copy out while later ones move) were slower than one read (0.74 vs 1.0
-        of NIXL's own read of the same bytes, benchmarks/peer_tier.py).
+        of NIXL's own read of the same bytes, benchmarks/peer_tier.py), and so were 16 MiB sub-batches
+        through two staging buffers, measured again once the progress thread stopped spinning.
         """
         agent = self._agent
         if not agent.connected(owner.owner_id):
