@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -78,11 +77,11 @@ def main() -> None:
     from hicache_storage_peer.directory import Entry
 
     from hicache_core.storage import make_storage
-    from hicache_core.testing.servers import ServerProcess
+    from hicache_core.testing.servers import start_redis
 
+    load_before = _loadavg()
     work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
-    redis = ServerProcess(lambda p: [shutil.which("redis-server"), "--port", str(p), "--bind", "127.0.0.1", "--save",
-                                     "", "--appendonly", "no"], work / "redis.log").start()  # fmt: skip
+    redis = start_redis(work)
     url = f"peer://127.0.0.1:{redis.port}/0?timeout=30"
     proc = subprocess.Popen([sys.executable, __file__, "--owner", url, str(args.pages), str(work)])
     try:
@@ -135,7 +134,8 @@ def main() -> None:
             "what": "peer tier read vs NIXL's own READ of the same bytes, same two processes",
             "transport": f"UCX over {os.environ['UCX_TLS']} on 127.0.0.1 (loopback), no RDMA",
             "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                        "note": "shared CPU machine, no GPU; other jobs ran at the same time"},  # fmt: skip
+                        "note": "shared CPU machine, no GPU; other jobs ran at the same time",
+                        "loadavg_before": load_before, "loadavg_after": _loadavg()},  # fmt: skip
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
                          "nixl": _version("nixl-cu13"), "redis-server": _redis_version()},  # fmt: skip
             "pages": args.pages, "page_bytes": nbytes // args.pages, "bytes": nbytes, "reps": args.reps,
@@ -166,6 +166,10 @@ def make_ref(slot: int, pages: int):
     return _REF["host"].get_data_page(slot, flat=True)
 
 
+def _loadavg() -> list[float]:
+    return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+
+
 def _version(dist: str) -> str:
     from importlib.metadata import version
 
@@ -173,7 +177,9 @@ def _version(dist: str) -> str:
 
 
 def _redis_version() -> str:
-    out = subprocess.run([shutil.which("redis-server"), "--version"], capture_output=True, text=True).stdout
+    from hicache_core.testing.servers import redis_binary
+
+    out = subprocess.run([redis_binary(), "--version"], capture_output=True, text=True).stdout
     return out.split("v=")[1].split()[0] if "v=" in out else out.strip()
 
 

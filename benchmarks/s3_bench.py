@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from hicache_core.testing.servers import ServerProcess
+from hicache_core.testing.servers import redis_binary, start_redis
 from hicache_core.tools.bench.storage import run_storage_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "storage-s3" / "tests"))
@@ -57,12 +57,8 @@ def main() -> None:
             runs.append(_run(weed.url("bench", "b", concurrency=c), tokens, f"s3 concurrency={c}"))
         if "file" in args.others:
             runs.append(_run(f"file://{work / 'file'}", tokens, "file"))
-        if "redis" in args.others and shutil.which("redis-server"):
-            def argv(port):
-                return ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                        "no", "--dir", str(work)]  # fmt: skip
-
-            redis = ServerProcess(argv, work / "redis.log", start_timeout=20).start()
+        if "redis" in args.others and redis_binary():
+            redis = start_redis(work)
             runs.append(_run(f"redis://127.0.0.1:{redis.port}/0", tokens, "redis"))
     finally:
         weed.stop()

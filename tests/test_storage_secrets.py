@@ -27,7 +27,7 @@ from hicache_core.storage import StorageBackend, make_storage
 from hicache_core.storage.backend import Capabilities, StorageError
 from hicache_core.storage.keys import page_hashes
 from hicache_core.storage.url import redact_text, redact_url, scrub_exception
-from hicache_core.testing.servers import free_port
+from hicache_core.testing.servers import free_port, start_redis
 from hicache_core.testing.storage_kit import StorageCase, make_pool, slots_of
 
 SECRET = "Pl4nted-pw-7f3e"  # in user-info
@@ -48,8 +48,6 @@ class Row:
     #: What writing 2 pages, then reading them and a third, gives on a working URL. A peer tier serves
     #: other instances, never its own pool: its own pages read back as misses.
     expect: tuple[str, ...] = ("ok", "ok", "ok", "ok", "missing")
-    #: Whether ``hicache storage check`` passes on a working URL (its read-back fails on a peer tier, as above).
-    check_passes: bool = True
 
 
 def _helper(plugin: str, module: str):
@@ -73,7 +71,7 @@ def _file_store(tmp_path: Path) -> Iterator[Row]:
 
 @contextlib.contextmanager
 def _redis_store(tmp_path: Path) -> Iterator[Row]:
-    server = _helper("storage-redis", "redis_server").start_redis(tmp_path, "--requirepass", SECRET)
+    server = start_redis(tmp_path, "--requirepass", SECRET)
     try:
         port = server.port
         yield Row(
@@ -131,12 +129,12 @@ def _s3_store(tmp_path: Path) -> Iterator[Row]:
 @contextlib.contextmanager
 def _peer_store(tmp_path: Path) -> Iterator[Row]:
     pytest.importorskip("nixl_cu13", reason="NIXL is not installed (pip install nixl-cu13==1.5.1)")
-    server = _helper("storage-redis", "redis_server").start_redis(tmp_path, "--requirepass", SECRET)
+    server = start_redis(tmp_path, "--requirepass", SECRET)
     try:
         port = server.port
         yield Row(
             working=[f"peer://default:{SECRET}@127.0.0.1:{port}/0?prefix=p1:&timeout=2"],
-            expect=("ok", "ok", "missing", "missing", "missing"), check_passes=False,
+            expect=("ok", "ok", "missing", "missing", "missing"),
             failing=[f"peer://:{WRONG}@127.0.0.1:{port}/0?timeout=2",
                      f"peer://127.0.0.1:{port}/0?password={WRONG}&timeout=2",
                      f"peer://:{SECRET}@127.0.0.1:{port}/0?secret={OPTION_SECRET}"],
@@ -243,7 +241,7 @@ def test_no_secret_shows_anywhere(scheme, tmp_path, capsys, caplog):
                 code = cli.main(["storage", command, url])
                 out = capsys.readouterr()
                 texts[f"hicache storage {command} {redact_url(url)} (exit {code})"] = out.out + out.err
-                assert (code == 0) == (url in row.working and row.check_passes and command == "check") or (
+                assert (code == 0) == (url in row.working and command == "check") or (
                     command == "stats"), (
                     f"hicache storage {command} {redact_url(url)} exited {code}: {redact_text(out.out + out.err)}")
     texts["logs"] = caplog.text + "".join(str(r.exc_info) + repr(r.args) for r in caplog.records)

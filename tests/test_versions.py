@@ -71,13 +71,22 @@ def test_hicache_plugins_shows_each_range_and_what_is_incompatible(monkeypatch, 
     assert records["fits"]["compatible"] is True and records["hicache_core"]["requires"] is None
 
 
-def test_first_party_plugins_pin_a_range_that_admits_this_core():
-    registry = hc.get_registry()
-    for name in ("direct", "kernel", "jit", "portable", "storage-file"):
-        record = next((r for r in registry.plugins.values() if r.distribution == f"hicache-{name}"), None)
-        if record is None:
-            continue  # not installed here
-        assert record.requires == "<0.4,>=0.3" and not record.errors, record
+def test_every_plugin_in_the_tree_pins_a_range_that_admits_this_core():
+    """Read from the manifests, installed or not: a plugin pinned to another core loads as INCOMPATIBLE."""
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    manifests = sorted([*root.glob("plugins/*/pyproject.toml"), *root.glob("integrations/*/pyproject.toml")])
+    assert len(manifests) >= 10, manifests
+    wrong = {}
+    for manifest in manifests:
+        project = tomllib.loads(manifest.read_text())["project"]
+        spec = versions.core_requirement(project.get("dependencies", []))
+        if spec is None or not versions.admits(spec, versions.core_version()):
+            wrong[str(manifest.relative_to(root))] = spec
+    assert not wrong, f"these manifests pin no hicache-core range that admits {versions.core_version()}: {wrong}"
 
 
 def test_the_size_rule_says_what_changed_and_since_when():

@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 #: The methods a plugin writes (its primitives and ``__init__``): every exception that leaves one is
 #: redacted (:func:`~hicache_core.storage.url.scrub_exception`), so no plugin has to remember to.
 _PLUGIN_METHODS = ("__init__", "exists_objects", "put_objects", "get_objects_into", "get_objects", "ping",
-                   "register_memory", "remove_objects", "clear", "close", "backend_stats", "raw_put_from",
-                   "raw_get_into")  # fmt: skip
+                   "register_memory", "remove_objects", "clear", "close", "backend_stats", "check_steps",
+                   "raw_put_from", "raw_get_into")  # fmt: skip
 
 
 def _scrubbing(method: Any) -> Any:
@@ -69,11 +69,16 @@ class Capabilities:
         bytes ``get_objects`` returns.
     :param durable: stored pages survive a restart of the store (and of this process).
     :param shared: other processes, or other machines, see the same pages.
+    :param reads_own_writes: an instance finds and reads back the pages it wrote itself. ``False``
+        for a tier that serves other instances only (``peer://``: a page stays in its writer's
+        host pool, which never reads it from itself); ``hicache storage check`` then reads
+        through a second instance of the same URL.
     """
 
     zero_copy: bool = False
     durable: bool = False
     shared: bool = False
+    reads_own_writes: bool = True
 
 
 #: A URL scheme (RFC 3986): a letter, then letters, digits, ``+``, ``-`` or ``.``, lower case here.
@@ -203,6 +208,14 @@ class StorageBackend(LegacyPageAPI):
     def backend_stats(self) -> dict[str, Any]:
         """The store's own figures (capacity, bytes used, evictions, refusals, ...), as far as it knows them."""
         return {}
+
+    def check_steps(self) -> list[tuple[str, bool, str]]:
+        """What ``hicache storage check`` verifies of this backend beyond the page round trip, once bound.
+
+        One ``(step, passed, detail)`` per thing a user needs to know works (a directory joined, memory
+        registered with a transfer engine, ...); the default has none.
+        """
+        return []
 
     # ---- the raw client, for ``hicache bench --storage`` only -----------------------------------
 

@@ -186,3 +186,33 @@ def check_cli(sc: Scenario, run: Callable[[list[str]], tuple[int, str]], outdir:
         report = json.loads(out)
         assert [p["reason"] for p in report["pages"]] == sc.remembered(name), (name, report)
         assert report["outcomes_read"] is True
+
+
+def check_against_server(url: str, corrupt: Callable[[Any, str, int], None], workdir: Path,
+                         main: Callable[[list[str]], int], capsys: Any, *, unreachable: str = "",
+                         start_hint: str = "") -> None:  # fmt: skip
+    """The whole kit against a live store: the scenario, the live API and the command, every reason.
+
+    ``main`` is ``hicache_core.cli.main`` and ``capsys`` pytest's fixture (the command's output). With
+    ``unreachable`` (the URL of the same store where nothing answers: a port nothing listens on), the
+    command must then say the store is not reachable, with ``start_hint`` (how to start its server)
+    and no traceback.
+    """
+    import dataclasses
+
+    outdir = workdir / "outcomes"
+    outdir.mkdir()
+
+    def run(argv: list[str]) -> tuple[int, str]:
+        code = main(argv)
+        return code, capsys.readouterr().out
+
+    sc = run_scenario(url, corrupt, outdir)
+    try:
+        check_live_api(sc)
+        check_cli(sc, run, outdir)
+    finally:
+        sc.storage.close()
+    if unreachable:
+        code, out = run(cli_args(dataclasses.replace(sc, url=unreachable), "mixed"))
+        assert code == 2 and "not reachable" in out and start_hint in out and "Traceback" not in out, (code, out)

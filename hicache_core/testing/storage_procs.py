@@ -25,6 +25,38 @@ def run_ranks(target, world: int, workdir: Path, timeout: float = 120.0, **kwarg
 
     Raises ``AssertionError`` naming the ranks that did not finish in time or exited badly.
     """
+    return start_ranks(target, world, workdir, **kwargs).join(timeout)
+
+
+class Ranks:
+    """Rank processes started by :func:`start_ranks`; :meth:`join` waits (bounded) and returns their results."""
+
+    def __init__(self, procs: list, outs: list[Path]) -> None:
+        self.procs = procs
+        self.outs = outs
+
+    def join(self, timeout: float) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(self.procs) if p.is_alive()]
+        self.kill()
+        bad = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode != 0 and r not in hung]
+        errors = {r: o.with_suffix(".err").read_text() for r, o in enumerate(self.outs)
+                  if o.with_suffix(".err").exists()}  # fmt: skip
+        assert not hung and not bad, (f"ranks still running after {timeout} s: {hung}; exit codes: {bad}; "
+                                      f"errors: {errors}")  # fmt: skip
+        return [json.loads(o.read_text()) for o in self.outs]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+
+
+def start_ranks(target, world: int, workdir: Path, **kwargs: Any) -> Ranks:
+    """Start ``target(rank, world, init_file, out_file, **kwargs)`` in ``world`` spawned processes."""
     ctx = mp.get_context("spawn")
     workdir.mkdir(parents=True, exist_ok=True)
     init_file = workdir / f"gloo-{os.getpid()}-{time.monotonic_ns()}"
@@ -33,17 +65,7 @@ def run_ranks(target, world: int, workdir: Path, timeout: float = 120.0, **kwarg
              for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join(10)
-    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0 and r not in hung]
-    errors = {r: outs[r].with_suffix(".err").read_text() for r in range(world) if outs[r].with_suffix(".err").exists()}
-    assert not hung and not bad, f"ranks still running after {timeout} s: {hung}; exit codes: {bad}; errors: {errors}"
-    return [json.loads(o.read_text()) for o in outs]
+    return Ranks(procs, outs)
 
 
 def _init(rank: int, world: int, init_file: str):
@@ -160,14 +182,20 @@ def _hashes(toks, page):
 
 
 def _server(rank: int, world: int, init_file: str, *, url: str, role: str, model_id: str, seed: int,
-            n_pages: int = 12, salt: int = 5, options: dict | None = None) -> dict:  # fmt: skip
+            n_pages: int = 12, salt: int = 5, options: dict | None = None, start_after: str = "") -> dict:  # fmt: skip
     """``role="backup"``: compute (seeded) pages and back them up, then exit. ``"prefetch"``: a fresh pool finds,
-    prefetches and checks them against the same seed, byte for byte."""
+    prefetches and checks them against the same seed, byte for byte. ``start_after``: a file; the store is
+    not opened before it exists (180 s at most)."""
     from ..storage.controller import StorageController
     from ..storage.make import make_storage
     from .cases import as_bytes
 
     group = _init(rank, world, init_file)
+    deadline = time.monotonic() + 180
+    while start_after and not os.path.exists(start_after):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{start_after} did not appear within 180 s")
+        time.sleep(0.05)
     page = SHAPE[3]
     toks = prefix_tokens(n_pages, page, salt)
     expected = make_rank_pool(rank, seed, pages=n_pages + 4)

@@ -42,48 +42,75 @@ def _small_pool(page_size: int = 4, pages: int = 16) -> Any:
 
 
 def run_check(url: str, as_json: bool = False) -> int:
-    """Write, find, read back and compare a few pages against a live store, then remove them."""
+    """Write, find, read back and compare a few pages against a live store, then remove them.
+
+    A backend that does not read its own writes (``peer://``: it serves other instances only) is read
+    through a second instance of the same URL, bound to a host pool of its own: the round trip a
+    peer makes. The backend's own steps (:meth:`StorageBackend.check_steps`) come first.
+    """
     host = _small_pool()
     model_id = f"hicache-check-{uuid.uuid4().hex[:12]}"
-    steps: list[tuple[str, bool, str]] = []
     store = open_store(url, host, model_id=model_id)
     if store is None:
         return 2
+    second = not store.backend.capabilities.reads_own_writes
+    reader, reader_host = store, host
+    if second:
+        reader_host = _small_pool()
+        reader = open_store(url, reader_host, model_id=model_id)
+        if reader is None:
+            store.close()
+            return 2
+    via = " (by a second instance)" if second else ""
+    steps: list[tuple[str, bool, str]] = []
     try:
+        steps += store.backend.check_steps()
         p = host.page_size
         keys = page_hashes(list(range(6 * p)), p)
         src = pages_of(torch.tensor([1, 3, 5, 7, 9, 11]), p)
         dst = pages_of(torch.tensor([2, 4, 6, 8, 10, 12]), p)
         written = store.write_pages(keys[:5], src[: 5 * p])
         steps.append(("write 5 pages", all(r.ok for r in written), _why(written)))
-        hits = store.batch_exists(keys)
-        steps.append(("batch_exists is a prefix length", hits == 5, f"{hits} of 6 (expected 5)"))
-        read = store.read_pages(keys[:5], dst[: 5 * p])
+        hits = reader.batch_exists(keys)
+        steps.append((f"batch_exists is a prefix length{via}", hits == 5, f"{hits} of 6 (expected 5)"))
+        read = reader.read_pages(keys[:5], dst[: 5 * p])
         same = all(
-            torch.equal(as_bytes(host.get_data_page(int(src[i * p]))), as_bytes(host.get_data_page(int(dst[i * p]))))
+            torch.equal(as_bytes(host.get_data_page(int(src[i * p]))),
+                        as_bytes(reader_host.get_data_page(int(dst[i * p]))))
             for i in range(5)
-        )
-        steps.append(("read back byte-exact", all(r.ok for r in read) and same, _why(read)))
-        missing = store.read_pages(keys[5:], dst[5 * p :])
-        steps.append(("a missing page reads as missing", missing[0].status is PageStatus.MISSING, _why(missing)))
+        )  # fmt: skip
+        steps.append((f"read back byte-exact{via}", all(r.ok for r in read) and same, _why(read)))
+        missing = reader.read_pages(keys[5:], dst[5 * p :])
+        steps.append((f"a missing page reads as missing{via}", missing[0].status is PageStatus.MISSING,
+                      _why(missing)))  # fmt: skip
         store.backend.remove_objects(store.namespace.keys(keys))
-        steps.append(("remove", store.batch_exists(keys) == 0, ""))
+        left = reader.batch_exists(keys)
+        steps.append((f"remove{', then found by none' + via if second else ''}", left == 0,
+                      f"{left} still found" if left else ""))  # fmt: skip
         stats = store.get_stats().as_dict()
+        reader_stats = reader.get_stats().as_dict() if second else None
     except Exception as exc:  # noqa: BLE001 - the store failed mid-check: say so, without a traceback
         print(f"hicache storage check {redact_url(url)}: the store failed: {type(exc).__name__}: "
               f"{redact_url(str(exc))}; {store.backend.server_hint or 'check the store'}")  # fmt: skip
         return 1
     finally:
+        if second:
+            reader.close()
         store.close()
     ok = all(s[1] for s in steps)
     if as_json:
-        print(json.dumps({"url": redact_url(url), "ok": ok,
-                          "steps": [dict(step=s, ok=o, detail=d) for s, o, d in steps],
-                          "stats": stats}, indent=2, default=str))  # fmt: skip
+        report = {"url": redact_url(url), "ok": ok, "second_instance": second,
+                  "steps": [dict(step=s, ok=o, detail=d) for s, o, d in steps], "stats": stats}  # fmt: skip
+        if second:
+            report["reader_stats"] = reader_stats
+        print(json.dumps(report, indent=2, default=str))
     else:
         print(f"hicache storage check {redact_url(url)} ({type(store.backend).__name__}, {store.backend.capabilities})")
+        if second:
+            scheme = store.backend.scheme
+            print(f"  {scheme}:// serves other instances only: a second instance of the URL reads the pages")
         for step, passed, detail in steps:
-            print(f"  {'ok  ' if passed else 'FAIL'} {step}{': ' + detail if detail and not passed else ''}")
+            print(f"  {'ok  ' if passed else 'FAIL'} {step}{': ' + detail if detail else ''}")
         print("all checks passed" if ok else "some checks FAILED")
     return 0 if ok else 1
 

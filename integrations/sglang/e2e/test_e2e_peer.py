@@ -8,7 +8,7 @@ prompt and reads those pages from ``peer-a``'s host pool instead of computing th
 metrics show the pages read from the peer.
 
 The two servers run only for this module (the fleet's live all session): before the plugin set the
-UCX progress thread's poll timeout (hicache_storage_peer.agent.PROGRESS_DELAY_US), an idle server
+UCX progress thread's poll timeout (hicache_storage_peer.agent._PROGRESS_POLL_US), an idle server
 with the peer tier kept one core busy.
 """
 

@@ -30,7 +30,8 @@ HICACHE_KEYS = {
     "hicache_layout": "host layout: page_first (default; a chunk's layers in one run, one L3 object), layer_first, "
     "page_first_direct",
     "hicache_io_backend": "io backend: auto (default), direct, kernel, jit, torch, or any installed plugin's",
-    "hicache_storage_url": "L3 behind the host tier: file:///dir, redis://host:port/db, mooncake://host:port",
+    "hicache_storage_url": "L3 behind the host tier: file:///dir, redis://host:port/db, mooncake://host:port, "
+    "s3://bucket/prefix",
     "hicache_storage_options": "a dict of the store's options (as in the URL's query)",
 }
 

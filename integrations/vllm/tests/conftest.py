@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 DEVICE = os.environ.get("HICACHE_TEST_DEVICE", "cpu")
 sys.path.insert(0, str(Path(__file__).parent))
+#: storage-s3's test helpers (its SeaweedFS server), as benchmarks/s3_bench.py takes them.
+S3_TESTS = Path(__file__).resolve().parents[3] / "plugins" / "storage-s3" / "tests"
 
 
 @pytest.fixture(scope="session")
@@ -21,10 +24,51 @@ def model(tmp_path_factory):
     return make_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
+@dataclass(frozen=True)
+class S3Store:
+    """The engines' L3: an s3:// URL on a real SeaweedFS, the credentials its processes get, its metrics."""
+
+    url: str
+    env: dict[str, str]  # the standard AWS variables, for the engine's processes
+    metrics: str  # the server's Prometheus URL: what it served, counted by the server itself
+    bucket: str
+    endpoint: str
+
+    def url_for(self, prefix: str) -> str:
+        """Another prefix in the same bucket."""
+        return f"s3://{self.bucket}/{prefix}?endpoint={self.endpoint}"
+
+
 @pytest.fixture(scope="session")
-def l3(tmp_path_factory):
-    """One file:// store for the session: the first engine writes it, a restarted one reads it."""
-    return f"file://{tmp_path_factory.mktemp('l3')}"
+def s3_store(tmp_path_factory):
+    """A real SeaweedFS (``weed server -s3``) on 127.0.0.1 for the session, with a bucket for L3."""
+    pytest.importorskip("hicache_storage_s3", reason="hicache-storage-s3 is not installed")
+    sys.path.insert(0, str(S3_TESTS))
+    import seaweedfs_server as weed
+
+    from hicache_core.testing.servers import free_port
+
+    metrics_port = free_port()
+    server = weed.SeaweedFS(tmp_path_factory.mktemp("seaweedfs"), extra=(f"-metricsPort={metrics_port}",)).start()
+    try:
+        bucket = server.create_bucket("vllm-l3")
+        env = {"AWS_ACCESS_KEY_ID": weed.ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": weed.SECRET_KEY,
+               "HICACHE_TEST_S3_METRICS": f"http://127.0.0.1:{metrics_port}/metrics",
+               "HICACHE_TEST_S3_BUCKET": bucket}  # fmt: skip
+        yield S3Store(server.url(bucket, "kv"), env, env["HICACHE_TEST_S3_METRICS"], bucket, server.endpoint)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def l3(s3_store):
+    """The session's L3, on S3 (a real SeaweedFS): the first engine writes it, a restarted one reads it.
+
+    The engine tests' L3 is s3:// rather than file://: the spec hands any URL to the same storage
+    layer, each extra engine costs about a minute here, and file:// and redis:// are covered where
+    the block mover writes through and a new worker reads back (test_mover.py).
+    """
+    return s3_store.url
 
 
 #: The MLA engines: bf16 (vLLM's CPU MLA backends want it), and no preemption batch (bf16 MLA decode is slow here).
@@ -72,8 +116,11 @@ _engine_blocks: dict[bool, int] = {}
 
 
 @pytest.fixture(scope="session")
-def run(model, mla_model, tmp_path_factory):
-    """``run(mode, storage_url=None, mla=False)``: engine_driver.py's record of one engine, by step name (once each)."""
+def run(model, mla_model, tmp_path_factory, request):
+    """``run(mode, storage_url=None, mla=False)``: engine_driver.py's record of one engine, by step name (once each).
+
+    An s3:// store's engines get its credentials in the standard AWS variables, and count its GETs.
+    """
     import json
 
     from vllm_run import run_python, tail
@@ -90,8 +137,9 @@ def run(model, mla_model, tmp_path_factory):
             from engine_driver import DEVICE_BLOCKS
 
             blocks = _engine_blocks.get(mla, DEVICE_BLOCKS)
+            s3_env = request.getfixturevalue("s3_store").env if storage and storage.startswith("s3://") else {}
             for attempt in range(2):
-                env = {**(MLA_ENV if mla else {}), "HICACHE_TEST_DEVICE_BLOCKS": str(blocks)}
+                env = {**(MLA_ENV if mla else {}), **s3_env, "HICACHE_TEST_DEVICE_BLOCKS": str(blocks)}
                 rc = run_python(args, log, timeout=480, extra_env=env)
                 if rc == 0:
                     break
@@ -103,7 +151,8 @@ def run(model, mla_model, tmp_path_factory):
             _engine_blocks[mla] = blocks
             record = json.loads((out / "result.json").read_text())
             # the steps by name, and what the engine made of the test's sizes under "engine"
-            cache[key] = {"engine": record["engine"], **{s["name"]: s for s in record["steps"]}}
+            cache[key] = {"engine": record["engine"], "s3_sent_before": record["s3_sent_before"],
+                          **{s["name"]: s for s in record["steps"]}}  # fmt: skip
         return cache[key]
 
     return go

@@ -11,6 +11,9 @@ module): ``python engine_driver.py MODE OUT MODEL [STORAGE_URL]``, MODE one of
 Scenario: prefix A, twice (the second from vLLM's device prefix cache);
 B, C, D (A leaves the 15-block device cache); A again; then a batch that does
 not fit the device cache (preemptions). Greedy, fixed lengths, float32.
+
+Each step records vLLM's metrics; with ``HICACHE_TEST_S3_METRICS`` (the SeaweedFS server's Prometheus
+URL) and ``HICACHE_TEST_S3_BUCKET`` also the objects and bytes the S3 server sent from that bucket so far.
 """
 
 from __future__ import annotations
@@ -56,13 +59,43 @@ def engine_args(mode: str, model: str, storage_url: str | None) -> dict:
     return args
 
 
+#: Counters also recorded per label value (``name{label=value}``), beside their sum under ``name``.
+BY_LABEL = {"vllm:prompt_tokens_cached_by_source": "source"}
+
+
 def metrics(llm) -> dict:
     out: dict = {}
     for m in llm.get_metrics():
         value = getattr(m, "value", None)
         if isinstance(value, (int, float)):
             out[m.name] = out.get(m.name, 0) + value
+            label = BY_LABEL.get(m.name)
+            if label is not None:
+                key = f"{m.name}{{{label}={m.labels.get(label)}}}"
+                out[key] = out.get(key, 0) + value
     return out
+
+
+def s3_sent() -> dict | None:
+    """What the SeaweedFS server sent for the test's bucket so far, by its own metrics (``None``: no S3 here).
+
+    ``objects``: GETs that sent a body (SeaweedFS counts a HEAD as a GET request, but a HEAD sends no
+    first byte); ``bytes``: the bodies' bytes.
+    """
+    url, bucket = os.environ.get("HICACHE_TEST_S3_METRICS"), os.environ.get("HICACHE_TEST_S3_BUCKET")
+    if not url:
+        return None
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        lines = r.read().decode().splitlines()
+
+    def total(*want: str) -> int:
+        return sum(int(float(line.rsplit(" ", 1)[1])) for line in lines if all(w in line for w in want))
+
+    bucket_label = f'bucket="{bucket}"'
+    return {"objects": total("SeaweedFS_s3_time_to_first_byte_millisecond_count{", bucket_label, 'type="GET"'),
+            "bytes": total("SeaweedFS_s3_bucket_traffic_sent_bytes_total{", bucket_label)}  # fmt: skip
 
 
 def main() -> None:
@@ -78,12 +111,13 @@ def main() -> None:
     cache = llm.llm_engine.vllm_config.cache_config
     engine = {"block_size": cache.block_size, "prefix_caching": bool(cache.enable_prefix_caching),
               "device_blocks": ENGINE_BLOCKS}  # fmt: skip
-    record: dict = {"mode": mode, "engine": engine, "steps": []}
+    record: dict = {"mode": mode, "engine": engine, "steps": [], "s3_sent_before": s3_sent()}
 
     def run(name, prompts, params=sp):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         record["steps"].append({"name": name, "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                                "cached": [o.num_cached_tokens for o in outs], "metrics": metrics(llm)})  # fmt: skip
+                                "cached": [o.num_cached_tokens for o in outs], "metrics": metrics(llm),
+                                "s3_sent": s3_sent()})  # fmt: skip
 
     if mode == "restart":
         run("A from L3", [a])

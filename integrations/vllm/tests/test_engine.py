@@ -13,6 +13,8 @@ pytest.importorskip("vllm", reason="vLLM's engine tests run in integrations/vllm
 
 from hicache_vllm.page_oracle import page_bytes  # noqa: E402
 
+from hicache_core.storage.page_format import HEADER_SIZE  # noqa: E402
+
 LAYERS, KV_HEADS, HEAD, BLOCK = 2, 1, 32, 32  # tiny_model.make_llama
 PAGE = page_bytes(num_kv_heads=KV_HEADS, block_size=BLOCK, head_size=HEAD, element_size=4)  # float32
 
@@ -55,14 +57,24 @@ def test_corrupted_loads_change_the_outputs(run):
     assert bad["A again"]["tokens"] != base["A again"]["tokens"], "random KV bytes did not change the outputs"
 
 
-def test_restarted_engine_serves_the_prefix_from_l3(run, l3):
+def test_restarted_engine_serves_the_prefix_from_s3(run, l3):
+    """The first engine wrote its offloaded pages through to S3 (a real SeaweedFS) and exited; a fresh engine,
+    its host tier empty, serves prefix A from the object store: the S3 server sends one object per page (the
+    page's header and its layers' bytes), vLLM counts the tokens as from disk, and the outputs equal those of
+    the engine without a connector."""
+    assert l3.startswith("s3://"), l3
     base = run("baseline")
     run("hicache", l3)  # the first engine wrote its offloaded pages through to L3, then exited
     again = run("restart", l3)
     first = again["A from L3"]
-    assert first["cached"][0] >= 224, f"a restarted engine found {first['cached'][0]} prefix tokens in L3"
-    assert first["metrics"].get("vllm:external_prefix_cache_hits", 0) == first["cached"][0]
-    assert first["metrics"].get("vllm:kv_offload_load_bytes", 0) == first["cached"][0] // BLOCK * LAYERS * PAGE
+    cached = first["cached"][0]
+    assert cached >= 224, f"a restarted engine found {cached} prefix tokens in L3"
+    pages = cached // BLOCK
+    assert first["metrics"].get("vllm:external_prefix_cache_hits", 0) == cached
+    assert first["metrics"].get("vllm:prompt_tokens_cached_by_source{source=disk}", 0) == cached
+    sent = {k: first["s3_sent"][k] - again["s3_sent_before"][k] for k in ("objects", "bytes")}
+    assert sent == {"objects": pages, "bytes": pages * (HEADER_SIZE + LAYERS * PAGE)}, (sent, pages)
+    assert first["metrics"].get("vllm:kv_offload_load_bytes", 0) == pages * LAYERS * PAGE
     assert first["tokens"] == base["A"]["tokens"]
     assert again["A again"]["tokens"] == base["A again"]["tokens"]
 

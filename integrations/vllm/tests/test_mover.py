@@ -158,25 +158,23 @@ def test_load_runs_off_the_callers_stream():
     m.shutdown()
 
 
-@pytest.fixture(params=["file", "redis"])
-def l3_url(request, tmp_path):
-    """A store of each scheme: a directory, or a real redis-server on 127.0.0.1 (skipped, saying why, without one)."""
+@pytest.fixture(params=["file", "redis", "s3"])
+def l3_url(request, tmp_path, monkeypatch):
+    """A store of each scheme: a directory, a real redis-server or a real SeaweedFS on 127.0.0.1 (skipped, saying
+    why, without one)."""
     if request.param == "file":
         yield f"file://{tmp_path / 'l3'}"
         return
-    import shutil
-
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    if request.param == "s3":
+        s3 = request.getfixturevalue("s3_store")
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            monkeypatch.setenv(name, s3.env[name])
+        yield s3.url_for(f"mover-{tmp_path.name}")
+        return
     pytest.importorskip("hicache_storage_redis", reason="hicache-storage-redis is not installed")
-    from hicache_core.testing.servers import ServerProcess
+    from hicache_core.testing.servers import start_redis
 
-    def argv(port):
-        return [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(tmp_path), "--protected-mode", "no"]  # fmt: skip
-
-    server = ServerProcess(argv, tmp_path / "redis.log", start_timeout=20).start()
+    server = start_redis(tmp_path)
     try:
         yield f"redis://127.0.0.1:{server.port}/0"
     finally:

@@ -21,16 +21,4 @@ def _corrupt(backend, key, offset):
 
 def test_every_reason_against_mooncake(mooncake_url, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("HICACHE_METRICS_DIR", raising=False)
-    outdir = tmp_path / "outcomes"
-    outdir.mkdir()
-    sc = kit.run_scenario(mooncake_url, _corrupt, outdir)
-    try:
-        kit.check_live_api(sc)
-
-        def run(argv):
-            code = main(argv)
-            return code, capsys.readouterr().out
-
-        kit.check_cli(sc, run, outdir)
-    finally:
-        sc.storage.close()
+    kit.check_against_server(mooncake_url, _corrupt, tmp_path, main, capsys)

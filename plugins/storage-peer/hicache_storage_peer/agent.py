@@ -12,12 +12,9 @@ from hicache_core.storage.backend import StorageError
 
 #: Seconds between polls of an in-flight transfer (the progress thread moves the bytes meanwhile).
 _POLL_S = 20e-6
-#: The longest the UCX progress thread sleeps (µs; NIXL rounds up to whole ms) when no event woke it.
-#: NIXL's Python agent passes 0, a poll() that never sleeps: the thread then holds a core even when
-#: idle (measured: 0.7-1.0 s of CPU per second in an idle owner). Events (a peer's request) still wake
-#: it at once; the timeout bounds only a wakeup UCX missed (NIXL keeps the timeout for those).
-PROGRESS_DELAY_US = 1000
-_construct_lock = threading.Lock()
+#: The UCX progress thread's poll() timeout (microseconds; NIXL rounds it up to whole milliseconds). It
+#: wakes on its workers' events at once; the timeout only bounds a wake-up UCX fails to signal.
+_PROGRESS_POLL_US = 1000
 
 
 def _ucx_defaults() -> None:
@@ -32,34 +29,6 @@ def _ucx_defaults() -> None:
         os.environ.setdefault("UCX_MODULES", "^ib")
 
 
-def new_agent(nixl: Any, name: str, config: Any) -> Any:
-    """``nixl.nixl_agent(name, config)`` with the progress thread's delay set to :data:`PROGRESS_DELAY_US`.
-
-    nixl-cu13 1.5.1's ``nixl_agent`` fills its C++ config itself, delay 0 included, and takes no delay:
-    while it runs, the module's ``nixlBind`` is a stand-in whose ``nixlAgent`` sets the delay first
-    and that hands every other name on to the real one.
-    """
-    bind = getattr(nixl, "nixlBind", None)
-    if bind is None:  # another NIXL than the one pinned: its own defaults
-        return nixl.nixl_agent(name, config)
-
-    class _Bind:
-        def __getattr__(self, attr: str) -> Any:
-            return getattr(bind, attr)
-
-        @staticmethod
-        def nixlAgent(agent_name: str, agent_config: Any) -> Any:  # noqa: N802 - NIXL's name
-            agent_config.pthrDelay = PROGRESS_DELAY_US
-            return bind.nixlAgent(agent_name, agent_config)
-
-    with _construct_lock:
-        nixl.nixlBind = _Bind()
-        try:
-            return nixl.nixl_agent(name, config)
-        finally:
-            nixl.nixlBind = bind
-
-
 def load_nixl() -> Any:
     """NIXL's Python API module (``nixl_cu13`` or ``nixl_cu12``, whichever is installed)."""
     _ucx_defaults()
@@ -69,6 +38,27 @@ def load_nixl() -> Any:
         except ImportError:
             continue
     raise StorageError("peer:// needs NIXL's Python package: pip install nixl-cu13==1.5.1 (or nixl-cu12)")
+
+
+def _nixl_agent(nixl: Any, name: str) -> Any:
+    """NIXL's Python agent with the UCX backend, its progress thread sleeping in poll() between events.
+
+    ``nixl_agent()`` (nixl-cu13 1.5.1) makes its core agent with ``pthrDelay = 0``: the UCX backend's
+    progress thread then calls poll() with a zero timeout, a busy loop that holds a whole core per
+    agent, idle or not (measured here: 0.99 of a core; with a 1 ms timeout, 0.03). The agent is made
+    without backends, its core agent replaced by one of the same name with :data:`_PROGRESS_POLL_US`,
+    and the UCX backend created on that one (the progress thread starts with the backend).
+    """
+    agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=[]))
+    config = nixl.nixlBind.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = False
+    config.pthrDelay = _PROGRESS_POLL_US
+    config.syncMode = nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE.value
+    config.captureTelemetry = False
+    agent.agent = nixl.nixlBind.nixlAgent(name, config)
+    agent.create_backend("UCX", {})
+    return agent
 
 
 class TransferFailed(RuntimeError):
@@ -86,7 +76,7 @@ class PeerAgent:
         nixl = load_nixl()
         self.name = name
         try:
-            self._agent = new_agent(nixl, name, nixl.nixl_agent_config(backends=["UCX"]))
+            self._agent = _nixl_agent(nixl, name)
         except Exception as exc:  # noqa: BLE001 - NIXL raises bare RuntimeErrors/nixlBind errors
             raise StorageError(f"peer://: NIXL agent {name!r} did not start ({exc})") from None
         if "UCX" not in self._agent.backends:
@@ -212,9 +202,12 @@ class PeerAgent:
             self.wait(owner, self.post(owner, local, remote), deadline)
 
     def close(self) -> None:
-        """Drop every remote agent and deregister all memory (the agent itself goes with the object)."""
+        """Drop every remote agent, deregister all memory, and let the agent go (its progress thread stops)."""
+        if self._agent is None:
+            return
         for owner in list(self._remote):
             self.forget(owner)
         with self._lock:
             while self._registered:
                 self._agent.deregister_memory(self._registered.pop())
+            self._agent = None

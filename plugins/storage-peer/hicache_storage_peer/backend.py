@@ -56,7 +56,9 @@ class PeerStorage(StorageBackend):
     """The peer tier: other instances' host pools, read through NIXL, found through a Redis directory."""
 
     scheme: ClassVar[str] = "peer"
-    capabilities: ClassVar[Capabilities] = Capabilities(zero_copy=True, durable=False, shared=True)
+    # A page is read from its owner's host pool by other instances, never by the owner itself.
+    capabilities: ClassVar[Capabilities] = Capabilities(zero_copy=True, durable=False, shared=True,
+                                                        reads_own_writes=False)  # fmt: skip
     description: ClassVar[str] = "other instances' host pools over NIXL (UCX), directory in Redis with leases"
     # One NIXL READ per owner and group: larger groups spend fewer round trips per byte.
     io_chunk_bytes: ClassVar[int] = 64 << 20
@@ -134,7 +136,10 @@ class PeerStorage(StorageBackend):
 
     def _join(self) -> None:
         owner = Owner(self.owner_id, self._agent.metadata(), self._gens.data_ptr())
-        self.directory.register_owner(owner, int(self.lease * 1000))
+        try:
+            self.directory.register_owner(owner, int(self.lease * 1000))
+        except StorageError as exc:
+            raise StorageError(f"{exc}; {self.server_hint}") from None
 
     def ping(self) -> None:
         try:
@@ -320,7 +325,8 @@ class PeerStorage(StorageBackend):
         deadline can still deliver bytes later, and those must never reach a slot the pool hands out
         again. One NIXL READ per staging buffer's worth of pages: over UCX/TCP, reads split into
         4 MiB sub-batches (to copy out while later ones move) were slower than one read (0.74 vs 1.0
-        of NIXL's own read of the same bytes, benchmarks/peer_tier.py).
+        of NIXL's own read of the same bytes, benchmarks/peer_tier.py), and so were 16 MiB sub-batches
+        through two staging buffers, measured again once the progress thread stopped spinning.
         """
         agent = self._agent
         if not agent.connected(owner.owner_id):
@@ -427,6 +433,29 @@ class PeerStorage(StorageBackend):
             raise StorageError("this peer:// backend is closed")
         if self._agent is None:
             raise StorageError("peer:// is not bound to a host pool: make it with make_storage(url, host_pool, ...)")
+
+    def check_steps(self) -> list[tuple[str, bool, str]]:
+        """The directory answers, this instance's memory is registered with NIXL, and it holds a lease there."""
+        steps = []
+        try:
+            self.directory.ping()
+            steps.append((f"the directory answers at {self.directory.address}", True, ""))
+        except StorageError as exc:
+            steps.append((f"the directory answers at {self.directory.address}", False, str(exc)))
+        agent = self._agent
+        registered = agent.registrations if agent else 0
+        steps.append(("the host pool and generation words are registered with NIXL (UCX)", registered >= 2,
+                      f"{len(self._regions)} host buffer(s) in {registered} registration(s)"))  # fmt: skip
+        if not self.serve:
+            steps.append(("serve=0: this instance reads others' pages and publishes none", True, ""))
+            return steps
+        try:
+            joined = self.owner_id in self.directory.owners([self.owner_id])
+            detail = "" if joined else "no owner record in the directory (its lease lapsed?)"
+        except StorageError as exc:
+            joined, detail = False, str(exc)
+        steps.append((f"joined the directory as owner {self.owner_id}, lease {self.lease:g} s", joined, detail))
+        return steps
 
     def backend_stats(self) -> dict[str, Any]:
         agent = self._agent

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache_core.storage.backend import StorageError
+from hicache_core.storage.redis_keys import delete_under_prefix
 
 _HEAD = struct.Struct("<IQQH")  # generation slot, generation, header bytes, number of runs
 _RUN = struct.Struct("<QQ")  # address, nbytes
@@ -191,17 +192,8 @@ class Directory:
 
     def clear(self) -> None:
         """Delete every directory key under the prefix (the prefix matched literally)."""
-        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in self.prefix) + "*"
-
         def go() -> None:
-            batch = []
-            for k in self.client.scan_iter(match=pattern, count=1000):
-                batch.append(k)
-                if len(batch) >= 1000:
-                    self.client.delete(*batch)
-                    batch = []
-            if batch:
-                self.client.delete(*batch)
+            delete_under_prefix(self.client, self.prefix)
 
         self._call("clear", go)
 

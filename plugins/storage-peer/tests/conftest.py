@@ -4,35 +4,23 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from hicache_core.testing.servers import ServerProcess
+from hicache_core.testing.servers import start_redis
 
 pytest.importorskip("nixl_cu13", reason="NIXL is not installed (pip install nixl-cu13==1.5.1)")
 pytest.importorskip("redis", reason="the redis package is not installed (pip install redis==8.1.0)")
 # The tier's transport in these tests is UCX over TCP on loopback (as between two machines without RDMA).
 os.environ.setdefault("UCX_TLS", "tcp,self")
 HERE = Path(__file__).parent
-
-
-def start_redis(tmp_path: Path, port: int | None = None) -> ServerProcess:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server): the directory needs a real server")
-
-    def argv(p):
-        return [binary, "--port", str(p), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(tmp_path), "--protected-mode", "no"]  # fmt: skip
-
-    return ServerProcess(argv, tmp_path / f"redis-{uuid.uuid4().hex[:6]}.log", port=port, start_timeout=20).start()
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +95,32 @@ class Proc:
             self.proc.kill()
             self.proc.wait(10)
         self.log.close()
+
+
+@dataclass
+class SharedOwner:
+    """The module's shared owner process, its URL (a directory prefix of its own) and the keys it published."""
+
+    proc: Proc
+    url: str
+    keys: list[str]
+
+
+@pytest.fixture(scope="module")
+def shared_owner(redis_server, tmp_path_factory):
+    """One owner process for the tests that only read from it (each process start costs seconds of CPU).
+
+    When the module's last such test is done, the owner must still publish all its pages under its
+    two NIXL registrations, with no failed heartbeat: readers, dying ones included, never change that.
+    """
+    url = f"peer://127.0.0.1:{redis_server.port}/0?prefix=s{uuid.uuid4().hex[:8]}:&timeout=2&lease=3"
+    owner = Proc("owner", url, tmp_path_factory.mktemp("shared-owner"))
+    try:
+        yield SharedOwner(owner, url, owner.ready()["keys"])
+        final = owner.stop()["stats"]
+        assert (final["published_pages"], final["nixl_registrations"], final["heartbeat_failed"]) == (16, 2, 0), final
+    finally:
+        owner.kill()
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 from hicache_core.storage.backend import Capabilities, NotAPage, StorageBackend, StorageError, StorageFull
 from hicache_core.storage.pages import Span
+from hicache_core.storage.redis_keys import delete_under_prefix
 from hicache_core.storage.url import StorageURL, option_bytes, option_float
 
 #: Bytes of values one pipeline carries at most (bounds the memory of a batch of large pages).
@@ -200,14 +201,7 @@ class RedisStorage(StorageBackend):
 
     def clear(self) -> None:
         """Delete every key under this backend's prefix (the prefix is matched literally, never as a glob)."""
-        batch = []
-        for k in self.client.scan_iter(match=_glob_literal(self.prefix.encode()) + b"*", count=1000):
-            batch.append(k)
-            if len(batch) >= 1000:
-                self.client.delete(*batch)
-                batch = []
-        if batch:
-            self.client.delete(*batch)
+        delete_under_prefix(self.client, self.prefix)
 
     def close(self) -> None:
         self.client.close()
@@ -233,14 +227,6 @@ class RedisTLSStorage(RedisStorage):
     description: ClassVar[str] = "Redis/Valkey over TLS via redis-py: as redis://, on an encrypted connection"
 
 
-def _glob_literal(text: bytes) -> bytes:
-    """``text`` as a Redis glob pattern that matches only itself (``* ? [ ] \\`` escaped)."""
-    out = bytearray()
-    for byte in text:
-        if byte in b"*?[]\\":
-            out += b"\\"
-        out.append(byte)
-    return bytes(out)
 
 
 def _total(spans: Sequence[Span]) -> int:

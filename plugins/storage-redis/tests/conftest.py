@@ -5,7 +5,10 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from redis_server import start_redis
+
+from hicache_core.testing.servers import start_redis
+
+pytest.importorskip("redis", reason="the redis package is not installed (pip install redis==8.1.0)")
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,15 @@
 
 The scenario (hicache_core.testing.explain_kit) removes a page, flips a payload byte through
 Redis itself, stores pages under another layout, fills the host pool before a prefetch and
-times a slow prefetch out; then the server stops and the command says so, without a traceback.
+times a slow prefetch out; pointed at a port where no server listens, the command says so, without a
+traceback.
 """
 
 from __future__ import annotations
 
-from redis_server import start_redis
-
 from hicache_core.cli import main
 from hicache_core.testing import explain_kit as kit
+from hicache_core.testing.servers import free_port
 
 
 def _corrupt(backend, key, offset):
@@ -19,24 +19,10 @@ def _corrupt(backend, key, offset):
     backend.client.setrange(k, offset, bytes([byte[0] ^ 0xFF]))
 
 
-def test_every_reason_against_redis(tmp_path, capsys, monkeypatch):
+def test_every_reason_against_redis(redis_server, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("HICACHE_METRICS_DIR", raising=False)
-    (tmp_path / "redis").mkdir()
-    server = start_redis(tmp_path / "redis")
-    outdir = tmp_path / "outcomes"
-    outdir.mkdir()
-    try:
-        url = f"redis://127.0.0.1:{server.port}/0?timeout=2"
-        sc = kit.run_scenario(url, _corrupt, outdir)
-        kit.check_live_api(sc)
-
-        def run(argv):
-            code = main(argv)
-            return code, capsys.readouterr().out
-
-        kit.check_cli(sc, run, outdir)
-        sc.storage.close()
-    finally:
-        server.stop()
-    code, out = run(kit.cli_args(sc, "mixed"))
-    assert code == 2 and "not reachable" in out and "redis-server --port" in out and "Traceback" not in out
+    prefix = f"explain{tmp_path.name}:"
+    url = f"redis://127.0.0.1:{redis_server.port}/0?timeout=2&prefix={prefix}"
+    nobody = f"redis://127.0.0.1:{free_port()}/0?timeout=2&prefix={prefix}"
+    kit.check_against_server(url, _corrupt, tmp_path, main, capsys, unreachable=nobody,
+                             start_hint="redis-server --port")  # fmt: skip

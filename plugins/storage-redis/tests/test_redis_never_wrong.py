@@ -8,10 +8,9 @@ import time
 import uuid
 
 import pytest
-from redis_server import redis_binary, start_redis
 
 from hicache_core.storage import PageStatus, StorageError, make_storage, page_hashes
-from hicache_core.testing.servers import ServerProcess
+from hicache_core.testing.servers import ServerProcess, redis_binary, start_redis
 from hicache_core.testing.storage_kit import StorageCase, make_pool
 
 CASE = StorageCase("mha", "page_first", "plain", 4)

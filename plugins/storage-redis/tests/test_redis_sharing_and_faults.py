@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from redis_server import start_redis
 
 from hicache_core.storage import make_storage
 from hicache_core.storage.backend import PageStatus
 from hicache_core.testing import storage_faults as F
+from hicache_core.testing.servers import start_redis
 from hicache_core.testing.storage_kit import slots_of
 
 
@@ -84,9 +84,10 @@ def test_slow_store_timeout_policy(own_redis):
 
     admin = redis.Redis(port=own_redis.port)
 
-    def slow_down(stop):
+    def slow_down(stop, slowed):
         while not stop.is_set():
             admin.execute_command("CLIENT", "PAUSE", 600, "ALL")  # every client waits up to 600 ms
+            slowed.set()
             stop.wait(0.62)
 
     F.slow_store_timeout(_url(own_redis), slow_down)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_core.testing.servers import ServerProcess
+from hicache_core.testing.servers import ServerProcess, free_port
 
 ACCESS_KEY = "HICACHETESTKEY"
 SECRET_KEY = "hicache-test-secret-0123456789"  # planted: the tests assert it is never printed
@@ -39,11 +39,9 @@ def weed_binary() -> str | None:
 
 
 def _port_pair() -> int:
-    """A free port whose +10000 gRPC twin is free too."""
+    """A free port (from this xdist worker's range: free_port) whose +10000 gRPC twin is free too."""
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         if port + 10000 >= 65536:
             continue
         try:
