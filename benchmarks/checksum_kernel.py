@@ -23,14 +23,12 @@ pinned buffer), the ceiling of the load the check follows, in the same run.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 
 import torch
 import triton
 import triton.language as tl
+from verify_cost import write_result  # beside this file
 
 import hicache_core as hc
 from hicache_core.page_checksum import M2
@@ -175,17 +173,8 @@ def main() -> None:
             print(f"{kind} {tokens:6}: copy {r['copy_us_per_layer_ceiling']:8.1f} us/layer; check (us/layer) "
                   + ", ".join(f"{k[len('check_us_per_layer_'):]} {v:.1f}" for k, v in r.items()
                               if k.startswith("check_us_per_layer_")))  # fmt: skip
-    out = {
-        "what": "the load check's kernel per layer beside the layer's copy-engine copy (the ceiling), same run",
-        "machine": {"gpu": torch.cuda.get_device_name(), "host": platform.node(), "cpus": os.cpu_count(),
-                    "loadavg": open("/proc/loadavg").read().split()[:3]},  # fmt: skip
-        "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
-
+    write_result(args.out, "the load check's kernel per layer beside the layer's copy-engine copy (the ceiling), "
+                 "same run", rows)  # fmt: skip
 
 if __name__ == "__main__":
     main()

@@ -139,10 +139,16 @@ def main() -> None:
               f"{r['layerwise_ms_verified']:.3f} ms ({r['layerwise_overhead']:+.1%}), "
               f"backup {r['backup_ms_plain']:.3f} -> {r['backup_ms_verified']:.3f} "
               f"ms ({r['backup_overhead']:+.1%}); ceiling h2d {r['ceiling_h2d_ms']:.3f} ms")  # fmt: skip
+    write_result(args.out, "host-tier verification cost: verified vs unverified, same run; goal <= 0.03 at 4096 "
+                 "and 32768 tokens", rows)  # fmt: skip
+
+
+def write_result(path: str, what: str, rows: list[dict]) -> None:
+    """Write ``rows`` as a GPU result JSON with the machine and versions of this run (also checksum_kernel.py's)."""
     import triton
 
     out = {
-        "what": "host-tier verification cost: verified vs unverified, same run; goal <= 0.03 at 4096 and 32768 tokens",
+        "what": what,
         "machine": {
             "gpu": torch.cuda.get_device_name(),
             "host": platform.node(),
@@ -152,10 +158,9 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()},
         "rows": rows,
     }
-    with open(args.out, "w") as f:
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
-
+    print(f"wrote {path}")
 
 if __name__ == "__main__":
     main()
