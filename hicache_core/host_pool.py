@@ -299,7 +299,8 @@ class HostPool(PageAccess):
 
     def _enable_verify(self) -> None:
         try:
-            self.verifier = PageVerifier(self.plan, self.page_size, self._drops._call, self._verify_indices)
+            self.verifier = PageVerifier(self.plan, self.page_size, self._drops._call, self._verify_indices,
+                                         last_layers=(self._owned - 1,))  # fmt: skip
         except ValueError as exc:
             raise ValueError(f"host pool ({self.geometry.kind}, layout {self.layout}): {exc}") from None
         self.verify = True
@@ -354,6 +355,7 @@ class HostPool(PageAccess):
         self._alive()
         if self.verifier is None:
             return
+        self.verifier.close_run()  # a run of per-layer loads that stopped short of the last layer
         if synchronize and self.plan.device.type == "cuda":
             torch.cuda.synchronize(self.plan.device)
         self.verifier.raise_if_failed()
@@ -487,8 +489,11 @@ class HostPool(PageAccess):
             self._host_layer(device_pool, layer_id, False)
         self._check_indices(host_indices, device_indices)
 
-        # A verifying pool checks the load's layers in a few launches, beside its copies (verify.CheckBatch).
-        batch = self.verifier.batch(len(ids)) if self.verifier is not None else None
+        # A verifying pool checks the load's layers in one launch after the last (verify.CheckBatch).
+        batch = None
+        if self.verifier is not None:
+            self.verifier.close_run()
+            batch = self.verifier.batch(len(ids))
 
         def step(i: int) -> None:
             self._per_layer(LOAD, device_pool, host_indices, device_indices, ids[i], io_backend, False, batch)
@@ -525,38 +530,43 @@ class HostPool(PageAccess):
 
     def _per_layer(self, op, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft,
                    batch: CheckBatch | None = None) -> None:  # fmt: skip
-        entry = self._impls.get((op, io_backend)) or self._impl(op, io_backend)
-        # The common call (an owned layer of this pool, an int layer id) is mapped inline; the rest,
-        # and every error, goes through _host_layer.
-        layer = layer_id - self.start_layer if type(layer_id) is int else -1
-        if is_draft or device_pool is not self.device_pool or not 0 <= layer < self._owned:
-            layer = self._host_layer(device_pool, layer_id, is_draft)
-        h, d = self._indices(op, layer_id, host_indices, device_indices, entry, layer)
-        if h is None:
-            return
-        impl = entry[0]
-        verifier = self.verifier
-        if verifier is not None and op != LOAD:
-            verifier.before_backup()
-        t0 = perf_counter()
-        try:  # inline rather than through _call: this is the per-layer hot path
-            getattr(impl, op)(h, d, layer)
-            self._record(op, impl, h, t0, 1)
-        except (ValueError, IndexError, TypeError) as exc:
-            _refuse_meta(h, d)
-            _note(impl, op, exc)
-            raise
-        except Exception as exc:
-            _refuse_meta(h, d)
-            raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
-        if verifier is not None:
-            if op == LOAD:
-                if batch is not None:
-                    batch.add(h, d, layer, self._drops.seq)
+        try:
+            entry = self._impls.get((op, io_backend)) or self._impl(op, io_backend)
+            # The common call (an owned layer of this pool, an int layer id) is mapped inline; the rest,
+            # and every error, goes through _host_layer.
+            layer = layer_id - self.start_layer if type(layer_id) is int else -1
+            if is_draft or device_pool is not self.device_pool or not 0 <= layer < self._owned:
+                layer = self._host_layer(device_pool, layer_id, is_draft)
+            h, d = self._indices(op, layer_id, host_indices, device_indices, entry, layer)
+            if h is None:
+                return
+            impl = entry[0]
+            verifier = self.verifier
+            if verifier is not None and op != LOAD:
+                verifier.before_backup()
+            t0 = perf_counter()
+            try:  # inline rather than through _call: this is the per-layer hot path
+                getattr(impl, op)(h, d, layer)
+                self._record(op, impl, h, t0, 1)
+            except (ValueError, IndexError, TypeError) as exc:
+                _refuse_meta(h, d)
+                _note(impl, op, exc)
+                raise
+            except Exception as exc:
+                _refuse_meta(h, d)
+                raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
+            if verifier is not None:
+                if op == LOAD:
+                    if batch is not None:
+                        batch.add(h, d, layer, self._drops.seq)
+                    else:
+                        verifier.check(h, d, layer, self._drops.seq)
                 else:
-                    verifier.check(h, d, layer, self._drops.seq)
-            else:
-                verifier.backup(h, d, layer, self._drops.seq)
+                    verifier.backup(h, d, layer, self._drops.seq)
+        except BaseException:
+            if self.verifier is not None:  # the caller may reuse the rows of a load it abandons on this error
+                self.verifier.close_run()
+            raise
 
     def _call(self, impl: Implementation, op: str, *args) -> None:
         """Run the implementation; whatever it raises names it (input errors keep their type)."""

@@ -200,9 +200,10 @@ def test_a_byte_flipped_in_host_memory_is_caught_naming_pages_layer_and_call(kin
     _flip_host_byte(host, bad_page, layer=1, part=len(host.plan.parts) - 1)
     host.load_to_device_per_layer(dp, slots, dev, 0, "auto")  # layer 0 is clean
     host.load_to_device_per_layer(dp, slots, dev, 1, "auto")  # the bad layer: reported, not raised here
+    host.load_to_device_per_layer(dp, slots, dev, 2, "auto")  # the last layer: the load's layers are checked
     _sync()  # the check runs on the device, behind the load: the first call after it ran raises
     with pytest.raises(PageVerificationError) as info:
-        host.load_to_device_per_layer(dp, slots, dev, 2, "auto")  # the next call raises, before moving a byte
+        host.load_to_device_per_layer(dp, slots, dev, 0, "auto")  # the next call raises, before moving a byte
     err = info.value
     assert err.pages == [bad_page] and err.layer_ids == [1]
     assert err.calls[0][1:] == ("load_to_device_per_layer", 1)
@@ -214,9 +215,85 @@ def test_a_byte_flipped_in_host_memory_is_caught_naming_pages_layer_and_call(kin
     assert torch.equal(host.take_failed_pages(), err.host_indices)
     assert host.take_failed_pages().numel() == 0  # taken once
     host.load_to_device_per_layer(dp, slots, dev, 2, "auto")  # reported once; the pool goes on
-    host.check_verified()
+    host.check_verified()  # (layer 2 alone is clean)
     host.free(slots)  # freeing the slots lifts the quarantine
     assert host.quarantined_pages() == set()
+
+
+def test_a_run_of_per_layer_loads_is_checked_after_its_last_layer_or_when_another_call_closes_it():
+    dp, host = _pool("mha", "layer_first")
+    p = host.page_size
+    slots = host.alloc(2 * p)
+    dev = torch.arange(p, 3 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    bad_page = int(slots[0]) // p
+    _flip_host_byte(host, bad_page, layer=0)
+    calls = []
+    host.load_to_device_per_layer(dp, slots, dev, 0, "auto")  # the bad layer
+    calls.append(host._drops.seq)
+    host.load_to_device_per_layer(dp, slots, dev, 1, "auto")
+    _sync()
+    assert not host.verifier.flagged()  # the run is open: nothing is checked before its last layer ...
+    host.load_to_device_per_layer(dp, slots, dev, 2, "auto")
+    _sync()
+    assert host.verifier.flagged()  # ... and then all of it, at once
+    with pytest.raises(PageVerificationError) as info:
+        host.check_verified()
+    assert info.value.calls == [(calls[0], "load_to_device_per_layer", 0)] and info.value.pages == [bad_page]
+
+    # A run that stops short is checked by the next call of another kind, or with other indices.
+    other = host.alloc(p)
+    host.backup_from_device_all_layer(dp, other, dev[:p], "auto")
+    host.load_to_device_per_layer(dp, slots, dev, 0, "auto")
+    host.load_to_device_per_layer(dp, other, dev[:p], 1, "auto")  # other indices: the first run closes
+    _sync()
+    assert host.verifier.flagged()
+    with pytest.raises(PageVerificationError, match="layer_id 0"):
+        host.check_verified()
+    host.load_to_device_per_layer(dp, slots, dev, 0, "auto")
+    host.backup_from_device_all_layer(dp, other, dev[:p], "auto")  # a backup closes it
+    _sync()
+    with pytest.raises(PageVerificationError, match="layer_id 0"):
+        host.load_to_device_per_layer(dp, other, dev[:p], 0, "auto")
+    host.load_to_device_per_layer(dp, slots, dev, 0, "auto")
+    host.load_to_device_per_layer(dp, slots, dev, 2, "auto")  # not the next layer: a new run, the last layer
+    with pytest.raises(PageVerificationError, match="layer_id 0"):
+        host.check_verified()  # check_verified closes what is open
+    host.check_verified()
+
+
+def test_a_run_abandoned_on_an_error_is_checked_before_the_caller_can_reuse_its_rows():
+    dp, host = _pool("mha", "page_first")
+    p = host.page_size
+    slots = host.alloc(2 * p)
+    dev = torch.arange(p, 3 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
+    host.load_to_device_per_layer(dp, slots, dev, 0, "auto")  # clean
+    with pytest.raises(IndexError):
+        host.load_to_device_per_layer(dp, slots, dev, LAYERS + 5, "auto")  # an error leaves the call: the run closes
+    for t in dp.k_buffer + dp.v_buffer:  # the server frees the rows and reuses them
+        t.zero_()
+    host.check_verified()  # no false alarm: layer 0 was checked before the rows were reused
+
+    # The same through the layer loader: a step that fails after loading layer 0 itself.
+    fill_random(dp.k_buffer + dp.v_buffer, seed=3)
+    bad_page = int(slots[p]) // p
+    _flip_host_byte(host, bad_page, layer=0)
+
+    def step(layer):
+        if layer == 1:
+            raise RuntimeError("planted")
+        host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
+
+    load = hc.layer_loads.layer_loader(DEVICE).submit(LAYERS, step, what="a failing job")
+    with pytest.raises(LayerLoadError, match="planted"):
+        load.result(10)  # the job ended
+    for t in dp.k_buffer + dp.v_buffer:
+        t.zero_()
+    with pytest.raises(PageVerificationError) as info:
+        host.check_verified()  # the flipped byte, caught when the job ended, not the rows zeroed since
+    assert info.value.pages == [bad_page] and info.value.layer_ids == [0]
 
 
 def test_check_verified_raises_at_once_and_swapped_pages_are_caught():
@@ -299,7 +376,8 @@ def test_a_failed_page_is_never_written_and_checksums_come_back_from_the_store()
     store.clear()
     bad_page = int(slots[2 * p]) // p
     _flip_host_byte(host, bad_page, layer=0)
-    host.load_to_device_per_layer(dp, slots, dev, 0, "auto")
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
     keys = ["k0", "k1", "k2"]
     _sync()  # the device's report has landed (a server's L3 write waits for the backup's event likewise)
     results = store.write_pages(keys, slots)  # the failure is collected here, without a sync or a raise
