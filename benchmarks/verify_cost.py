@@ -8,15 +8,16 @@ Run on the GPU machine (one process, every figure from the same run)::
 Pools: llama-8b-like MHA (32 layers, 8 KV heads, head_dim 128, bf16, page 64, ``page_first`` and
 ``layer_first``) and an MLA pool (61 layers, 576 x bf16, page 64, ``page_first``), at ``--tokens``
 cached tokens. Per pool, io backend and verify setting: a 32-layer (61 for MLA) per-layer load of
-the tokens on one stream (synchronous per-layer calls), the same load through the layer loader
-(``submit_load``, the serving path: its checks run in one launch after the last layer, and its
-finish event follows them), and an all-layer backup, timed with CUDA events (median of
-``--repeats``), after warm-up. The ceiling is ``cudaMemcpyAsync`` of the same bytes between one
-pinned buffer and one device buffer, in the same run. ``overhead`` is verified / unverified - 1;
-the goal is <= 0.03 at 4096 tokens. The verified runs end with ``check_verified()`` (nothing may
-be reported: every page is clean). Also reported: the host time of one verified and one
-unverified per-layer load call (``time.perf_counter`` around the call, the GPU kept busy so it
-measures submission only).
+the tokens on one stream (synchronous per-layer calls, as SGLang's controller makes them: a verifying
+pool checks them in one launch after the last layer, and the stream waits for it), the same load
+through the layer loader (``submit_load``, the serving path: one launch after the last layer, which
+its finish event follows), and an all-layer backup, timed with CUDA events (median of ``--repeats``,
+verified and unverified runs interleaved), after warm-up. The ceiling is ``cudaMemcpyAsync`` of the
+same bytes between one pinned buffer and one device buffer, in the same run. ``overhead`` is
+verified / unverified - 1; the goal is <= 0.03 at 4096 and 32768 tokens. The verified runs end with
+``check_verified()`` (nothing may be reported: every page is clean). Also reported: the host time of
+one verified and one unverified per-layer load call (``time.perf_counter`` around the call, the GPU
+kept busy so it measures submission only).
 """
 
 from __future__ import annotations
@@ -34,15 +35,23 @@ import hicache_core as hc
 
 
 def _median_ms(fn, repeats: int) -> float:
+    return _interleaved_ms({"fn": fn}, repeats)["fn"]
+
+
+def _interleaved_ms(fns: dict, repeats: int) -> dict[str, float]:
+    """Median CUDA-event time of each function, their runs interleaved (the order alternating each repeat),
+    so that a drift of the machine during the run weighs on all of them alike."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            start.record()
+            fns[name]()
+            stop.record()
+            stop.synchronize()
+            times[name].append(start.elapsed_time(stop))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _pools(kind: str, tokens: int, page: int):
@@ -58,6 +67,7 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
         t.copy_(torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int16, device="cuda").view(t.dtype))
     layers = dp.layer_num
     row = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens, "layers": layers}
+    fns, hosts = {}, {}
     for verify in (False, True):
         host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (tokens + 4 * page))
         slots = host.alloc(tokens)
@@ -76,15 +86,17 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
             # them in one launch after the last; the finish event follows the checks.
             host.submit_load(dp, hc_slots, dev, io).finish_event.wait()
 
-        for _ in range(3):
-            backup()
-            load()
-            layerwise()
-        torch.cuda.synchronize()
         tag = "verified" if verify else "plain"
-        row[f"backup_ms_{tag}"] = _median_ms(backup, repeats)
-        row[f"load_ms_{tag}"] = _median_ms(load, repeats)
-        row[f"layerwise_ms_{tag}"] = _median_ms(layerwise, repeats)
+        hosts[tag] = (host, hc_slots, dev)
+        fns.update({f"backup_ms_{tag}": backup, f"load_ms_{tag}": load, f"layerwise_ms_{tag}": layerwise})
+    for _ in range(3):
+        for fn in fns.values():
+            fn()
+    torch.cuda.synchronize()
+    # Verified and plain runs interleaved, each kind of transfer in its own series.
+    for kind_ in ("backup", "load", "layerwise"):
+        row.update(_interleaved_ms({k: f for k, f in fns.items() if k.startswith(kind_ + "_")}, repeats))
+    for tag, (host, hc_slots, dev) in hosts.items():
         # Host time of one per-layer load call, with the GPU busy (submission only).
         torch.cuda._sleep(50_000_000)
         t0 = time.perf_counter()
@@ -93,7 +105,7 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
         row[f"load_host_us_per_call_{tag}"] = (time.perf_counter() - t0) / layers * 1e6
         torch.cuda.synchronize()
         host.check_dropped()
-        if verify:
+        if tag == "verified":
             host.check_verified()  # every page clean: nothing may be reported
             row["implementations"] = dict(host.implementations)
         nbytes = host.get_size_per_token() * tokens

@@ -517,6 +517,8 @@ class HostPool(PageAccess):
             ok = False
         if not ok:
             reject_indices(host_indices, device_indices)
+        if self.verifier is not None and host_indices.shape[0] % self.page_size:
+            self._refuse_part_of_a_page(host_indices.shape[0])
         if self._items_are_pages:
             for what, slots in (("host_indices", host_indices), ("device_indices", device_indices)):
                 if slots.is_meta:
@@ -657,6 +659,8 @@ class HostPool(PageAccess):
                 f"indices must come in whole pages: got {n} slots with page_size {self.page_size} "
                 "(page-item pools move whole pages)"
             )
+        if n % self.page_size and self.verifier is not None:
+            self._refuse_part_of_a_page(n)
         if n == 0 or layer == _NOT_OWNED:
             if layer == _NOT_OWNED and self.validate and n:
                 check_bounds(host_indices, self.size, "host_indices")
@@ -682,6 +686,12 @@ class HostPool(PageAccess):
         if device_indices.is_cuda is not want_cuda or device_indices.get_device() != where or dd not in dtypes:
             device_indices = self._cache.move(device_indices, dd if dd in dtypes else torch.int64, target)
         return host_indices, device_indices
+
+    def _refuse_part_of_a_page(self, n: int) -> None:
+        raise ValueError(
+            f"this host pool verifies its pages (verify=True), whole pages only: got {n} slots, page_size "
+            f"{self.page_size}; pass whole pages, or make the pool with verify=False to move part of one"
+        )
 
     def _page_items(self, slots: torch.Tensor, what: str) -> torch.Tensor:
         """Page-item pools: whole pages of token slots -> page numbers (checked; converted once per tensor)."""

@@ -306,26 +306,31 @@ class PageVerifier:
         caller's stream waits for the check after that call (a per-layer check beside the next
         layer's copy kernel slowed it by up to 14 %). Any other call closes an open run first."""
         stream = torch.cuda.current_stream(self.device) if self._side is not None else None
-        run = self._run
-        if run is not None and not run.continues(hidx, didx, layer, stream):
-            self.close_run()
-            run = None
-        if run is None:
-            run = self._run = CheckBatch(self, self.num_layers, stream)
-            self._run_thread = threading.get_ident()
-            _OPEN_RUNS.add(self)
-        run.add(hidx, didx, layer, seq)
-        if layer in self._run_ends:
-            self.close_run()
+        with self._lock:  # another thread's backup may close the run meanwhile
+            run = self._run
+            if run is not None and not run.continues(hidx, didx, layer, stream):
+                self._close_run()
+                run = None
+            if run is None:
+                run = self._run = CheckBatch(self, self.num_layers, stream)
+                self._run_thread = threading.get_ident()
+                _OPEN_RUNS.add(self)
+            run.add(hidx, didx, layer, seq)
+            if layer in self._run_ends:
+                self._close_run()
 
     def close_run(self) -> None:
         """Check the open run of per-layer loads now; the current stream waits for the check (CUDA).
 
-        The pool calls this before anything else it does, and before an error leaves a per-layer load
-        (the caller may reuse the rows of a load it abandons)."""
-        with self._lock:
-            run, self._run = self._run, None
-            _OPEN_RUNS.discard(self)
+        The pool calls this before a backup, a layer-wise load or ``check_verified``, and before an
+        error leaves a per-layer load (the caller may reuse the rows of a load it abandons)."""
+        if self._run is not None:
+            with self._lock:
+                self._close_run()
+
+    def _close_run(self) -> None:
+        run, self._run = self._run, None
+        _OPEN_RUNS.discard(self)
         if run is not None:
             run.flush()
 

@@ -296,6 +296,27 @@ def test_a_run_abandoned_on_an_error_is_checked_before_the_caller_can_reuse_its_
     assert info.value.pages == [bad_page] and info.value.layer_ids == [0]
 
 
+def test_a_verifying_pool_refuses_part_of_a_page_before_any_byte_moves():
+    dp, host = _pool("mha", "layer_first")
+    p = host.page_size
+    slots = host.alloc(2 * p)
+    dev = torch.arange(p, 3 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
+    before = [t.view(torch.uint8).clone() for t in dp.k_buffer + dp.v_buffer]  # random bytes: NaNs among them
+    with pytest.raises(ValueError, match=rf"\(verify=True\), whole pages only: got {2 * p - 1} slots, page_size {p}"):
+        host.load_to_device_per_layer(dp, slots[:-1], dev[:-1], 0, "auto")
+    assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(before, dp.k_buffer + dp.v_buffer))
+    table = host.verifier.table.clone()
+    with pytest.raises(ValueError, match=rf"whole pages only: got {p + 1} slots"):
+        host.backup_from_device_all_layer(dp, slots[: p + 1], dev[: p + 1], "auto")
+    with pytest.raises(ValueError, match=rf"whole pages only: got {p - 1} slots"):
+        host.submit_load(dp, slots[: p - 1], dev[: p - 1], "auto")  # refused when submitted, not on the loader
+    _sync()
+    assert torch.equal(host.verifier.table, table)  # no checksum rewritten either
+    host.check_verified()
+
+
 def test_check_verified_raises_at_once_and_swapped_pages_are_caught():
     dp, host = _pool("mha", "page_first")
     p = host.page_size
