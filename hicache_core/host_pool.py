@@ -10,6 +10,7 @@ cheaply, map layers, put indices where the implementation declared it wants them
 from __future__ import annotations
 
 import gc
+import logging
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from numbers import Real
@@ -35,7 +36,9 @@ from .pool_kinds import PoolKind
 from .registry import Registry, get_registry
 from .settings import flag
 from .validation import positive_int, strict_int
-from .verify import CheckBatch, PageVerifier, verify_default
+from .verify import ENV_VERIFY, CheckBatch, PageVerifier, verify_default
+
+_log = logging.getLogger("hicache")
 
 ENV_VALIDATE = "HICACHE_VALIDATE"
 VALIDATE = flag(ENV_VALIDATE, doc="1 checks indices, page structure and layer ownership on every host-pool call")
@@ -72,8 +75,9 @@ def make_host_pool(
     :param implementation: force one implementation by name (or a mapping operation -> name).
     :param validate: check index bounds and page structure on every call (default: ``HICACHE_VALIDATE``).
     :param verify: host-tier verification (:mod:`hicache_core.verify`): checksums taken on the device at
-        backup and checked on the device after every load (default: ``HICACHE_VERIFY``; ``HICACHE_VALIDATE``
-        does not imply it). A pool it cannot verify is refused here.
+        backup and checked on the device after every load. ``True``: a pool it cannot verify is refused
+        here. Default: ``HICACHE_VERIFY``, and where that is unset, on for CUDA pools that can be verified
+        and off for CPU pools (``host.verify_reason`` says which and why). ``HICACHE_VALIDATE`` does not imply it.
     :raises UnsupportedCombinationError: no installed implementation claims an operation.
     :raises ValueError, TypeError: an argument that would otherwise be coerced silently.
     """
@@ -144,15 +148,26 @@ def make_host_pool(
     plan = TransferPlan(geometry, spec, buffers, device_layers, DropReport(pinned))
     if validate is None:
         validate = VALIDATE.read()
-    if verify is None:
-        verify = verify_default()
-    elif not isinstance(verify, bool):
+    if verify is not None and not isinstance(verify, bool):
         raise TypeError(f"verify must be True, False or None (HICACHE_VERIFY), got {verify!r}")
+    asked, source = (verify, "verify") if verify is not None else (verify_default(), ENV_VERIFY)
     pool = HostPool(
         device_pool, tuple(draft_pools), geometry, spec, plan, resolved, deferred, io_backend, bool(validate), registry
     )
-    if verify:
+    if asked:
         pool._enable_verify()
+        pool.verify_reason = f"on: {source}=1" if source == ENV_VERIFY else "on: verify=True"
+    elif asked is False:
+        pool.verify_reason = f"off: {source}=0" if source == ENV_VERIFY else "off: verify=False"
+    elif plan.device.type != "cuda":
+        pool.verify_reason = "off: a CPU pool (on by default on CUDA; on the CPU hashing costs more than the copy)"
+    else:
+        try:
+            pool._enable_verify()
+            pool.verify_reason = "on: the default for a CUDA pool"
+        except ValueError as exc:
+            pool.verify_reason = f"off: {exc}"
+    pool._verify_asked = bool(asked)
     return pool
 
 
@@ -296,6 +311,9 @@ class HostPool(PageAccess):
         #: Host-tier verification (:mod:`hicache_core.verify`), or ``None`` when the pool does not verify.
         self.verifier: PageVerifier | None = None
         self.verify = False
+        #: Whether the pool verifies, and why (``"on: ..."``, ``"off: ..."``).
+        self.verify_reason = "off"
+        self._verify_asked = False
 
     def _enable_verify(self) -> None:
         try:
@@ -304,6 +322,24 @@ class HostPool(PageAccess):
         except ValueError as exc:
             raise ValueError(f"host pool ({self.geometry.kind}, layout {self.layout}): {exc}") from None
         self.verify = True
+
+    def _stop_verifying(self, why: str) -> None:
+        """Turn default verification off for good (bytes can now change behind the pool's back); a pool asked
+        to verify refuses instead."""
+        if self.verifier is None:
+            return
+        if self._verify_asked:
+            raise ValueError(
+                f"this host pool verifies its pages ({self.verify_reason[4:]}), but {why}: pages written there "
+                "would fail their checks. Make the pool with verify=False for this use"
+            )
+        self.verifier.close_run()
+        self.verifier.raise_if_failed()
+        self.verifier = None
+        self.verify = False
+        self.verify_reason = f"off: {why} (verification was on by default)"
+        _log.warning("host pool (%s, layout %s): verification turned %s", self.geometry.kind, self.layout,
+                     self.verify_reason)  # fmt: skip
 
     def _verify_indices(self, indices: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Indices as int64 on the pool's device for the checksum kernel: once per index tensor, never a sync."""

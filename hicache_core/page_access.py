@@ -103,6 +103,13 @@ class PageAccess:
 
     # ---- pages as raw runs ----------------------------------------------------------------------
 
+    def _handed_out(self, pages: list[int]) -> None:
+        """Pages handed out as raw pointers may be written unseen: their checksums are dropped, and their next
+        load takes one (:data:`hicache_core.page_checksum.NO_CHECKSUM`) instead of failing its check."""
+        verifier = getattr(self, "verifier", None)
+        if verifier is not None:
+            verifier.forget(pages)
+
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         """Pointers and byte sizes of the contiguous host runs of each page (zero-copy L3 I/O).
 
@@ -112,7 +119,9 @@ class PageAccess:
         """
         ptrs: list[int] = []
         sizes: list[int] = []
-        for page in self._page_starts(indices):
+        pages = self._page_starts(indices)
+        self._handed_out(pages)
+        for page in pages:
             runs = []
             for b, (spec, view) in enumerate(zip(self.spec.buffers, self._page_views(page))):
                 axes = [a for a in spec.axes if a != "page"]
@@ -142,6 +151,7 @@ class PageAccess:
         ptrs: list[int] = []
         sizes: list[int] = []
         pages = self._page_starts(indices)
+        self._handed_out(pages)
         views = {}
         for part in self.spec.parts:
             spec = self.spec.buffers[part.buffer]
@@ -176,9 +186,12 @@ class PageAccess:
 
         One region per buffer and index of the axes outside the page axis (``layer_first``: one
         per component and layer, K layers first; page-major layouts: one per buffer or component),
-        each a run of ``page_num`` equal items of one page.
+        each a run of ``page_num`` equal items of one page. A transfer engine may then write any page
+        at any time, unseen: a pool verifying by default stops (and says so in ``verify_reason`` and
+        a warning); one made with ``verify=True`` (or ``HICACHE_VERIFY=1``) refuses.
         """
         self._alive()
+        self._stop_verifying("get_contiguous_buf_infos handed the whole host memory out to be written at any time")
         ptrs: list[int] = []
         lens: list[int] = []
         items: list[int] = []

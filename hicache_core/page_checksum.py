@@ -37,6 +37,10 @@ import torch
 
 #: Items per checksum word: one word covers this many consecutive items (tokens) of a page.
 GROUP_TOKENS = 8
+#: A table word that holds no checksum: the page's bytes came by other means than a backup (written through
+#: raw pointers, or the slot freed since). The first load of the page takes its checksum instead of checking
+#: it. (A real checksum word equal to it, one chance in 2**64, is taken again rather than checked.)
+NO_CHECKSUM = 0x7FFFFFFFFFFFFFFF
 #: Twice the 64-bit golden ratio, mod 2**64 (fits a signed int64: kernels and torch use int64 arithmetic).
 M2 = (2 * 0x9E3779B97F4A7C15) % (1 << 64)
 _MASK64 = (1 << 64) - 1

@@ -68,9 +68,10 @@ def _flag(text: str) -> bool:
     raise ValueError(text)
 
 
-def flag(name: str, *, doc: str = "") -> Setting:
-    """An on/off setting: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (unset: off)."""
-    return Setting(name, _flag, f"1 or 0 (also {'/'.join(_TRUE[1:])} or {'/'.join(_FALSE[1:])})", False, doc)
+def flag(name: str, *, doc: str = "", default: bool | None = False) -> Setting:
+    """An on/off setting: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (unset: ``default``,
+    off unless given; ``None`` lets the reader decide)."""
+    return Setting(name, _flag, f"1 or 0 (also {'/'.join(_TRUE[1:])} or {'/'.join(_FALSE[1:])})", default, doc)
 
 
 def integer(name: str, *, minimum: int, default: int | None = None, doc: str = "") -> Setting:

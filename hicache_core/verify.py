@@ -1,7 +1,9 @@
 """Host-tier verification: every page's checksum taken on the device at backup, checked on the device after load.
 
-Opt-in per host pool (``make_host_pool(..., verify=True)``, or ``HICACHE_VERIFY=1`` for every
-pool). ``HICACHE_VALIDATE`` does not imply it: validation checks a call's arguments on the
+On by default for CUDA pools that can be verified (within 3 % of the transfer's own time on the
+H200: ``docs/correctness.md``), off for CPU pools, where hashing costs more than the copy;
+``make_host_pool(..., verify=True/False)`` or ``HICACHE_VERIFY=1/0`` decides for a pool or every
+pool. ``HICACHE_VALIDATE`` does not imply it: validation checks a call's arguments on the
 host, verification checks the bytes, and costs a table and a pass of device time per transfer.
 
 * **At backup** (all-layer or per-layer), beside the copy (on CUDA a side stream, ordered after what
@@ -49,15 +51,17 @@ from typing import Any
 import torch
 
 from . import metrics as _metrics
-from .page_checksum import checksum_rows, groups_per_page, row_words, seed
+from .page_checksum import NO_CHECKSUM, checksum_rows, groups_per_page, row_words, seed
 from .settings import flag
 
 ENV_VERIFY = "HICACHE_VERIFY"
-VERIFY = flag(ENV_VERIFY, doc="1 checks every load of every host pool against checksums taken at its backup")
+VERIFY = flag(ENV_VERIFY, default=None, doc="1 checks every load of every host pool against checksums taken at its "
+             "backup, 0 none; unset: CUDA pools that can be verified are, CPU pools are not")  # fmt: skip
 
 
-def verify_default() -> bool:
-    """Whether ``HICACHE_VERIFY`` asks for verification (unset or blank: no; a value it does not take raises)."""
+def verify_default() -> bool | None:
+    """What ``HICACHE_VERIFY`` asks for: True, False, or None when unset or blank (each pool's default: CUDA
+    pools that can be verified are, CPU pools are not). A value it does not take raises."""
     return VERIFY.read()
 
 
@@ -144,9 +148,10 @@ class PageVerifier:
                 raise ValueError("verify=True needs device layers aligned to 4 bytes")
             pinned = True
         #: ``(pages, layers, components, groups)`` int64: the checksum words, indexed by host page.
-        self.table = torch.zeros(
-            (self.num_pages, self.num_layers, len(self.components), self.groups), dtype=torch.int64, pin_memory=pinned
-        )
+        self.table = torch.full(
+            (self.num_pages, self.num_layers, len(self.components), self.groups), NO_CHECKSUM, dtype=torch.int64,
+            pin_memory=pinned,
+        )  # fmt: skip
         # Word 0: a call whose check failed; then one word per host page (the number of the call that failed it).
         self._words = torch.zeros(1 + self.num_pages, dtype=torch.int64, pin_memory=pinned)
         self._flag = ctypes.c_int64.from_address(self._words.data_ptr())
@@ -162,6 +167,9 @@ class PageVerifier:
         #: Pages that failed a check, and checks that failed, since the pool was made (the metrics read these).
         self.failed_pages_total = 0
         self.failed_calls_total = 0
+        #: Pages whose checksums were dropped because their bytes were handed out as raw pointers (a store or
+        #: a transfer engine may write them): their next load takes its checksum instead of checking it.
+        self.unchecked_pages_total = 0
         if kernel and not self.cuda:
             from .gpu.device import interpreting
 
@@ -271,7 +279,11 @@ class PageVerifier:
                 if not check:
                     self.table[hp, lyr, c] = sums
                     continue
-                bad = (self.table[hp, lyr, c] != sums).any(dim=1)
+                stored = self.table[hp, lyr, c]
+                unset = stored == NO_CHECKSUM  # no checksum to check against: this load's is taken
+                if bool(unset.any()):
+                    self.table[hp, lyr, c] = torch.where(unset, sums, stored)
+                bad = ((stored != sums) & ~unset).any(dim=1)
                 if bool(bad.any()):
                     self._failed[hp[bad]] = seq
                     self._flag.value = seq
@@ -305,13 +317,15 @@ class PageVerifier:
         when it reaches the pool's last layer, on the side stream after that layer's copies; the
         caller's stream waits for the check after that call (a per-layer check beside the next
         layer's copy kernel slowed it by up to 14 %). Any other call closes an open run first."""
-        stream = torch.cuda.current_stream(self.device) if self._side is not None else None
+        # The stream's handle (a cheap call) tells whether the run goes on; its object is taken when one starts.
+        raw = torch._C._cuda_getCurrentRawStream(self._device_index) if self._side is not None else 0
         with self._lock:  # another thread's backup may close the run meanwhile
             run = self._run
-            if run is not None and not run.continues(hidx, didx, layer, stream):
+            if run is not None and not run.continues(hidx, didx, layer, raw):
                 self._close_run()
                 run = None
             if run is None:
+                stream = torch.cuda.current_stream(self.device) if self._side is not None else None
                 run = self._run = CheckBatch(self, self.num_layers, stream)
                 self._run_thread = threading.get_ident()
                 _OPEN_RUNS.add(self)
@@ -443,13 +457,25 @@ class PageVerifier:
         return self.slots_of(pages)
 
     def release(self, slots: torch.Tensor) -> None:
-        """Freed slots leave the quarantine (a new backup will checksum whatever is written there)."""
+        """Freed slots leave the quarantine, and their checksums are dropped (whatever is written there next
+        is checksummed by its backup, or by its first load)."""
+        starts = slots.to("cpu", torch.int64).reshape(-1)[:: self.page_size] // self.page_size
+        self.table[starts] = NO_CHECKSUM
         if not self.quarantine:
             return
-        pages = set((slots.to("cpu", torch.int64).reshape(-1)[:: self.page_size] // self.page_size).tolist())
+        pages = set(starts.tolist())
         with self._lock:
             self.quarantine -= pages
             self._untaken -= pages
+
+    def forget(self, pages: list[int]) -> None:
+        """Drop the checksums of ``pages``, whose bytes were handed out as raw pointers (see :data:`NO_CHECKSUM`).
+
+        A store that writes a page through them leaves no checksum; one that only reads it leaves the
+        page unchanged, and its next load takes the same checksum again."""
+        if pages:
+            self.table[torch.tensor(pages, dtype=torch.int64)] = NO_CHECKSUM
+            self.unchecked_pages_total += len(pages)
 
     def slots_of(self, pages: list[int]) -> torch.Tensor:
         if not pages:
@@ -514,15 +540,15 @@ class CheckBatch:
         self._last = -1
         self._done: Any = None
 
-    def continues(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, stream: Any) -> bool:
+    def continues(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, raw_stream: int) -> bool:
         """Whether a per-layer load of ``layer`` continues this run: the next layer, the same unmodified
-        index tensors, the same stream."""
+        index tensors, the same stream (``raw_stream``: its handle; 0 on the CPU)."""
         return (
             layer == self._last + 1
             and hidx is self._hidx
             and didx is self._didx
             and (_version(hidx), _version(didx)) == self._versions
-            and (stream is None or stream.cuda_stream == self._stream.cuda_stream)
+            and (self._stream is None or raw_stream == self._stream.cuda_stream)
         )
 
     def add(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, seq: int) -> None:

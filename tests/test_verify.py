@@ -12,7 +12,7 @@ from core_helpers import DEVICE, device_pool, fill_random
 import hicache_core as hc
 import hicache_core.verify
 from hicache_core.layer_loads import LayerLoadError
-from hicache_core.page_checksum import GROUP_TOKENS, M2, checksum_bytes_reference, checksum_rows, seed
+from hicache_core.page_checksum import GROUP_TOKENS, M2, NO_CHECKSUM, checksum_bytes_reference, checksum_rows, seed
 from hicache_core.storage import PageStatus, make_storage
 from hicache_core.storage.page_format import HEADER_SIZE
 from hicache_core.verify import PageVerificationError, PageVerifier
@@ -570,3 +570,99 @@ def test_the_flat_page_path_reads_pages_with_and_without_a_checksum_row():
     assert again is not None and torch.equal(again, host.get_data_page(int(slots[4])))
     got = store.read_pages(["b"], host.alloc(4))[0]  # a verifying pool cannot check a page without its row
     assert got.status is PageStatus.MISMATCH and "bytes" in got.detail  # (zero-copy: the object size differs)
+
+
+# ---- pages without a checksum, and the default -----------------------------------------------------
+
+
+def _write_host_pages(host, pages: list[int], seed: int) -> None:
+    """Bytes written straight into host pages (as a store or transfer engine writes them through raw pointers)."""
+    g = torch.Generator().manual_seed(seed)
+    for page in pages:
+        for view in host._page_views(page):
+            raw = view.view(torch.uint8) if view.dtype != torch.uint8 else view
+            raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+
+
+def _with_kernel_or_not(host, with_kernel: bool) -> None:
+    if with_kernel:
+        if os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu":
+            pytest.skip("the kernel on CPU pools: under TRITON_INTERPRET=1")
+        host.verifier = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True,
+                                     last_layers=(host._owned - 1,))  # fmt: skip
+
+
+@pytest.mark.parametrize("with_kernel", [False, True])
+def test_a_page_written_by_other_means_is_checksummed_by_its_first_load_then_checked(with_kernel):
+    dp, host = _pool("mha", "page_first")
+    _with_kernel_or_not(host, with_kernel)
+    p = host.page_size
+    slots = host.alloc(2 * p)
+    dev = torch.arange(p, 3 * p)
+    pages = [int(s) // p for s in slots[::p]]
+    _write_host_pages(host, pages, seed=11)  # never backed up: no checksum yet
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
+    host.check_verified()  # nothing to check against: the load took the checksums, and reports nothing
+    want = checksum_rows(dp.k_buffer[1][dev].cpu(), 1, 0, p)
+    assert torch.equal(host.verifier.table[pages, 1, 0], want)  # ... of the bytes it loaded
+    _flip_host_byte(host, pages[1], layer=2)
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
+    with pytest.raises(PageVerificationError) as info:  # from then on, a flipped bit is caught
+        host.check_verified()
+    assert info.value.pages == [pages[1]] and info.value.layer_ids == [2]
+
+
+def test_pages_handed_out_as_raw_pointers_or_freed_drop_their_checksums_and_no_others():
+    dp, host = _pool("mha", "page_first_direct")
+    p = host.page_size
+    slots = host.alloc(3 * p)
+    dev = torch.arange(p, 4 * p)
+    pages = [int(s) // p for s in slots[::p]]
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
+    ptrs, sizes = host.get_page_buffer_meta(slots[: 2 * p])  # a store will write pages 0 and 1 through these
+    assert len(ptrs) == len(sizes) > 0
+    assert host.verifier.unchecked_pages_total == 2
+    _write_host_pages(host, pages[:2], seed=12)  # ... and does: other bytes than the backup's
+    _flip_host_byte(host, pages[2], layer=0)  # page 2 was not handed out: its bytes must still match
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
+    with pytest.raises(PageVerificationError) as info:
+        host.check_verified()
+    assert info.value.pages == [pages[2]]  # not pages 0 and 1: their bytes came by other means
+    host.free(slots)
+    assert bool((host.verifier.table[pages] == NO_CHECKSUM).all())  # the freed pages' checksums went with them
+    assert host.alloc(host.available_size()) is not None  # taken again (every page of the pool) ...
+    _write_host_pages(host, pages, seed=13)  # ... and written by other means
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
+    host.check_verified()
+
+
+def test_the_default_is_on_for_cuda_pools_that_can_be_verified_and_off_for_cpu_pools(monkeypatch):
+    monkeypatch.delenv("HICACHE_VERIFY", raising=False)
+    dp = device_pool("mha", 4, pages=6)
+    host = hc.make_host_pool(dp, layout="page_first", io_backend="auto")
+    if DEVICE == "cpu":
+        assert host.verifier is None and not host.verify
+        assert host.verify_reason.startswith("off: a CPU pool (on by default on CUDA")
+    else:
+        assert host.verifier is not None and host.verify_reason == "on: the default for a CUDA pool"
+        unpinned = hc.make_host_pool(dp, layout="page_first", io_backend="auto", pin_memory=False)
+        assert unpinned.verifier is None and "needs pinned host memory" in unpinned.verify_reason
+        with pytest.raises(ValueError, match="needs pinned host memory"):  # asked for: refused, as ever
+            hc.make_host_pool(dp, layout="page_first", io_backend="auto", pin_memory=False, verify=True)
+        host.get_contiguous_buf_infos()  # the whole memory handed out: the default stops, saying why (a warning)
+        assert host.verifier is None and host.verify_reason.startswith("off: get_contiguous_buf_infos handed")
+    for value, on in (("1", True), ("0", False)):
+        monkeypatch.setenv("HICACHE_VERIFY", value)
+        pool = hc.make_host_pool(dp, layout="page_first", io_backend="auto")
+        assert pool.verify is on and pool.verify_reason == f"{'on' if on else 'off'}: HICACHE_VERIFY={value}"
+    assert hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True).verify_reason == "on: verify=True"
+    monkeypatch.setenv("HICACHE_VERIFY", "1")
+    asked = hc.make_host_pool(dp, layout="page_first", io_backend="auto")
+    with pytest.raises(ValueError, match=r"verifies its pages \(HICACHE_VERIFY=1\), but get_contiguous_buf_infos"):
+        asked.get_contiguous_buf_infos()  # asked for: the pool refuses rather than stop
+    assert asked.verify

@@ -1,16 +1,17 @@
 """The page checksum on the device, in Triton (imports triton: only :mod:`hicache_core.verify` imports it, lazily,
 for a verifying pool on CUDA).
 
-One program per (page of the call, entry): an entry is one (host layer, component) with its
-device layer's address, row stride, row words, seed and column in the checksum table. A program
-reads its page's rows in tiles of ``TILE_T`` rows by ``BLOCK_W`` words (coalesced along the row),
-sums each row, then each group of ``GROUP`` rows: one pass over the page bytes, and the page's
-checksum words read or written as one run of the table row. ``CHECK=False`` stores the sums in
-the checksum table (backup); ``CHECK=True`` compares them with it (after a load) and, for a
-mismatch, stores the call's number in the failure word and in the page's failure slot (masked
-stores: a clean check writes nothing). One launch may cover many layers (a whole load's): with
-``SEQ_STEP > 0`` the call number written for entry ``e`` is ``seq - e // SEQ_STEP`` (one number
-per layer of the launch, which the verifier maps back to the layer's call).
+One program per (page of the call, entry): an entry is one (host layer, component) with its device
+layer's address, row stride, row words, seed and column in the checksum table. A program reads its
+page's rows in tiles of ``TILE_T`` rows by ``BLOCK_W`` words (coalesced along the row), sums each
+row, then each group of ``GROUP`` rows: one pass over the page bytes, and the page's checksum words
+read or written as one run of the table row. ``CHECK=False`` stores the sums in the checksum table
+(backup); ``CHECK=True`` compares them with it (after a load) and, for a mismatch, stores the call's
+number in the failure word and in the page's failure slot (masked stores: a clean check writes
+nothing); a table word that holds no checksum (:data:`~hicache_core.page_checksum.NO_CHECKSUM`)
+takes the loaded bytes' instead. One launch may cover many layers (a whole load's): with ``SEQ_STEP
+> 0`` the call number written for entry ``e`` is ``seq - e // SEQ_STEP`` (one number per layer of
+the launch, which the verifier maps back to the layer's call).
 
 The definition's sum ``sum(w_j * (s + j * M2))`` is taken as ``s * sum(w_j) + M2 * sum(j * w_j)``
 (equal mod 2**64): per word one 32 x 32 -> 64-bit multiply and two adds instead of two 64-bit
@@ -27,9 +28,10 @@ Out-of-range indices are skipped (the transfer that received them reports them).
 import triton
 import triton.language as tl
 
-from ..page_checksum import M2
+from ..page_checksum import M2, NO_CHECKSUM
 
 _M2 = tl.constexpr(M2)
+_NO_CHECKSUM = tl.constexpr(NO_CHECKSUM)
 #: int64 columns of an entry: device layer offset, row stride (bytes), row words, seed, table column, rows.
 ENTRY_COLUMNS = 6
 _COLS = tl.constexpr(ENTRY_COLUMNS)
@@ -118,9 +120,11 @@ def page_checksums(
         group_jw = tl.sum(tl.reshape(tl.sum(sum_jw, axis=1), (TILE_T // GROUP, GROUP)), axis=1)
         total = (group_w * s + group_jw * _M2).to(tl.int64, bitcast=True)
         if CHECK:
-            bad = tl.max((live_g & (expected != total)).to(tl.int32), axis=0) > 0
+            unset = expected == _NO_CHECKSUM  # no checksum to check against: this load's is taken
+            bad = tl.max((live_g & ~unset & (expected != total)).to(tl.int32), axis=0) > 0
             tl.store((anchor + fail_word).to(tl.pointer_type(tl.int64)), fail_seq, mask=bad)
             tl.store((anchor + fail_pages).to(tl.pointer_type(tl.int64)) + hp, fail_seq, mask=bad)
+            tl.store(slots + g, total, mask=live_g & unset)
         else:
             tl.store(slots + g, total, mask=live_g)
         t0 += TILE_T

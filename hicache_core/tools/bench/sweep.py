@@ -285,8 +285,9 @@ def _time_implementation(case: Case, name: str, impl: Implementation, token_coun
 
 def _pool_host_time_us(case: Case, impl: Implementation, h: torch.Tensor, d: torch.Tensor) -> float:
     """Host time per 64-token load through a host pool bound to ``impl`` (what a server calls)."""
+    # Unverified, as the rows beside it: benchmarks/verify_cost.py measures what verification adds.
     host = make_host_pool(case.dev, layout=case.layout, io_backend=impl.io_backend, size=case.host.size,
-                          implementation=impl.name, operations=(LOAD,), validate=False)  # fmt: skip
+                          implementation=impl.name, operations=(LOAD,), validate=False, verify=False)  # fmt: skip
     mine = host.implementation_for(LOAD)
     if hasattr(mine, "max_ctas"):
         mine.max_ctas = 8
