@@ -330,8 +330,8 @@ class HostPool(PageAccess):
             return
         if self._verify_asked:
             raise ValueError(
-                f"this host pool verifies its pages ({self.verify_reason[4:]}), but {why}: pages written there "
-                "would fail their checks. Make the pool with verify=False for this use"
+                f"this host pool verifies its pages ({self.verify_reason[4:]}), but {why}. Make the pool with "
+                "verify=False for this use"
             )
         self.verifier.close_run()
         self.verifier.raise_if_failed()
@@ -724,10 +724,10 @@ class HostPool(PageAccess):
         return host_indices, device_indices
 
     def _refuse_part_of_a_page(self, n: int) -> None:
-        raise ValueError(
-            f"this host pool verifies its pages (verify=True), whole pages only: got {n} slots, page_size "
-            f"{self.page_size}; pass whole pages, or make the pool with verify=False to move part of one"
-        )
+        """A checksum covers a whole page: a call that moves part of one ends default verification, and is
+        refused by a pool asked to verify (before any byte moves, either way)."""
+        self._stop_verifying(f"a call moved {n} slots, part of a page (page_size {self.page_size}), and a checksum "
+                             "covers whole pages")  # fmt: skip
 
     def _page_items(self, slots: torch.Tensor, what: str) -> torch.Tensor:
         """Page-item pools: whole pages of token slots -> page numbers (checked; converted once per tensor)."""

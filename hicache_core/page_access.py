@@ -191,7 +191,8 @@ class PageAccess:
         a warning); one made with ``verify=True`` (or ``HICACHE_VERIFY=1``) refuses.
         """
         self._alive()
-        self._stop_verifying("get_contiguous_buf_infos handed the whole host memory out to be written at any time")
+        self._stop_verifying("get_contiguous_buf_infos handed the whole host memory out, to be written at any time "
+                             "unseen")
         ptrs: list[int] = []
         lens: list[int] = []
         items: list[int] = []

@@ -304,13 +304,14 @@ def test_a_verifying_pool_refuses_part_of_a_page_before_any_byte_moves():
     host.backup_from_device_all_layer(dp, slots, dev, "auto")
     _sync()
     before = [t.view(torch.uint8).clone() for t in dp.k_buffer + dp.v_buffer]  # random bytes: NaNs among them
-    with pytest.raises(ValueError, match=rf"\(verify=True\), whole pages only: got {2 * p - 1} slots, page_size {p}"):
+    moved = rf"\(verify=True\), but a call moved {2 * p - 1} slots, part of a page \(page_size {p}\)"
+    with pytest.raises(ValueError, match=moved):
         host.load_to_device_per_layer(dp, slots[:-1], dev[:-1], 0, "auto")
     assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(before, dp.k_buffer + dp.v_buffer))
     table = host.verifier.table.clone()
-    with pytest.raises(ValueError, match=rf"whole pages only: got {p + 1} slots"):
+    with pytest.raises(ValueError, match=rf"a call moved {p + 1} slots, part of a page"):
         host.backup_from_device_all_layer(dp, slots[: p + 1], dev[: p + 1], "auto")
-    with pytest.raises(ValueError, match=rf"whole pages only: got {p - 1} slots"):
+    with pytest.raises(ValueError, match=rf"a call moved {p - 1} slots, part of a page"):
         host.submit_load(dp, slots[: p - 1], dev[: p - 1], "auto")  # refused when submitted, not on the loader
     _sync()
     assert torch.equal(host.verifier.table, table)  # no checksum rewritten either
@@ -656,6 +657,9 @@ def test_the_default_is_on_for_cuda_pools_that_can_be_verified_and_off_for_cpu_p
             hc.make_host_pool(dp, layout="page_first", io_backend="auto", pin_memory=False, verify=True)
         host.get_contiguous_buf_infos()  # the whole memory handed out: the default stops, saying why (a warning)
         assert host.verifier is None and host.verify_reason.startswith("off: get_contiguous_buf_infos handed")
+        partial = hc.make_host_pool(dp, layout="page_first", io_backend="auto")
+        partial.load_to_device_per_layer(dp, partial.alloc(4)[:3], torch.arange(4, 7, device=DEVICE), 0, "auto")
+        assert partial.verifier is None and partial.verify_reason.startswith("off: a call moved 3 slots, part of")
     for value, on in (("1", True), ("0", False)):
         monkeypatch.setenv("HICACHE_VERIFY", value)
         pool = hc.make_host_pool(dp, layout="page_first", io_backend="auto")
