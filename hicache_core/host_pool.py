@@ -603,7 +603,7 @@ class HostPool(PageAccess):
                     verifier.backup(h, d, layer, self._drops.seq)
         except BaseException:
             if self.verifier is not None:  # the caller may reuse the rows of a load it abandons on this error
-                self.verifier.close_run()
+                self.verifier.close_run(wait_host=True)
             raise
 
     def _call(self, impl: Implementation, op: str, *args) -> None:

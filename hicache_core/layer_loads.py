@@ -352,7 +352,7 @@ class LayerLoader:
             try:
                 job.step(layer)
             except BaseException as exc:  # noqa: BLE001 - raised by the consumer's wait, not here
-                close_runs_of_this_thread()  # before the consumers learn of it: they may reuse the rows
+                close_runs_of_this_thread(wait_host=True)  # before the consumers learn of it: they may reuse the rows
                 load._fail(layer, exc)
                 break
             event = None

@@ -48,6 +48,19 @@ _LOW32 = 0xFFFFFFFF
 assert M2 < (1 << 63)
 
 
+#: int64 columns of a kernel entry: device layer offset, row stride (bytes), row words, seed, table column, rows.
+ENTRY_COLUMNS = 6
+
+
+def tile_shape(tokens: int, row_words: int) -> tuple[int, int, int]:
+    """``(TILE_T, GROUP, BLOCK_W)`` for pages of ``tokens`` items whose widest row has ``row_words`` words."""
+    tile_t = min(64, 1 << (tokens - 1).bit_length())
+    group = min(GROUP_TOKENS, tile_t)
+    # Two 64-bit sums per lane: a tile of 64 x 64 words keeps them in registers (the loop covers longer rows).
+    block_w = min(64, 1 << max(2, (row_words - 1).bit_length()))
+    return tile_t, group, block_w
+
+
 def groups_per_page(tokens_per_page: int) -> int:
     """Checksum words per page, layer and component."""
     return math.ceil(tokens_per_page / GROUP_TOKENS)

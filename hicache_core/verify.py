@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from . import metrics as _metrics
-from .page_checksum import NO_CHECKSUM, checksum_rows, groups_per_page, row_words, seed
+from .page_checksum import ENTRY_COLUMNS, NO_CHECKSUM, checksum_rows, groups_per_page, row_words, seed, tile_shape
 from .settings import flag
 
 ENV_VERIFY = "HICACHE_VERIFY"
@@ -193,8 +193,6 @@ class PageVerifier:
     # ---- the device side --------------------------------------------------------------------
 
     def _bind_kernel(self) -> None:
-        from .gpu.page_checksum_kernel import ENTRY_COLUMNS, tile_shape
-
         self._anchor = self.components[0][0]
         self._device_index = self.device.index if self.device.index is not None else -1
         if self.cuda and self.device.index is None:
@@ -333,20 +331,22 @@ class PageVerifier:
             if layer in self._run_ends:
                 self._close_run()
 
-    def close_run(self) -> None:
-        """Check the open run of per-layer loads now; the current stream waits for the check (CUDA).
+    def close_run(self, wait_host: bool = False) -> None:
+        """Check the open run of per-layer loads now; the current stream and the run's own wait for the check
+        (CUDA), and with ``wait_host`` this thread too.
 
         The pool calls this before a backup, a layer-wise load or ``check_verified``, and before an
-        error leaves a per-layer load (the caller may reuse the rows of a load it abandons)."""
+        error leaves a per-layer load (``wait_host``: the caller may reuse the rows of a load it
+        abandons, on any stream, once it learns of the error)."""
         if self._run is not None:
             with self._lock:
-                self._close_run()
+                self._close_run(wait_host)
 
-    def _close_run(self) -> None:
+    def _close_run(self, wait_host: bool = False) -> None:
         run, self._run = self._run, None
         _OPEN_RUNS.discard(self)
         if run is not None:
-            run.flush()
+            run.flush(wait_host)
 
     def batch(self, layers: int) -> CheckBatch:
         """A batch for the checks of one layer-wise load of ``layers`` layers (:class:`CheckBatch`)."""
@@ -498,15 +498,16 @@ _BATCH_CALLS = 1 << 16
 _OPEN_RUNS: weakref.WeakSet[PageVerifier] = weakref.WeakSet()
 
 
-def close_runs_of_this_thread() -> None:
+def close_runs_of_this_thread(wait_host: bool = False) -> None:
     """Check the runs of per-layer loads this thread left open (the layer loader calls this after a job's
-    steps, which may call ``load_to_device_per_layer`` and fail before the last layer)."""
+    steps, which may call ``load_to_device_per_layer`` and fail before the last layer; ``wait_host``: see
+    :meth:`PageVerifier.close_run`)."""
     if not _OPEN_RUNS:
         return
     me = threading.get_ident()
     for verifier in list(_OPEN_RUNS):
         if verifier._run_thread == me:
-            verifier.close_run()
+            verifier.close_run(wait_host)
 
 
 def _version(t: torch.Tensor) -> int:
@@ -571,12 +572,18 @@ class CheckBatch:
             done = self._verifier._check_layers(self._h, self._d, layers, seqs, self._stream)
             self._done = done or self._done
 
-    def flush(self) -> None:
-        """Check the layers noted since the last run, and order the current stream after every check."""
+    def flush(self, wait_host: bool = False) -> None:
+        """Check the layers noted since the last run; order the current stream and the copies' stream after
+        every check (what either runs next may rewrite the loaded rows), and with ``wait_host`` this thread."""
         self._launch()
         done, self._done = self._done, None
-        if done is not None:
-            torch.cuda.current_stream(self._verifier.device).wait_event(done)  # recorded: the runs were launched
+        if done is not None:  # recorded: the runs were launched
+            current = torch.cuda.current_stream(self._verifier.device)
+            current.wait_event(done)
+            if self._stream is not None and self._stream.cuda_stream != current.cuda_stream:
+                self._stream.wait_event(done)
+            if wait_host:
+                done.synchronize()
         self._hidx = self._didx = self._h = self._d = None
 
 

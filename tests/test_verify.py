@@ -651,10 +651,12 @@ def test_the_default_is_on_for_cuda_pools_that_can_be_verified_and_off_for_cpu_p
         assert host.verify_reason.startswith("off: a CPU pool (on by default on CUDA")
     else:
         assert host.verifier is not None and host.verify_reason == "on: the default for a CUDA pool"
-        unpinned = hc.make_host_pool(dp, layout="page_first", io_backend="auto", pin_memory=False)
-        assert unpinned.verifier is None and "needs pinned host memory" in unpinned.verify_reason
-        with pytest.raises(ValueError, match="needs pinned host memory"):  # asked for: refused, as ever
-            hc.make_host_pool(dp, layout="page_first", io_backend="auto", pin_memory=False, verify=True)
+        odd = hc.MHADevicePool(64, 4, torch.float8_e4m3fn, 1, 6, 2, DEVICE)  # 6-byte rows: not whole words
+        unverifiable = hc.make_host_pool(odd, layout="page_first", io_backend="auto")
+        assert unverifiable.verifier is None and unverifiable.verify_reason.startswith("off: ")
+        assert "a device row of 6 bytes is not a whole number of 32-bit words" in unverifiable.verify_reason
+        with pytest.raises(ValueError, match="not a whole number of 32-bit words"):  # asked for: refused, as ever
+            hc.make_host_pool(odd, layout="page_first", io_backend="auto", verify=True)
         host.get_contiguous_buf_infos()  # the whole memory handed out: the default stops, saying why (a warning)
         assert host.verifier is None and host.verify_reason.startswith("off: get_contiguous_buf_infos handed")
         partial = hc.make_host_pool(dp, layout="page_first", io_backend="auto")

@@ -28,12 +28,10 @@ Out-of-range indices are skipped (the transfer that received them reports them).
 import triton
 import triton.language as tl
 
-from ..page_checksum import M2, NO_CHECKSUM
+from ..page_checksum import ENTRY_COLUMNS, M2, NO_CHECKSUM
 
 _M2 = tl.constexpr(M2)
 _NO_CHECKSUM = tl.constexpr(NO_CHECKSUM)
-#: int64 columns of an entry: device layer offset, row stride (bytes), row words, seed, table column, rows.
-ENTRY_COLUMNS = 6
 _COLS = tl.constexpr(ENTRY_COLUMNS)
 
 
@@ -130,22 +128,13 @@ def page_checksums(
         t0 += TILE_T
 
 
-def tile_shape(tokens: int, row_words: int) -> tuple[int, int, int]:
-    """``(TILE_T, GROUP, BLOCK_W)`` for pages of ``tokens`` items whose widest row has ``row_words`` words."""
-    from ..page_checksum import GROUP_TOKENS
-
-    tile_t = min(64, 1 << (tokens - 1).bit_length())
-    group = min(GROUP_TOKENS, tile_t)
-    # Two 64-bit sums per lane: a tile of 64 x 64 words keeps them in registers (the loop covers longer rows).
-    block_w = min(64, 1 << max(2, (row_words - 1).bit_length()))
-    return tile_t, group, block_w
-
-
 def launch(anchor, entries_off, hidx_off, didx_off, table_off, fail_word_off, fail_pages_off, seq, host_pages,
            table_columns, pages, num_entries, groups, tokens, tile, check, seq_step, align,
            stages) -> None:  # fmt: skip
-    """Launch :func:`page_checksums` over ``pages`` x ``num_entries`` programs (``tile``: :func:`tile_shape`;
-    ``align``: words every device row starts on, 1, 2 or 4; ``stages``: 0 under the interpreter)."""
+    """Launch :func:`page_checksums` over ``pages`` x ``num_entries`` programs.
+
+    ``tile``: :func:`hicache_core.page_checksum.tile_shape`; ``align``: words every device row starts on,
+    1, 2 or 4; ``stages``: 0 under the interpreter."""
     tile_t, group, block_w = tile
     page_checksums[(pages, num_entries)](
         anchor, entries_off, hidx_off, didx_off, table_off, fail_word_off, fail_pages_off, seq, host_pages,
