@@ -17,8 +17,10 @@ host, verification checks the bytes, and costs a table and a pass of device time
   layer-wise load's (``HostPool.submit_load``) on the loader's stream, and a server's loop of
   per-layer loads (consecutive layers, the same indices, one stream: a *run*) when the run reaches
   the pool's last layer, on the caller's stream. The layers' consumers do not wait for it; what
-  follows the last layer does. A run that stops short is checked at the pool's next call of
-  another kind (a backup, ``check_verified``, another load). A mismatch stores the call's number in a
+  follows the last layer on the caller's stream and on the copies' stream does. A run that stops
+  short is checked at the pool's next call of another kind (a backup, ``check_verified``, another
+  load), and before an error leaves a call (waited for on the host: the caller may reuse the rows
+  of a load it abandons). A mismatch stores the call's number in a
   pinned failure word and in the failing host pages' slots, as a kernel that masks indices
   reports them (:mod:`hicache_core.drops`): no host sync, no host hashing, nothing on the link
   when every page is good.
