@@ -519,7 +519,7 @@ class HostPool(PageAccess):
         a layer's error is raised there. Arguments are checked here, before anything is queued.
         ``timing``: the load's start and finish events time it (``load.start_event.elapsed_time``).
         """
-        self._impl(LOAD, io_backend)
+        impl = self._impl(LOAD, io_backend)[0]
         ids = list(range(self.start_layer, self.end_layer)) if layer_ids is None else list(layer_ids)
         for layer_id in ids:
             self._host_layer(device_pool, layer_id, False)
@@ -529,7 +529,7 @@ class HostPool(PageAccess):
         batch = None
         if self.verifier is not None:
             self.verifier.close_run()
-            batch = self.verifier.batch(len(ids))
+            batch = self.verifier.batch(len(ids), impl.engine)
 
         def step(i: int) -> None:
             self._per_layer(LOAD, device_pool, host_indices, device_indices, ids[i], io_backend, False, batch)

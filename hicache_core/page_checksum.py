@@ -56,8 +56,9 @@ def tile_shape(tokens: int, row_words: int) -> tuple[int, int, int]:
     """``(TILE_T, GROUP, BLOCK_W)`` for pages of ``tokens`` items whose widest row has ``row_words`` words."""
     tile_t = min(64, 1 << (tokens - 1).bit_length())
     group = min(GROUP_TOKENS, tile_t)
-    # Two 64-bit sums per lane: a tile of 64 x 64 words keeps them in registers (the loop covers longer rows).
-    block_w = min(64, 1 << max(2, (row_words - 1).bit_length()))
+    # Two 64-bit sums per lane: a tile of 64 x 32 words keeps them in registers with the next tiles' loads in
+    # flight (the loop covers longer rows); 64 words spilled (benchmarks/results/verify-check-variants-h200.json).
+    block_w = min(32, 1 << max(2, (row_words - 1).bit_length()))
     return tile_t, group, block_w
 
 

@@ -1,7 +1,7 @@
 """Host-tier verification: every page's checksum taken on the device at backup, checked on the device after load.
 
-On by default for CUDA pools that can be verified (within 3 % of the transfer's own time on the
-H200: ``docs/correctness.md``), off for CPU pools, where hashing costs more than the copy;
+On by default for CUDA pools that can be verified (its cost: ``docs/correctness.md``), off for CPU
+pools, where hashing costs more than the copy;
 ``make_host_pool(..., verify=True/False)`` or ``HICACHE_VERIFY=1/0`` decides for a pool or every
 pool. ``HICACHE_VALIDATE`` does not imply it: validation checks a call's arguments on the
 host, verification checks the bytes, and costs a table and a pass of device time per transfer.
@@ -14,10 +14,12 @@ host, verification checks the bytes, and costs a table and a pass of device time
   pinned on CUDA, next to the host buffers, reached by the kernel through UVA.
 * **After a load**, a kernel checksums the device rows that were just loaded and compares them with
   the table, once for all the layers of a load, after the last one (:class:`CheckBatch`): a
-  layer-wise load's (``HostPool.submit_load``) on the loader's stream, and a server's loop of
-  per-layer loads (consecutive layers, the same indices, one stream: a *run*) when the run reaches
-  the pool's last layer, on the caller's stream. The layers' consumers do not wait for it; what
-  follows the last layer on the caller's stream and on the copies' stream does. A run that stops
+  layer-wise load's (``HostPool.submit_load``) on the loader's stream (when the copy engine makes
+  its copies, and the SMs are free meanwhile, in a few runs, all but the last beside later layers'
+  copies), and a server's loop of per-layer loads (consecutive layers, the same indices, one
+  stream: a *run*) when the run reaches the pool's last layer, on the caller's stream. The layers'
+  consumers do not wait for it; what follows the last layer on the caller's stream and on the
+  copies' stream does. A run that stops
   short is checked at the pool's next call of another kind (a backup, ``check_verified``, another
   load), and before an error leaves a call (waited for on the host: the caller may reuse the rows
   of a load it abandons). A mismatch stores the call's number in a
@@ -224,7 +226,7 @@ class PageVerifier:
         facts += [layers[0].stride(0) for layers in self.components] + [4 * w for w in self.words]
         self._align = next(a for a in (4, 2, 1) if all(f % (4 * a) == 0 for f in facts))
         # Compiled: the word loop is software-pipelined; the interpreter runs plain loops.
-        self._stages = 0 if not self.cuda else 3
+        self._stages = 0 if not self.cuda else 6
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the entry tables are on the device before the first launch
 
@@ -350,9 +352,10 @@ class PageVerifier:
         if run is not None:
             run.flush(wait_host)
 
-    def batch(self, layers: int) -> CheckBatch:
-        """A batch for the checks of one layer-wise load of ``layers`` layers (:class:`CheckBatch`)."""
-        return CheckBatch(self, layers)
+    def batch(self, layers: int, engine: str = "sm") -> CheckBatch:
+        """A batch for the checks of one layer-wise load of ``layers`` layers, whose copies run on ``engine``
+        (:class:`CheckBatch`)."""
+        return CheckBatch(self, layers, None, engine)
 
     def _check_layers(self, hidx: torch.Tensor, didx: torch.Tensor, layers: list[int], seqs: list[int],
                       stream: Any = None) -> Any:  # fmt: skip
@@ -521,17 +524,17 @@ class CheckBatch:
 
     A per-layer check costs a launch per layer, and beside the next layer's copy kernel it slows the
     copy; a load's layers share their indices, so one launch over a run of layers checks the same
-    bytes against the same table rows. The layers are checked in :data:`CHECK_RUNS` runs, each
-    launched on the side stream after its last layer's copies (on ``stream``, where they are
-    enqueued; default: the current one). Layers are consumed as soon as their copies end (their
-    events do not wait for a check); :meth:`flush` orders the current stream after every check. A
-    failure is reported as ever, by the pool's first call after the check ran, naming each failing
-    layer's own call.
+    bytes against the same table rows. The layers are checked in runs (:func:`check_runs` of the
+    copies' ``engine``; one for a run of per-layer loads), each launched on the side stream after its
+    last layer's copies (on ``stream``, where they are enqueued; default: the current one). Layers
+    are consumed as soon as their copies end (their events do not wait for a check); :meth:`flush`
+    orders the current stream after every check. A failure is reported as ever, by the pool's first
+    call after the check ran, naming each failing layer's own call.
     """
 
-    def __init__(self, verifier: PageVerifier, layers: int, stream: Any = None) -> None:
+    def __init__(self, verifier: PageVerifier, layers: int, stream: Any = None, engine: str = "sm") -> None:
         self._verifier = verifier
-        self._run = max(1, -(-layers // CHECK_RUNS))
+        self._run = max(1, -(-layers // check_runs(engine)))
         self._stream = stream
         self._hidx: torch.Tensor | None = None
         self._didx: torch.Tensor | None = None
@@ -589,10 +592,18 @@ class CheckBatch:
         self._hidx = self._didx = self._h = self._d = None
 
 
-#: Runs a layer-wise load's checks are launched in; the last one follows the load's last copy. One: checks
-#: beside the copies of later layers slowed SM copy kernels more than one run after the last copy costs
-#: (benchmarks/results/verify-cost-h200.json, docs/correctness.md).
+#: Runs a load's checks are launched in when its copies run on the GPU's threads; the last one follows the
+#: load's last copy. One: checks beside the copies of later layers slow SM copy kernels more than one run
+#: after the last copy costs (benchmarks/results/verify-profile-h200.json, docs/correctness.md).
 CHECK_RUNS = 1
+#: Runs when the copy engine moves the bytes: the SMs are free meanwhile, so all but the last run's checks
+#: are hidden behind later layers' copies.
+CHECK_RUNS_COPY_ENGINE = 4
+
+
+def check_runs(engine: str) -> int:
+    """Runs a load's checks are launched in, for copies made by ``engine`` (``Implementation.engine``)."""
+    return CHECK_RUNS_COPY_ENGINE if engine == "copy_engine" else CHECK_RUNS
 
 
 def _pages_text(pages: list[int], limit: int = 16) -> str:

@@ -107,6 +107,65 @@ def test_kernel_tiles_pages_of_any_size_as_the_definition_groups_them(page_size)
     assert torch.equal(kernel.table, host.verifier.table) and host.verifier.table.any()
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu", reason="the kernel on CPU pools")
+@pytest.mark.parametrize("rows", ["mha 2x40", "mla 512+64", "mha 8x128"])
+def test_kernel_sums_rows_wider_than_its_tile_as_the_definition(rows):
+    # 40 words: a full tile of words and a part of one; 288 (MLA's 576 bf16): nine; 512 (llama's 8 x 128): sixteen.
+    pytest.importorskip("triton")
+    size = 6 * 4
+    if rows.startswith("mla"):
+        dp = hc.MLADevicePool(size, 4, torch.bfloat16, 512, 64, 2, DEVICE)
+    else:
+        heads, dim = (int(x) for x in rows.split()[1].split("x"))
+        dp = hc.MHADevicePool(size, 4, torch.bfloat16, heads, dim, 2, DEVICE)
+    fill_random([t for c in hc.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=5)
+    host = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True)
+    kernel = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+    assert kernel._tile[2] < max(kernel.words)  # the word loop runs more than once
+    slots = host.alloc(8)
+    dev = torch.arange(4, 12)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")  # the torch definition
+    kernel.backup(slots, dev, None, 1)
+    assert torch.equal(kernel.table, host.verifier.table) and host.verifier.table.any()
+    kernel.check(slots, dev, 1, 2)
+    assert not kernel.flagged()
+    getattr(dp, hc.host_pool.pool_kind_of(dp).components[0].device_attr)[1][5].view(torch.uint8)[-1] ^= 0x10
+    kernel.check(slots, dev, 1, 3)  # the pool's last layer ends the run: checked now, on the CPU
+    assert kernel.flagged()
+    with pytest.raises(PageVerificationError) as info:
+        kernel.raise_if_failed()
+    assert info.value.pages == [int(slots[0]) // 4]
+
+
+def test_a_load_copied_by_the_copy_engine_is_checked_in_runs_beside_its_copies():
+    # The SMs are free while the copy engine works: all but the last run of checks hide behind later copies.
+    dp, host = _pool("mha", "page_first")
+    calls = []
+    checked = host.verifier._check_layers
+
+    def run(*args):
+        calls.append(list(args[2]))
+        return checked(*args)
+
+    host.verifier._check_layers = run
+    slots = host.alloc(host.page_size)
+    dev = torch.arange(host.page_size, 2 * host.page_size)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    batch = host.verifier.batch(8, "copy_engine")
+    for layer in range(8):
+        batch.add(slots, dev, layer % LAYERS, layer)
+    batch.flush()
+    assert hicache_core.verify.check_runs("copy_engine") == 4 and hicache_core.verify.check_runs("sm") == 1
+    assert calls == [[0, 1], [2, 0], [1, 2], [0, 1]]
+    calls.clear()
+    batch = host.verifier.batch(8, "sm")
+    for layer in range(8):
+        batch.add(slots, dev, layer % LAYERS, layer)
+    batch.flush()
+    assert calls == [[0, 1, 2, 0, 1, 2, 0, 1]]
+    host.check_verified()
+
+
 @pytest.mark.parametrize("with_kernel", [False, True])
 def test_a_layer_wise_loads_checks_run_in_runs_of_layers_naming_each_failing_layers_call(with_kernel, monkeypatch):
     if with_kernel and (os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu"):
@@ -130,6 +189,7 @@ def test_a_layer_wise_loads_checks_run_in_runs_of_layers_naming_each_failing_lay
 
     host.verifier._check_layers = run
     monkeypatch.setattr(hicache_core.verify, "CHECK_RUNS", 2)
+    monkeypatch.setattr(hicache_core.verify, "CHECK_RUNS_COPY_ENGINE", 2)  # "auto" may be the copy engine on CUDA
     seq = host._drops.seq
     load = host.submit_load(dp, slots, dev, "auto")
     try:

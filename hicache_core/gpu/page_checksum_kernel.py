@@ -130,14 +130,15 @@ def page_checksums(
 
 def launch(anchor, entries_off, hidx_off, didx_off, table_off, fail_word_off, fail_pages_off, seq, host_pages,
            table_columns, pages, num_entries, groups, tokens, tile, check, seq_step, align,
-           stages) -> None:  # fmt: skip
+           stages, num_warps=None) -> None:  # fmt: skip
     """Launch :func:`page_checksums` over ``pages`` x ``num_entries`` programs.
 
     ``tile``: :func:`hicache_core.page_checksum.tile_shape`; ``align``: words every device row starts on,
-    1, 2 or 4; ``stages``: 0 under the interpreter."""
+    1, 2 or 4; ``stages``: 0 under the interpreter; ``num_warps``: default by the tile's size."""
     tile_t, group, block_w = tile
     page_checksums[(pages, num_entries)](
         anchor, entries_off, hidx_off, didx_off, table_off, fail_word_off, fail_pages_off, seq, host_pages,
         table_columns, TOKENS=tokens, GROUPS=groups, TILE_T=tile_t, GROUP=group, BLOCK_W=block_w, CHECK=check,
-        SEQ_STEP=seq_step, ALIGN=align, STAGES=stages, num_warps=8 if tile_t * block_w >= 4096 else 4,
+        SEQ_STEP=seq_step, ALIGN=align, STAGES=stages,
+        num_warps=num_warps or (8 if tile_t * block_w >= 4096 else 4),
     )  # fmt: skip
