@@ -186,8 +186,10 @@ class PageVerifier:
         self._side: Any = None
         self._before: Any = None  # recorded on the caller's stream before a backup's copies
         # A batched check writes numbers of its own, one per layer (negative, never a call's): they map
-        # back to the layers' calls here (the newest _BATCH_CALLS numbers).
-        self._batch_calls: dict[int, int] = {}
+        # back to the layers' calls here: a ring of the newest _BATCH_CALLS numbers, slot -number % size,
+        # each slot holding (number, call). A ring, not a dict trimmed from its front: deleting a dict's oldest
+        # key scans past every key deleted before it (host time growing with the pool's age).
+        self._batch_ring: list[tuple[int, int]] = [(0, 0)] * _BATCH_CALLS
         self._next_batch_number = -1
         if self.kernel:
             self._bind_kernel()
@@ -368,10 +370,9 @@ class PageVerifier:
         with self._lock:
             first = self._next_batch_number
             self._next_batch_number -= len(layers)
+            ring, size = self._batch_ring, len(self._batch_ring)
             for k, seq in enumerate(seqs):
-                self._batch_calls[first - k] = seq
-            while len(self._batch_calls) > _BATCH_CALLS:
-                del self._batch_calls[next(iter(self._batch_calls))]
+                ring[(k - first) % size] = (first - k, seq)
         if self._side is None:
             return self._launch(hidx, didx, layers, first, True, seq_step=len(self.components))
         return self._on_side(hidx, didx, layers, first, True, None, seq_step=len(self.components), caller=stream)
@@ -417,7 +418,7 @@ class PageVerifier:
             return
         by_call: dict[int, list[int]] = {}
         for page, s in zip(page_list, seqs.tolist()):
-            by_call.setdefault(self._batch_calls.get(s, s), []).append(page)
+            by_call.setdefault(self._call_of(s), []).append(page)
         calls, parts = [], []
         for s in sorted(by_call):
             op, layer_id, items = self._describe(s)
@@ -444,6 +445,15 @@ class PageVerifier:
             "evict the radix-tree nodes holding error.host_indices (or host.take_failed_pages()) and free them."
         )
         self._pending = PageVerificationError(message, pages_all, self.slots_of(pages_all), calls)
+
+    def _call_of(self, number: int) -> int:
+        """The call a failure word names: a batched check's number maps back to its layer's call while in the
+        ring; a call's own number (positive), or a batch number too old to know, is returned as it is."""
+        if number < 0:
+            held, seq = self._batch_ring[-number % len(self._batch_ring)]
+            if held == number:
+                return seq
+        return number
 
     def raise_if_failed(self) -> None:
         """Raise :class:`PageVerificationError` for failures reported since the last raise."""

@@ -280,6 +280,32 @@ def test_a_byte_flipped_in_host_memory_is_caught_naming_pages_layer_and_call(kin
     assert host.quarantined_pages() == set()
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu", reason="the kernel on CPU pools")
+def test_a_failing_layer_is_named_after_the_batch_numbers_wrapped_around_many_times(monkeypatch):
+    # Batched checks write numbers of their own; the pool maps the newest back to calls in a ring of a fixed size.
+    pytest.importorskip("triton")
+    monkeypatch.setattr(hicache_core.verify, "_BATCH_CALLS", 4)
+    dp, host = _pool("mha", "page_first")
+    host.verifier = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+    p = host.page_size
+    slots = host.alloc(p)
+    dev = torch.arange(p, 2 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    for _ in range(4):  # 12 numbers through a ring of 4
+        for layer in range(LAYERS):
+            host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
+    host.check_verified()
+    _flip_host_byte(host, int(slots[0]) // p, layer=1)
+    seqs = []
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
+        seqs.append(host._drops.seq)
+    with pytest.raises(PageVerificationError) as info:
+        host.check_verified()
+    assert info.value.calls == [(seqs[1], "load_to_device_per_layer", 1)]
+    assert host.verifier._call_of(-1) == -1  # a number too old to know is named as it is
+
+
 def test_a_run_of_per_layer_loads_is_checked_after_its_last_layer_or_when_another_call_closes_it():
     dp, host = _pool("mha", "layer_first")
     p = host.page_size
