@@ -38,9 +38,9 @@ def _median_ms(fn, repeats: int) -> float:
     return _interleaved_ms({"fn": fn}, repeats)["fn"]
 
 
-def _interleaved_ms(fns: dict, repeats: int) -> dict[str, float]:
+def _interleaved_ms(fns: dict, repeats: int, samples: dict | None = None) -> dict[str, float]:
     """Median CUDA-event time of each function, their runs interleaved (the order alternating each repeat),
-    so that a drift of the machine during the run weighs on all of them alike."""
+    so that a drift of the machine during the run weighs on all of them alike; ``samples`` gets every time."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
@@ -51,6 +51,8 @@ def _interleaved_ms(fns: dict, repeats: int) -> dict[str, float]:
             stop.record()
             stop.synchronize()
             times[name].append(start.elapsed_time(stop))
+    if samples is not None:
+        samples.update(times)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -68,6 +70,7 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
     layers = dp.layer_num
     row = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens, "layers": layers}
     fns, hosts = {}, {}
+    loads: dict[str, list] = {"plain": [], "verified": []}
     for verify in (False, True):
         host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (tokens + 4 * page))
         slots = host.alloc(tokens)
@@ -81,10 +84,13 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
             for layer in range(layers):
                 host.load_to_device_per_layer(dp, hc_slots, dev, layer, io)
 
-        def layerwise(host=host, hc_slots=hc_slots, dev=dev):
+        def layerwise(host=host, hc_slots=hc_slots, dev=dev, tag="verified" if verify else "plain"):
             # The serving path: the layer loader's thread submits every layer; a verifying pool checks
-            # them in one launch after the last; the finish event follows the checks.
-            host.submit_load(dp, hc_slots, dev, io).finish_event.wait()
+            # them in one launch after the last; the finish event follows the checks. Its own events also
+            # time it on the GPU alone, from the loader's first copy to the finish (read after the repeat).
+            load = host.submit_load(dp, hc_slots, dev, io, timing=True)
+            load.finish_event.wait()
+            loads[tag].append(load)
 
         tag = "verified" if verify else "plain"
         hosts[tag] = (host, hc_slots, dev)
@@ -94,8 +100,16 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
             fn()
     torch.cuda.synchronize()
     # Verified and plain runs interleaved, each kind of transfer in its own series.
+    samples: dict[str, list[float]] = {}
     for kind_ in ("backup", "load", "layerwise"):
-        row.update(_interleaved_ms({k: f for k, f in fns.items() if k.startswith(kind_ + "_")}, repeats))
+        for tag in loads:
+            loads[tag].clear()
+        row.update(_interleaved_ms({k: f for k, f in fns.items() if k.startswith(kind_ + "_")}, repeats, samples))
+    for tag, done in loads.items():  # the layer-wise loads of the series: GPU time from their own events
+        gpu = [d.start_event.elapsed_time(d.finish_event) for d in done]
+        row[f"layerwise_gpu_ms_{tag}"] = statistics.median(gpu)
+        samples[f"layerwise_gpu_ms_{tag}"] = gpu
+    row["samples_ms"] = samples
     for tag, (host, hc_slots, dev) in hosts.items():
         # Host time of one per-layer load call, with the GPU busy (submission only).
         torch.cuda._sleep(50_000_000)
@@ -117,6 +131,7 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
     row["ceiling_d2h_ms"] = _median_ms(lambda: pinned.copy_(dbuf, non_blocking=True), repeats)
     row["load_overhead"] = row["load_ms_verified"] / row["load_ms_plain"] - 1
     row["layerwise_overhead"] = row["layerwise_ms_verified"] / row["layerwise_ms_plain"] - 1
+    row["layerwise_gpu_overhead"] = row["layerwise_gpu_ms_verified"] / row["layerwise_gpu_ms_plain"] - 1
     row["backup_overhead"] = row["backup_ms_verified"] / row["backup_ms_plain"] - 1
     row["load_of_ceiling_plain"] = row["ceiling_h2d_ms"] / row["load_ms_plain"]
     row["load_of_ceiling_verified"] = row["ceiling_h2d_ms"] / row["load_ms_verified"]
@@ -131,11 +146,13 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--io", default="kernel,direct", help="io backends, comma-separated")
+    ap.add_argument("--cases", default="mha:page_first,mha:layer_first,mla:page_first",
+                    help="pool:layout pairs, comma-separated")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("verify_cost.py measures the GPU: run it on the GPU machine")
     rows = []
-    cases = [("mha", "page_first"), ("mha", "layer_first"), ("mla", "page_first")]
+    cases = [tuple(c.split(":")) for c in args.cases.split(",")]
     for tokens, (kind, layout), io in [(int(t), c, io) for t in args.tokens.split(",") for c in cases
                                        for io in args.io.split(",")]:  # fmt: skip
         try:
@@ -148,7 +165,8 @@ def main() -> None:
             continue
         print(f"{tokens:6} {kind:4} {layout:12} {io:7} load {r['load_ms_plain']:.3f} -> {r['load_ms_verified']:.3f} ms "
               f"({r['load_overhead']:+.1%}), layer-wise {r['layerwise_ms_plain']:.3f} -> "
-              f"{r['layerwise_ms_verified']:.3f} ms ({r['layerwise_overhead']:+.1%}), "
+              f"{r['layerwise_ms_verified']:.3f} ms ({r['layerwise_overhead']:+.1%}; on the GPU alone "
+              f"{r['layerwise_gpu_overhead']:+.1%}), "
               f"backup {r['backup_ms_plain']:.3f} -> {r['backup_ms_verified']:.3f} "
               f"ms ({r['backup_overhead']:+.1%}); ceiling h2d {r['ceiling_h2d_ms']:.3f} ms")  # fmt: skip
     write_result(args.out, "host-tier verification cost: verified vs unverified, same run; goal <= 0.03 at 4096 "
