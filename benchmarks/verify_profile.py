@@ -32,7 +32,7 @@ import hicache_core as hc  # noqa: E402
 from hicache_core import verify as hc_verify  # noqa: E402
 
 CHECK_KERNEL = "page_checksums"
-#: (TILE_T, BLOCK_W, stages, num_warps) of the check kernel tried alone.
+#: (TILE_T, BLOCK_W, stages, num_warps) of the check kernel tried alone; the first is the shape it had before.
 VARIANTS = [(64, 64, 3, 8)] + [(t, w, s, n) for t in (32, 64) for w in (16, 32) for s in (3, 4, 6) for n in (2, 4, 8)]
 
 
@@ -184,7 +184,8 @@ def main() -> None:
             rows.append(r)
             if args.check_only:
                 best = sorted((x, k) for k, x in r["check_alone"].items() if isinstance(x, float))[:5]
-                print(f"{tokens:6} {kind} {layout}: now {r['check_alone']['t64_w64_s3_n8']:.1f} us; best "
+                before = r["check_alone"]["t64_w64_s3_n8"]
+                print(f"{tokens:6} {kind} {layout}: 64 x 64 words, 3 stages {before:.1f} us; best "
                       + ", ".join(f"{k} {x:.1f}" for x, k in best), flush=True)
                 continue
             for key in [f"{k}_verified{'' if n == runs[0] else f'_r{n}'}" for k in ("layerwise", "per_layer")

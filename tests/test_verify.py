@@ -137,10 +137,9 @@ def test_kernel_sums_rows_wider_than_its_tile_as_the_definition(rows):
     assert info.value.pages == [int(slots[0]) // 4]
 
 
-def test_a_load_copied_by_the_copy_engine_is_checked_in_runs_beside_its_copies():
-    # The SMs are free while the copy engine works: all but the last run of checks hide behind later copies.
-    dp, host = _pool("mha", "page_first")
-    calls = []
+def _record_checked_layers(host) -> list[list[int]]:
+    """The layers of each batched check the pool's verifier launches from now on, in order."""
+    calls: list[list[int]] = []
     checked = host.verifier._check_layers
 
     def run(*args):
@@ -148,6 +147,13 @@ def test_a_load_copied_by_the_copy_engine_is_checked_in_runs_beside_its_copies()
         return checked(*args)
 
     host.verifier._check_layers = run
+    return calls
+
+
+def test_a_load_copied_by_the_copy_engine_is_checked_in_runs_beside_its_copies():
+    # The SMs are free while the copy engine works: all but the last run of checks hide behind later copies.
+    dp, host = _pool("mha", "page_first")
+    calls = _record_checked_layers(host)
     slots = host.alloc(host.page_size)
     dev = torch.arange(host.page_size, 2 * host.page_size)
     host.backup_from_device_all_layer(dp, slots, dev, "auto")
@@ -180,14 +186,7 @@ def test_a_layer_wise_loads_checks_run_in_runs_of_layers_naming_each_failing_lay
     first, last = int(slots[0]) // p, int(slots[2 * p]) // p
     _flip_host_byte(host, first, layer=0)
     _flip_host_byte(host, last, layer=1, part=1)
-    calls = []
-    checked = host.verifier._check_layers
-
-    def run(*args):
-        calls.append(list(args[2]))
-        return checked(*args)
-
-    host.verifier._check_layers = run
+    calls = _record_checked_layers(host)
     monkeypatch.setattr(hicache_core.verify, "CHECK_RUNS", 2)
     monkeypatch.setattr(hicache_core.verify, "CHECK_RUNS_COPY_ENGINE", 2)  # "auto" may be the copy engine on CUDA
     seq = host._drops.seq
