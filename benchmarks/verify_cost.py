@@ -57,16 +57,19 @@ def _interleaved_ms(fns: dict, repeats: int, samples: dict | None = None) -> dic
 
 
 def _pools(kind: str, tokens: int, page: int):
+    """The device pool of ``kind`` for ``tokens`` cached tokens, filled with random bytes."""
     size = tokens + 4 * page
     if kind == "mha":
-        return hc.MHADevicePool(size, page, torch.bfloat16, 8, 128, 32, "cuda")
-    return hc.MLADevicePool(size, page, torch.bfloat16, 512, 64, 61, "cuda")
+        dp = hc.MHADevicePool(size, page, torch.bfloat16, 8, 128, 32, "cuda")
+    else:
+        dp = hc.MLADevicePool(size, page, torch.bfloat16, 512, 64, 61, "cuda")
+    for t in (dp.k_buffer + dp.v_buffer) if kind == "mha" else dp.kv_buffer:
+        t.copy_(torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int16, device="cuda").view(t.dtype))
+    return dp
 
 
 def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int) -> dict:
     dp = _pools(kind, tokens, page)
-    for t in (dp.k_buffer + dp.v_buffer) if kind == "mha" else dp.kv_buffer:
-        t.copy_(torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int16, device="cuda").view(t.dtype))
     layers = dp.layer_num
     row = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens, "layers": layers}
     fns, hosts = {}, {}

@@ -84,8 +84,6 @@ def _summary(rows: list[dict]) -> dict:
 def _case(kind: str, layout: str, io: str, tokens: int, page: int, check_only: bool = False,
           runs_list: tuple[int, ...] = (1,)) -> dict:  # fmt: skip
     dp = _pools(kind, tokens, page)
-    for t in (dp.k_buffer + dp.v_buffer) if kind == "mha" else dp.kv_buffer:
-        t.copy_(torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int16, device="cuda").view(t.dtype))
     layers = dp.layer_num
     result: dict = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens}
     defaults = hc_verify.CHECK_RUNS, hc_verify.CHECK_RUNS_COPY_ENGINE
