@@ -91,9 +91,10 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
             # The serving path: the layer loader's thread submits every layer; a verifying pool checks
             # them in one launch after the last; the finish event follows the checks. Its own events also
             # time it on the GPU alone, from the loader's first copy to the finish (read after the repeat).
+            called = time.perf_counter()
             load = host.submit_load(dp, hc_slots, dev, io, timing=True)
             load.finish_event.wait()
-            loads[tag].append(load)
+            loads[tag].append((load, called))
 
         tag = "verified" if verify else "plain"
         hosts[tag] = (host, hc_slots, dev)
@@ -109,9 +110,13 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
             loads[tag].clear()
         row.update(_interleaved_ms({k: f for k, f in fns.items() if k.startswith(kind_ + "_")}, repeats, samples))
     for tag, done in loads.items():  # the layer-wise loads of the series: GPU time from their own events
-        gpu = [d.start_event.elapsed_time(d.finish_event) for d in done]
+        gpu = [d.start_event.elapsed_time(d.finish_event) for d, _ in done]
         row[f"layerwise_gpu_ms_{tag}"] = statistics.median(gpu)
         samples[f"layerwise_gpu_ms_{tag}"] = gpu
+        # Host time from the call to the loader's thread taking the job (the hand-over).
+        handover = [(d.submitted_at - called) * 1e6 for d, called in done]
+        row[f"layerwise_handover_us_{tag}"] = statistics.median(handover)
+        samples[f"layerwise_handover_us_{tag}"] = handover
     row["samples_ms"] = samples
     for tag, (host, hc_slots, dev) in hosts.items():
         # Host time of one per-layer load call, with the GPU busy (submission only).
@@ -169,7 +174,8 @@ def main() -> None:
         print(f"{tokens:6} {kind:4} {layout:12} {io:7} load {r['load_ms_plain']:.3f} -> {r['load_ms_verified']:.3f} ms "
               f"({r['load_overhead']:+.1%}), layer-wise {r['layerwise_ms_plain']:.3f} -> "
               f"{r['layerwise_ms_verified']:.3f} ms ({r['layerwise_overhead']:+.1%}; on the GPU alone "
-              f"{r['layerwise_gpu_overhead']:+.1%}), "
+              f"{r['layerwise_gpu_overhead']:+.1%}; hand-over {r['layerwise_handover_us_plain']:.0f} / "
+              f"{r['layerwise_handover_us_verified']:.0f} us), "
               f"backup {r['backup_ms_plain']:.3f} -> {r['backup_ms_verified']:.3f} "
               f"ms ({r['backup_overhead']:+.1%}); ceiling h2d {r['ceiling_h2d_ms']:.3f} ms")  # fmt: skip
     write_result(args.out, "host-tier verification cost: verified vs unverified, same run; goal <= 0.03 at 4096 "

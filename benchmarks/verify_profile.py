@@ -66,6 +66,7 @@ def _timeline(trace: dict, loads: int) -> list[dict]:
             row["copy_max_gap_us"] = max(gaps, default=0.0)
             row["copy_window_us"] = ends[-1] - copies[0]["ts"]
             row["first_copy_after_range_start_us"] = copies[0]["ts"] - lo
+            row["copy_us_each"] = [round(e["dur"], 1) for e in copies]
         if checks:
             c = checks[-1]
             row["checks"] = len(checks)
