@@ -13,12 +13,12 @@ variants, interleaved (the order rotating each repeat), CUDA events, ``--repeats
   verification at all (tells the pool's memory from verification);
 * ``no_check``: the verifying pool, every step of verification but the check kernel's launch;
 * ``plain_host_wait``: the unverified pool, each call followed by a host busy-wait as long as the
-  verifying pool's extra host time per call (tells whether the host's pace slows the copies).
+  verifying pool's extra host time per call (tells whether the host's pace slows the copies);
+* ``on_copy_stream``: the verifying pool with the check launched on the copies' own stream, in order,
+  instead of on the verifier's side stream behind an event wait (its side stream taken off for the call).
 
 With ``--path layerwise``, the same for loads through the layer loader (``submit_load``), timed by the
-load's own events (the GPU alone), with ``side_stream`` (the check launched on the verifier's side
-stream after an event, as until 2026-12-03, instead of in order on the copies' stream) in place of
-``plain_host_wait``.
+load's own events (the GPU alone), without ``plain_host_wait``.
 
 Reported per variant: the median, and the median of each repeat's ratio to ``plain``.
 """
@@ -99,23 +99,21 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int,
         finally:
             verifier._check_layers = real
 
-    def side_stream():
-        real = verifier._check_layers
-        verifier._check_layers = lambda *a, **k: real(*a[:5])  # in_order=False
+    def on_copy_stream():
+        side, verifier._side = verifier._side, None
         try:
             load(v, vhs, vdev)
         finally:
-            verifier._check_layers = real
+            verifier._side = side
 
     fns = {
         "plain": lambda: load(p, phs, pdev),
         "verified": lambda: load(v, vhs, vdev),
         "detached": detached,
         "no_check": no_check,
+        "on_copy_stream": on_copy_stream,
     }
-    if path == "layerwise":
-        fns["side_stream"] = side_stream
-    else:
+    if path == "per_layer":
         fns["plain_host_wait"] = lambda: load(p, phs, pdev, extra_us)
     for fn in fns.values():
         fn()
@@ -153,8 +151,8 @@ def main() -> None:
     ap.add_argument("--path", choices=("per_layer", "layerwise"), default="per_layer")
     args = ap.parse_args()
     rows = []
-    last = "side_stream" if args.path == "layerwise" else "plain_host_wait"
-    variants = ("plain", "verified", "detached", "no_check", last)
+    variants = ("plain", "verified", "detached", "no_check", "on_copy_stream")
+    variants += ("plain_host_wait",) if args.path == "per_layer" else ()
     for case in args.cases.split(","):
         kind, layout, io, tokens = case.split(":")
         r = _case(kind, layout, io, int(tokens), 64, args.repeats, args.path)
