@@ -75,6 +75,7 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int,
         if path == "layerwise":
             done = host.submit_load(dp, hs, dev, io, timing=True)
             done.finish_event.wait()
+            torch.cuda.synchronize()  # the events must have completed, not only been recorded
             gpu_ms.append(done.start_event.elapsed_time(done.finish_event))
             return
         for layer in range(layers):
