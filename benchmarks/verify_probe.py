@@ -4,7 +4,7 @@ Run on the GPU machine::
 
     python benchmarks/verify_probe.py --out $OUT/verify-probe-h200.json
 
-Per case (pool:layout:io:tokens), synchronous per-layer loads (as ``verify_cost.py``'s ``load``) in five
+Per case (pool:layout:io:tokens), synchronous per-layer loads (as ``verify_cost.py``'s ``load``) in six
 variants, interleaved (the order rotating each repeat), CUDA events, ``--repeats`` each:
 
 * ``plain``: the unverified pool;
@@ -152,15 +152,13 @@ def main() -> None:
     ap.add_argument("--path", choices=("per_layer", "layerwise"), default="per_layer")
     args = ap.parse_args()
     rows = []
-    variants = ("plain", "verified", "detached", "no_check", "on_copy_stream")
-    variants += ("plain_host_wait",) if args.path == "per_layer" else ()
     for case in args.cases.split(","):
         kind, layout, io, tokens = case.split(":")
         r = _case(kind, layout, io, int(tokens), 64, args.repeats, args.path)
         rows.append(r)
         print(f"{tokens:>6} {kind} {layout} {io} (+{r['extra_host_us_per_call']:.1f} us host/call): "
               + ", ".join(f"{n} {r[n + '_ms']:.3f} ms ({r[n + '_paired']:+.1%})"
-                          for n in variants), flush=True)  # fmt: skip
+                          for n in r["samples_ms"]), flush=True)  # fmt: skip
     write_result(args.out, f"verified {args.path} loads with parts of verification taken away, same run", rows)
 
 
