@@ -180,9 +180,12 @@ class PageVerifier:
             if not interpreting():
                 raise ValueError("the checksum kernel runs CPU pools only under TRITON_INTERPRET=1")
         self.kernel = self.cuda if kernel is None else bool(kernel)
-        # On CUDA the checksum kernels run on a side stream, off the transfer's own critical path: a
-        # backup's beside its copies (it reads the same device rows), a load's after its last layer's
-        # copies while that layer's consumers go on. Every wait between the two streams is on a recorded event.
+        # On CUDA a backup's checksums run on a side stream beside its copies (they read the same device
+        # rows), as do a load's runs of checks beside the copy engine's later copies. A load checked in one
+        # run is checked in order on its copies' own stream, after the last layer: enqueued early on a side
+        # stream behind an event wait, the pending check slowed SM copy kernels running meanwhile, in some
+        # processes and not others (benchmarks/verify_probe.py). Every wait between two streams is on a
+        # recorded event.
         self._side: Any = None
         self._before: Any = None  # recorded on the caller's stream before a backup's copies
         # A batched check writes numbers of its own, one per layer (negative, never a call's): they map
@@ -318,9 +321,9 @@ class PageVerifier:
         """Note the loaded pages of ``layer`` for a check against the table (see the module doc).
 
         A server loads layer after layer with the same indices: such a run is checked in one launch
-        when it reaches the pool's last layer, on the side stream after that layer's copies; the
-        caller's stream waits for the check after that call (a per-layer check beside the next
-        layer's copy kernel slowed it by up to 14 %). Any other call closes an open run first."""
+        when it reaches the pool's last layer, on the run's stream after that layer's copies, so what
+        the caller enqueues next follows it (a per-layer check beside the next layer's copy kernel
+        slowed it by up to 14 %). Any other call closes an open run first."""
         # The stream's handle (a cheap call) tells whether the run goes on; its object is taken when one starts.
         raw = torch._C._cuda_getCurrentRawStream(self._device_index) if self._side is not None else 0
         with self._lock:  # another thread's backup may close the run meanwhile
@@ -360,9 +363,10 @@ class PageVerifier:
         return CheckBatch(self, layers, None, engine)
 
     def _check_layers(self, hidx: torch.Tensor, didx: torch.Tensor, layers: list[int], seqs: list[int],
-                      stream: Any = None) -> Any:  # fmt: skip
-        """Check ``layers`` (whose calls were ``seqs``) in one launch; on CUDA beside ``stream`` (the copies'; default:
-        the current one), returning the event that ends it."""
+                      stream: Any = None, in_order: bool = False) -> Any:  # fmt: skip
+        """Check ``layers`` (whose calls were ``seqs``) in one launch; on CUDA on ``stream`` (the copies'; default:
+        the current one) with ``in_order``, else on the side stream after what ``stream`` holds now, returning
+        the event that ends it."""
         if not self.kernel:
             for layer, seq in zip(layers, seqs):
                 self._torch(hidx, didx, layer, seq, True)
@@ -375,6 +379,14 @@ class PageVerifier:
                 ring[(k - first) % size] = (first - k, seq)
         if self._side is None:
             return self._launch(hidx, didx, layers, first, True, seq_step=len(self.components))
+        if in_order:
+            if stream is None:
+                stream = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(stream):
+                self._launch(hidx, didx, layers, first, True, seq_step=len(self.components))
+                done = torch.cuda.Event()
+                done.record(stream)
+            return done
         return self._on_side(hidx, didx, layers, first, True, None, seq_step=len(self.components), caller=stream)
 
     def _on_side(self, hidx, didx, layers, seq, check, before, seq_step: int = 0, caller: Any = None) -> Any:
@@ -535,16 +547,19 @@ class CheckBatch:
     A per-layer check costs a launch per layer, and beside the next layer's copy kernel it slows the
     copy; a load's layers share their indices, so one launch over a run of layers checks the same
     bytes against the same table rows. The layers are checked in runs (:func:`check_runs` of the
-    copies' ``engine``; one for a run of per-layer loads), each launched on the side stream after its
-    last layer's copies (on ``stream``, where they are enqueued; default: the current one). Layers
-    are consumed as soon as their copies end (their events do not wait for a check); :meth:`flush`
-    orders the current stream after every check. A failure is reported as ever, by the pool's first
-    call after the check ran, naming each failing layer's own call.
+    copies' ``engine``; one for a run of per-layer loads). One run is launched by :meth:`flush`, in
+    order on the copies' stream (``stream``, where they are enqueued; default: the current one); a
+    layer-wise load flushes after its last layer's event, so the layers' consumers do not wait for
+    it. Several runs are each launched on the side stream after their last layer's copies, beside
+    the later layers' copies. :meth:`flush` orders the current stream after every check. A failure is
+    reported as ever, by the pool's first call after the check ran, naming each failing layer's own call.
     """
 
     def __init__(self, verifier: PageVerifier, layers: int, stream: Any = None, engine: str = "sm") -> None:
         self._verifier = verifier
-        self._run = max(1, -(-layers // check_runs(engine)))
+        runs = check_runs(engine)
+        self._run = max(1, -(-layers // runs))
+        self._in_order = runs == 1  # checked by flush, on the copies' stream
         self._stream = stream
         self._hidx: torch.Tensor | None = None
         self._didx: torch.Tensor | None = None
@@ -578,13 +593,13 @@ class CheckBatch:
         self._layers.append(layer)
         self._seqs.append(seq)
         self._last = layer
-        if len(self._layers) >= self._run:
+        if len(self._layers) >= self._run and not self._in_order:
             self._launch()
 
     def _launch(self) -> None:
         if self._layers:
             layers, seqs, self._layers, self._seqs = self._layers, self._seqs, [], []
-            done = self._verifier._check_layers(self._h, self._d, layers, seqs, self._stream)
+            done = self._verifier._check_layers(self._h, self._d, layers, seqs, self._stream, self._in_order)
             self._done = done or self._done
 
     def flush(self, wait_host: bool = False) -> None:

@@ -167,6 +167,7 @@ def test_a_load_copied_by_the_copy_engine_is_checked_in_runs_beside_its_copies()
     batch = host.verifier.batch(8, "sm")
     for layer in range(8):
         batch.add(slots, dev, layer % LAYERS, layer)
+    assert calls == []  # one run: launched by flush (after the last layer's event), in order on the copies' stream
     batch.flush()
     assert calls == [[0, 1, 2, 0, 1, 2, 0, 1]]
     host.check_verified()
