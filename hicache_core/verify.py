@@ -181,10 +181,9 @@ class PageVerifier:
                 raise ValueError("the checksum kernel runs CPU pools only under TRITON_INTERPRET=1")
         self.kernel = self.cuda if kernel is None else bool(kernel)
         # On CUDA a backup's checksums run on a side stream beside its copies (they read the same device
-        # rows), as do a load's runs of checks beside the copy engine's later copies. A load checked in one
-        # run is checked in order on its copies' own stream, after the last layer: enqueued early on a side
-        # stream behind an event wait, the pending check slowed SM copy kernels running meanwhile, in some
-        # processes and not others (benchmarks/verify_probe.py). Every wait between two streams is on a
+        # rows). A load is checked in order on its copies' own stream, after the last layer: enqueued early
+        # on a side stream behind an event wait, the pending check slowed the copies running meanwhile, in
+        # some processes and not others (benchmarks/verify_probe.py). Every wait between two streams is on a
         # recorded event.
         self._side: Any = None
         self._before: Any = None  # recorded on the caller's stream before a backup's copies
@@ -621,9 +620,10 @@ class CheckBatch:
 #: load's last copy. One: checks beside the copies of later layers slow SM copy kernels more than one run
 #: after the last copy costs (benchmarks/results/verify-profile-h200.json, docs/correctness.md).
 CHECK_RUNS = 1
-#: Runs when the copy engine moves the bytes: the SMs are free meanwhile, so all but the last run's checks
-#: are hidden behind later layers' copies.
-CHECK_RUNS_COPY_ENGINE = 4
+#: Runs when the copy engine moves the bytes. More than one would hide all but the last run's checks
+#: behind later layers' copies while the SMs are idle, but runs queued beside the copies slowed small
+#: layer-wise loads far more than that saves (docs/correctness.md).
+CHECK_RUNS_COPY_ENGINE = 1
 
 
 def check_runs(engine: str) -> int:

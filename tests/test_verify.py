@@ -150,8 +150,9 @@ def _record_checked_layers(host) -> list[list[int]]:
     return calls
 
 
-def test_a_load_copied_by_the_copy_engine_is_checked_in_runs_beside_its_copies():
-    # The SMs are free while the copy engine works: all but the last run of checks hide behind later copies.
+def test_a_load_is_checked_in_one_run_after_its_last_layer_or_in_the_runs_set(monkeypatch):
+    assert hicache_core.verify.check_runs("copy_engine") == 1 and hicache_core.verify.check_runs("sm") == 1
+    monkeypatch.setattr(hicache_core.verify, "CHECK_RUNS_COPY_ENGINE", 4)
     dp, host = _pool("mha", "page_first")
     calls = _record_checked_layers(host)
     slots = host.alloc(host.page_size)
@@ -161,7 +162,6 @@ def test_a_load_copied_by_the_copy_engine_is_checked_in_runs_beside_its_copies()
     for layer in range(8):
         batch.add(slots, dev, layer % LAYERS, layer)
     batch.flush()
-    assert hicache_core.verify.check_runs("copy_engine") == 4 and hicache_core.verify.check_runs("sm") == 1
     assert calls == [[0, 1], [2, 0], [1, 2], [0, 1]]
     calls.clear()
     batch = host.verifier.batch(8, "sm")
