@@ -120,12 +120,17 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
         samples[f"layerwise_handover_us_{tag}"] = handover
     row["samples_ms"] = samples
     for tag, (host, hc_slots, dev) in hosts.items():
-        # Host time of one per-layer load call, with the GPU busy (submission only).
+        # Host time of one per-layer load call, with the GPU busy (submission only): the mean over a load,
+        # and call by call, since a verified run's first call moves its indices and its last launches the check.
         torch.cuda._sleep(50_000_000)
+        calls = []
         t0 = time.perf_counter()
         for layer in range(layers):
             host.load_to_device_per_layer(dp, hc_slots, dev, layer, io)
-        row[f"load_host_us_per_call_{tag}"] = (time.perf_counter() - t0) / layers * 1e6
+            calls.append(time.perf_counter())
+        row[f"load_host_us_per_call_{tag}"] = (calls[-1] - t0) / layers * 1e6
+        us = [(b - a) * 1e6 for a, b in zip([t0, *calls], calls)]
+        row[f"load_host_us_first_middle_last_{tag}"] = [us[0], statistics.median(us[1:-1]), us[-1]]
         torch.cuda.synchronize()
         host.check_dropped()
         if tag == "verified":
@@ -182,12 +187,17 @@ def main() -> None:
               f"{r['layerwise_gpu_overhead']:+.1%}; hand-over {r['layerwise_handover_us_plain']:.0f} / "
               f"{r['layerwise_handover_us_verified']:.0f} us), "
               f"backup {r['backup_ms_plain']:.3f} -> {r['backup_ms_verified']:.3f} "
-              f"ms ({r['backup_overhead']:+.1%}); ceiling h2d {r['ceiling_h2d_ms']:.3f} ms")  # fmt: skip
+              f"ms ({r['backup_overhead']:+.1%}); ceiling h2d {r['ceiling_h2d_ms']:.3f} ms; host us a per-layer call "
+              f"(first/middle/last) {_calls(r, 'plain')} / {_calls(r, 'verified')}")  # fmt: skip
     what = (
         "host-tier verification cost: verified vs unverified, same run; goal <= 0.03 at 4096 and 32768 tokens; "
         f"copy-engine loads checked in {hc_verify.CHECK_RUNS_COPY_ENGINE} run(s)"
     )
     write_result(args.out, what, rows)
+
+
+def _calls(row: dict, tag: str) -> str:
+    return "-".join(f"{us:.0f}" for us in row[f"load_host_us_first_middle_last_{tag}"])
 
 
 def write_result(path: str, what: str, rows: list[dict]) -> None:
