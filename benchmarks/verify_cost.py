@@ -69,6 +69,17 @@ def _pools(kind: str, tokens: int, page: int):
     return dp
 
 
+def host_call_us(host, dp, hs, dev, io: str, layers: int) -> list[float]:
+    """Host time of each per-layer load call of one load, in µs, with the GPU busy (submission only)."""
+    torch.cuda._sleep(50_000_000)
+    marks = [time.perf_counter()]
+    for layer in range(layers):
+        host.load_to_device_per_layer(dp, hs, dev, layer, io)
+        marks.append(time.perf_counter())
+    torch.cuda.synchronize()
+    return [(b - a) * 1e6 for a, b in zip(marks, marks[1:])]
+
+
 def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int) -> dict:
     dp = _pools(kind, tokens, page)
     layers = dp.layer_num
@@ -120,18 +131,11 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
         samples[f"layerwise_handover_us_{tag}"] = handover
     row["samples_ms"] = samples
     for tag, (host, hc_slots, dev) in hosts.items():
-        # Host time of one per-layer load call, with the GPU busy (submission only): the mean over a load,
-        # and call by call, since a verified run's first call moves its indices and its last launches the check.
-        torch.cuda._sleep(50_000_000)
-        calls = []
-        t0 = time.perf_counter()
-        for layer in range(layers):
-            host.load_to_device_per_layer(dp, hc_slots, dev, layer, io)
-            calls.append(time.perf_counter())
-        row[f"load_host_us_per_call_{tag}"] = (calls[-1] - t0) / layers * 1e6
-        us = [(b - a) * 1e6 for a, b in zip([t0, *calls], calls)]
+        # The mean over a load, and call by call: a verified run's first call moves its indices and its
+        # last launches the check.
+        us = host_call_us(host, dp, hc_slots, dev, io, layers)
+        row[f"load_host_us_per_call_{tag}"] = sum(us) / layers
         row[f"load_host_us_first_middle_last_{tag}"] = [us[0], statistics.median(us[1:-1]), us[-1]]
-        torch.cuda.synchronize()
         host.check_dropped()
         if tag == "verified":
             host.check_verified()  # every page clean: nothing may be reported

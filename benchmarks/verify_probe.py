@@ -14,8 +14,10 @@ variants, interleaved (the order rotating each repeat), CUDA events, ``--repeats
 * ``no_check``: the verifying pool, every step of verification but the check kernel's launch;
 * ``plain_host_wait``: the unverified pool, each call followed by a host busy-wait as long as the
   verifying pool's extra host time per call (tells whether the host's pace slows the copies);
-* ``on_copy_stream``: the verifying pool with the check launched on the copies' own stream, in order,
-  instead of on the verifier's side stream behind an event wait (its side stream taken off for the call).
+* ``on_copy_stream``: the verifying pool with its side stream taken off for the call, so the check is
+  launched on the copies' own stream, in order. It found the cause this probe was written for: a check
+  queued on the side stream behind an event wait; since hicache_core df8b0f2b the pool itself launches
+  a load's check in order, and this variant differs from ``verified`` only in the event it records and waits on.
 
 With ``--path layerwise``, the same for loads through the layer loader (``submit_load``), timed by the
 load's own events (the GPU alone), without ``plain_host_wait``.
@@ -34,19 +36,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from verify_cost import _pools, write_result  # noqa: E402
+from verify_cost import _pools, host_call_us, write_result  # noqa: E402
 
 import hicache_core as hc  # noqa: E402
 
 
 def _host_us_per_call(host, dp, hs, dev, io, layers: int) -> float:
-    torch.cuda._sleep(50_000_000)
-    t0 = time.perf_counter()
-    for layer in range(layers):
-        host.load_to_device_per_layer(dp, hs, dev, layer, io)
-    us = (time.perf_counter() - t0) / layers * 1e6
-    torch.cuda.synchronize()
-    return us
+    return sum(host_call_us(host, dp, hs, dev, io, layers)) / layers
 
 
 def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int, path: str = "per_layer") -> dict:
