@@ -220,6 +220,7 @@ class PageVerifier:
             return out
 
         self._entries_all = entries(range(self.num_layers))
+        self._entries_off_all = self._entries_all.data_ptr() - base
         self._entries_layer = [entries(range(layer, layer + 1)) for layer in range(self.num_layers)]
         self._table_off = self.table.data_ptr() - base
         self._flag_off = self._words.data_ptr() - base
@@ -231,6 +232,10 @@ class PageVerifier:
         self._align = next(a for a in (4, 2, 1) if all(f % (4 * a) == 0 for f in facts))
         # Compiled: the word loop is software-pipelined; the interpreter runs plain loops.
         self._stages = 0 if not self.cuda else 6
+        from .gpu.page_checksum_kernel import ChecksumLaunch
+
+        self._launcher = ChecksumLaunch(self._anchor, self.tokens, self.groups, self._tile, self._align, self._stages,
+                                        self._device_index)  # fmt: skip
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the entry tables are on the device before the first launch
 
@@ -242,6 +247,8 @@ class PageVerifier:
             t = self._entries_layer[layers]
             return t, t.data_ptr() - self._base
         first = layers[0]
+        if first == 0 and len(layers) == self.num_layers and layers[-1] == first + len(layers) - 1:
+            return self._entries_all, self._entries_off_all  # a whole load's layers, in order (the common case)
         if layers == list(range(first, first + len(layers))):  # a run of layers: a slice of the whole table
             t = self._entries_all[first * len(self.components) : (first + len(layers)) * len(self.components)]
         else:
@@ -249,20 +256,16 @@ class PageVerifier:
         return t, t.data_ptr() - self._base
 
     def _launch(self, hidx: torch.Tensor, didx: torch.Tensor, layers: int | list[int] | None, seq: int, check: bool,
-                seq_step: int = 0) -> None:  # fmt: skip
-        from .gpu.page_checksum_kernel import launch
-
+                seq_step: int = 0, moved: bool = False) -> None:  # fmt: skip
         if self.cuda and torch._C._cuda_getDevice() != self._device_index:  # Triton launches on the current device
             with torch.cuda.device(self._device_index):
-                return self._launch(hidx, didx, layers, seq, check, seq_step)
+                return self._launch(hidx, didx, layers, seq, check, seq_step, moved)
         entries, entries_off = self._entries(layers)
-        h = self._move(hidx, self.device)
-        d = self._move(didx, self.device)
-        pages = h.numel() // self.tokens
+        h, d = (hidx, didx) if moved else (self._move(hidx, self.device), self._move(didx, self.device))
         base = self._base
-        launch(self._anchor, entries_off, h.data_ptr() - base, d.data_ptr() - base, self._table_off, self._flag_off,
-               self._failed_off, seq, self.num_pages, self.columns, pages, entries.shape[0], self.groups, self.tokens,
-               self._tile, check, seq_step, self._align, self._stages)  # fmt: skip
+        self._launcher((h.shape[0] // self.tokens, entries.shape[0]),
+                       (entries_off, h.data_ptr() - base, d.data_ptr() - base, self._table_off, self._flag_off,
+                        self._failed_off, seq, self.num_pages, self.columns), check, seq_step)  # fmt: skip
 
     # ---- the torch side (CPU pools) ---------------------------------------------------------
 
@@ -323,16 +326,17 @@ class PageVerifier:
         when it reaches the pool's last layer, on the run's stream after that layer's copies, so what
         the caller enqueues next follows it (a per-layer check beside the next layer's copy kernel
         slowed it by up to 14 %). Any other call closes an open run first."""
-        # The stream's handle (a cheap call) tells whether the run goes on; its object is taken when one starts.
-        raw = torch._C._cuda_getCurrentRawStream(self._device_index) if self._side is not None else 0
+        # The stream's handle (a cheap call) tells whether the run goes on. A server's loop is host-bound when
+        # its copies are small, and then every microsecond here lengthens the load: the common call is a few
+        # comparisons and two appends.
+        raw = _raw_stream(self._device_index) if self._side is not None else 0
         with self._lock:  # another thread's backup may close the run meanwhile
             run = self._run
             if run is not None and not run.continues(hidx, didx, layer, raw):
                 self._close_run()
                 run = None
             if run is None:
-                stream = torch.cuda.current_stream(self.device) if self._side is not None else None
-                run = self._run = CheckBatch(self, self.num_layers, stream)
+                run = self._run = CheckBatch(self, self.num_layers, raw_stream=raw)
                 self._run_thread = threading.get_ident()
                 _OPEN_RUNS.add(self)
             run.add(hidx, didx, layer, seq)
@@ -362,31 +366,37 @@ class PageVerifier:
         return CheckBatch(self, layers, None, engine)
 
     def _check_layers(self, hidx: torch.Tensor, didx: torch.Tensor, layers: list[int], seqs: list[int],
-                      stream: Any = None, in_order: bool = False) -> Any:  # fmt: skip
+                      stream: Any = None, in_order: bool = False, moved: bool = False) -> Any:  # fmt: skip
         """Check ``layers`` (whose calls were ``seqs``) in one launch; on CUDA on ``stream`` (the copies'; default:
         the current one) with ``in_order``, else on the side stream after what ``stream`` holds now, returning
-        the event that ends it."""
+        the event that ends it (in order: None; what follows on ``stream`` follows the check). ``moved``: the
+        indices are already the kernel's (:meth:`_launch`)."""
         if not self.kernel:
             for layer, seq in zip(layers, seqs):
                 self._torch(hidx, didx, layer, seq, True)
             return None
+        n = len(layers)
         with self._lock:
             first = self._next_batch_number
-            self._next_batch_number -= len(layers)
+            self._next_batch_number -= n
             ring, size = self._batch_ring, len(self._batch_ring)
-            for k, seq in enumerate(seqs):
-                ring[(k - first) % size] = (first - k, seq)
+            start = -first % size
+            if start + n <= size:  # one slice: a whole load's layers cost one assignment, not one per layer
+                ring[start : start + n] = zip(range(first, first - n, -1), seqs)
+            else:
+                for k, seq in enumerate(seqs):
+                    ring[(k - first) % size] = (first - k, seq)
+        step = len(self.components)
         if self._side is None:
-            return self._launch(hidx, didx, layers, first, True, seq_step=len(self.components))
+            return self._launch(hidx, didx, layers, first, True, step, moved)
         if in_order:
-            if stream is None:
-                stream = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(stream):
-                self._launch(hidx, didx, layers, first, True, seq_step=len(self.components))
-                done = torch.cuda.Event()
-                done.record(stream)
-            return done
-        return self._on_side(hidx, didx, layers, first, True, None, seq_step=len(self.components), caller=stream)
+            if stream is None or stream.cuda_stream == _raw_stream(self._device_index):
+                self._launch(hidx, didx, layers, first, True, step, moved)
+            else:
+                with torch.cuda.stream(stream):
+                    self._launch(hidx, didx, layers, first, True, step, moved)
+            return None
+        return self._on_side(hidx, didx, layers, first, True, None, seq_step=step, caller=stream)
 
     def _on_side(self, hidx, didx, layers, seq, check, before, seq_step: int = 0, caller: Any = None) -> Any:
         if caller is None:
@@ -536,6 +546,17 @@ def close_runs_of_this_thread(wait_host: bool = False) -> None:
             verifier.close_run(wait_host)
 
 
+def _raw_stream(device_index: int) -> int:
+    """The current stream's handle on a device (the cheapest way to compare streams)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def _current_stream_args(device_index: int) -> tuple[int, int, int]:
+    """What makes the current stream's torch object (``torch.cuda.Stream(stream_id=, device_index=, device_type=)``),
+    without making it."""
+    return torch._C._cuda_getCurrentStream(device_index)
+
+
 def _version(t: torch.Tensor) -> int:
     """Torch's version counter of ``t`` (inference tensors have none: in-place writes to them cannot be seen)."""
     return 0 if t.is_inference() else t._version
@@ -554,21 +575,28 @@ class CheckBatch:
     reported as ever, by the pool's first call after the check ran, naming each failing layer's own call.
     """
 
-    def __init__(self, verifier: PageVerifier, layers: int, stream: Any = None, engine: str = "sm") -> None:
+    def __init__(self, verifier: PageVerifier, layers: int, stream: Any = None, engine: str = "sm", *,
+                 raw_stream: int = 0) -> None:  # fmt: skip
         self._verifier = verifier
         runs = check_runs(engine)
         self._run = max(1, -(-layers // runs))
         self._in_order = runs == 1  # checked by flush, on the copies' stream
         self._stream = stream
+        # A run of per-layer loads names its stream by handle (``raw_stream``, the current one's); the object is
+        # made only where another stream must be ordered after it (``_copies_stream``).
+        self._raw = stream.cuda_stream if stream is not None else raw_stream
+        self._stream_args = _current_stream_args(verifier._device_index) if raw_stream and stream is None else None
         self._hidx: torch.Tensor | None = None
         self._didx: torch.Tensor | None = None
         self._h: torch.Tensor | None = None
         self._d: torch.Tensor | None = None
         self._versions = (0, 0)
+        self._tracked = False  # both index tensors have version counters
         self._layers: list[int] = []
         self._seqs: list[int] = []
         self._last = -1
-        self._done: Any = None
+        self._done: Any = None  # the event after the last run launched on the side stream
+        self._launched = False  # a run was launched since the last flush
 
     def continues(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, raw_stream: int) -> bool:
         """Whether a per-layer load of ``layer`` continues this run: the next layer, the same unmodified
@@ -577,14 +605,26 @@ class CheckBatch:
             layer == self._last + 1
             and hidx is self._hidx
             and didx is self._didx
-            and (_version(hidx), _version(didx)) == self._versions
-            and (self._stream is None or raw_stream == self._stream.cuda_stream)
+            and raw_stream == self._raw
+            and (
+                (hidx._version, didx._version) == self._versions
+                if self._tracked
+                else (_version(hidx), _version(didx)) == self._versions
+            )
         )
+
+    def _copies_stream(self) -> Any:
+        """The stream the copies were enqueued on, as a torch stream (None: the current one)."""
+        if self._stream is None and self._stream_args is not None:
+            sid, index, kind = self._stream_args
+            self._stream = torch.cuda.Stream(stream_id=sid, device_index=index, device_type=kind)
+        return self._stream
 
     def add(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, seq: int) -> None:
         """Note a layer just loaded (its copies enqueued on the current stream) with these indices."""
         if self._hidx is None:
             self._hidx, self._didx = hidx, didx
+            self._tracked = not (hidx.is_inference() or didx.is_inference())
             self._versions = (_version(hidx), _version(didx))
             # The kernel's indices, taken now: host indices handed over are copied now, not at the check.
             v = self._verifier
@@ -598,21 +638,34 @@ class CheckBatch:
     def _launch(self) -> None:
         if self._layers:
             layers, seqs, self._layers, self._seqs = self._layers, self._seqs, [], []
-            done = self._verifier._check_layers(self._h, self._d, layers, seqs, self._stream, self._in_order)
+            v = self._verifier
+            # In order on the current stream (the common case) needs no stream object.
+            here = self._in_order and (not self._raw or self._raw == _raw_stream(v._device_index))
+            stream = None if here else self._copies_stream()
+            done = v._check_layers(self._h, self._d, layers, seqs, stream, self._in_order, moved=True)
             self._done = done or self._done
+            self._launched = True
 
     def flush(self, wait_host: bool = False) -> None:
         """Check the layers noted since the last run; order the current stream and the copies' stream after
         every check (what either runs next may rewrite the loaded rows), and with ``wait_host`` this thread."""
         self._launch()
         done, self._done = self._done, None
-        if done is not None:  # recorded: the runs were launched
-            current = torch.cuda.current_stream(self._verifier.device)
+        v = self._verifier
+        if done is None and self._launched and v.cuda:
+            # Checked in order on the copies' stream: an event only where another stream or the host must wait.
+            if wait_host or (self._raw and self._raw != _raw_stream(v._device_index)):
+                done = torch.cuda.Event()
+                stream = self._copies_stream()
+                done.record(stream if stream is not None else torch.cuda.current_stream(v.device))
+        if done is not None:
+            current = torch.cuda.current_stream(v.device)
             current.wait_event(done)
-            if self._stream is not None and self._stream.cuda_stream != current.cuda_stream:
-                self._stream.wait_event(done)
+            if self._raw and self._raw != current.cuda_stream:
+                self._copies_stream().wait_event(done)
             if wait_host:
                 done.synchronize()
+        self._launched = False
         self._hidx = self._didx = self._h = self._d = None
 
 

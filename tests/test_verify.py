@@ -142,9 +142,9 @@ def _record_checked_layers(host) -> list[list[int]]:
     calls: list[list[int]] = []
     checked = host.verifier._check_layers
 
-    def run(*args):
+    def run(*args, **kwargs):
         calls.append(list(args[2]))
-        return checked(*args)
+        return checked(*args, **kwargs)
 
     host.verifier._check_layers = run
     return calls

@@ -29,6 +29,10 @@ import triton
 import triton.language as tl
 
 from ..page_checksum import ENTRY_COLUMNS, M2, NO_CHECKSUM
+from .device import cuda_current_functions
+from .triton_base import compiled_launch, hooks_idle, load_triton_runtime
+
+load_triton_runtime()  # for hooks_idle: a profiler hook sees every launch
 
 _M2 = tl.constexpr(M2)
 _NO_CHECKSUM = tl.constexpr(NO_CHECKSUM)
@@ -44,22 +48,23 @@ def _sum_words(base, ok_t, t, w, words, sum_w, sum_jw):
     return sum_w + vals, sum_jw + vals * j  # a 32 x 32 -> 64-bit product: it cannot wrap
 
 
-#: Runtime arguments: never specialised on (value or alignment), so one compiled kernel serves every call.
+#: Runtime arguments: never specialised on (value or alignment), and typed int64 whatever their value, so one
+#: compiled kernel serves every call and its C launcher can be called directly (:class:`ChecksumLaunch`).
 _RUNTIME = ("entries", "hidx", "didx", "table", "fail_word", "fail_pages", "seq", "host_pages", "table_columns")
 
 
 @triton.jit(do_not_specialize=_RUNTIME)
 def page_checksums(
     anchor,
-    entries,
-    hidx,
-    didx,
-    table,
-    fail_word,
-    fail_pages,
-    seq,
-    host_pages,
-    table_columns,
+    entries: tl.int64,
+    hidx: tl.int64,
+    didx: tl.int64,
+    table: tl.int64,
+    fail_word: tl.int64,
+    fail_pages: tl.int64,
+    seq: tl.int64,
+    host_pages: tl.int64,
+    table_columns: tl.int64,
     TOKENS: tl.constexpr,
     GROUPS: tl.constexpr,
     TILE_T: tl.constexpr,
@@ -128,15 +133,61 @@ def page_checksums(
         t0 += TILE_T
 
 
+class ChecksumLaunch:
+    """Launches :func:`page_checksums` for one verifier, whose anchor and tiling are fixed.
+
+    Triton's ``kernel[grid](...)`` binds and specialises every argument on each call, host time a
+    load's last call pays before its check is queued; after the first launch of each variant (``check``,
+    ``seq_step``), the compiled kernel's C launcher is called directly, as hicache's copy kernels are
+    (:mod:`hicache_core.gpu.triton_base`), unless a profiler hook watches launches. Under the
+    interpreter every launch goes through Triton.
+
+    ``tile``: :func:`hicache_core.page_checksum.tile_shape`; ``align``: words every device row starts on,
+    1, 2 or 4; ``stages``: 0 under the interpreter.
+    """
+
+    def __init__(self, anchor, tokens: int, groups: int, tile: tuple[int, int, int], align: int, stages: int,
+                 device_index: int) -> None:  # fmt: skip
+        self._anchor = anchor
+        self._anchor_ptr = anchor.data_ptr()
+        self._shape = (groups, tokens, tile)
+        self._align, self._stages = align, stages
+        self._cuda = anchor.is_cuda
+        self._device_index = device_index
+        self._fast: dict[tuple[bool, int], tuple] = {}
+        if self._cuda:
+            self._get_stream = cuda_current_functions()[1]
+
+    def __call__(self, grid: tuple[int, int], args: tuple[int, ...], check: bool, seq_step: int) -> None:
+        """Launch over ``grid`` (pages, entries) on the current stream. ``args``: the runtime arguments after the
+        anchor, in :data:`_RUNTIME`'s order (six byte offsets from the anchor, ``seq``, ``host_pages``,
+        ``table_columns``)."""
+        fast = self._fast.get((check, seq_step))
+        if fast is not None and hooks_idle():
+            call, head, constexprs = fast
+            call(grid[0], grid[1], 1, self._get_stream(self._device_index), *head, self._anchor_ptr, *args,
+                 *constexprs)  # fmt: skip
+            return
+        groups, tokens, tile = self._shape
+        compiled = launch(self._anchor, *args, *grid, groups, tokens, tile, check, seq_step, self._align,
+                          self._stages)  # fmt: skip
+        if self._cuda and fast is None:
+            direct = compiled_launch(compiled)
+            if direct is not None:  # the constexprs' values follow the runtime arguments, in the kernel's order
+                self._fast[(check, seq_step)] = (*direct, (tokens, groups, *tile, check, seq_step, self._align,
+                                                           self._stages))  # fmt: skip
+
+
 def launch(anchor, entries_off, hidx_off, didx_off, table_off, fail_word_off, fail_pages_off, seq, host_pages,
            table_columns, pages, num_entries, groups, tokens, tile, check, seq_step, align,
-           stages, num_warps=None) -> None:  # fmt: skip
-    """Launch :func:`page_checksums` over ``pages`` x ``num_entries`` programs.
+           stages, num_warps=None):  # fmt: skip
+    """Launch :func:`page_checksums` over ``pages`` x ``num_entries`` programs through Triton (returns what Triton
+    does: the compiled kernel, on CUDA).
 
     ``tile``: :func:`hicache_core.page_checksum.tile_shape`; ``align``: words every device row starts on,
     1, 2 or 4; ``stages``: 0 under the interpreter; ``num_warps``: default by the tile's size."""
     tile_t, group, block_w = tile
-    page_checksums[(pages, num_entries)](
+    return page_checksums[(pages, num_entries)](
         anchor, entries_off, hidx_off, didx_off, table_off, fail_word_off, fail_pages_off, seq, host_pages,
         table_columns, TOKENS=tokens, GROUPS=groups, TILE_T=tile_t, GROUP=group, BLOCK_W=block_w, CHECK=check,
         SEQ_STEP=seq_step, ALIGN=align, STAGES=stages,

@@ -153,6 +153,15 @@ def direct_launch(entry: CompiledEntry, mode: int, scratch: torch.Tensor | None)
     return run, (entry.function, entry.metadata, None, None, None)
 
 
+def compiled_launch(compiled: Any) -> tuple[Any, tuple] | None:
+    """:func:`direct_launch`'s C launch of a kernel Triton just compiled and launched (``kernel[grid](...)``'s
+    answer), for a kernel that needs no scratch; None where this Triton's answer does not look as expected."""
+    entry = CompiledEntry(0.0)
+    if compiled is not None:
+        _remember(compiled, entry)
+    return direct_launch(entry, 2, None)
+
+
 def _remember(compiled: Any, entry: CompiledEntry) -> None:
     try:
         if hasattr(compiled, "result"):  # an asynchronous compile's future
