@@ -52,6 +52,7 @@ def _profile(host, dp, hs, dev, io: str, layers: int, loads: int, top: int) -> l
 _TIMED = [
     ("hicache_core.verify", "CheckBatch", "flush"),
     ("hicache_core.verify", "CheckBatch", "add"),
+    ("hicache_core.verify", "CheckBatch", "extend"),
     ("hicache_core.verify", "PageVerifier", "_check_layers"),
     ("hicache_core.verify", "PageVerifier", "_launch"),
     ("hicache_core.verify", "PageVerifier", "check"),

@@ -331,14 +331,13 @@ class PageVerifier:
         raw = _raw_stream(self._device_index) if self._side is not None else 0
         with self._lock:  # another thread's backup may close the run meanwhile
             run = self._run
-            if run is not None and not run.continues(hidx, didx, layer, raw):
-                self._close_run()
-                run = None
-            if run is None:
+            if run is None or not run.extend(hidx, didx, layer, seq, raw):
+                if run is not None:
+                    self._close_run()
                 run = self._run = CheckBatch(self, self.num_layers, raw_stream=raw)
                 self._run_thread = threading.get_ident()
                 _OPEN_RUNS.add(self)
-            run.add(hidx, didx, layer, seq)
+                run.add(hidx, didx, layer, seq)
             if layer in self._run_ends:
                 self._close_run()
 
@@ -560,6 +559,7 @@ def _version(t: torch.Tensor) -> int:
     """Torch's version counter of ``t`` (inference tensors have none: in-place writes to them cannot be seen)."""
     return 0 if t.is_inference() else t._version
 
+
 class CheckBatch:
     """The load checks of one load's layers, in one launch (a layer-wise load's, or a run of per-layer loads).
 
@@ -573,6 +573,9 @@ class CheckBatch:
     the later layers' copies. :meth:`flush` orders the current stream after every check. A failure is
     reported as ever, by the pool's first call after the check ran, naming each failing layer's own call.
     """
+
+    __slots__ = ("_verifier", "_run", "_in_order", "_stream", "_raw", "_stream_args", "_hidx", "_didx", "_h", "_d",
+                 "_versions", "_tracked", "_layers", "_seqs", "_last", "_done", "_launched")  # fmt: skip
 
     def __init__(self, verifier: PageVerifier, layers: int, stream: Any = None, engine: str = "sm", *,
                  raw_stream: int = 0) -> None:  # fmt: skip
@@ -597,20 +600,25 @@ class CheckBatch:
         self._done: Any = None  # the event after the last run launched on the side stream
         self._launched = False  # a run was launched since the last flush
 
-    def continues(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, raw_stream: int) -> bool:
-        """Whether a per-layer load of ``layer`` continues this run: the next layer, the same unmodified
-        index tensors, the same stream (``raw_stream``: its handle; 0 on the CPU)."""
-        return (
-            layer == self._last + 1
-            and hidx is self._hidx
-            and didx is self._didx
-            and raw_stream == self._raw
-            and (
-                (hidx._version, didx._version) == self._versions
-                if self._tracked
-                else (_version(hidx), _version(didx)) == self._versions
-            )
-        )
+    def extend(self, hidx: torch.Tensor, didx: torch.Tensor, layer: int, seq: int, raw_stream: int) -> bool:
+        """:meth:`add` a per-layer load of ``layer`` if it continues this run (the next layer, the same unmodified
+        index tensors, the same stream: ``raw_stream``, its handle, 0 on the CPU); whether it did.
+
+        One call, a few comparisons: in a server's host-bound loop of per-layer loads every call counts."""
+        if (
+            layer != self._last + 1
+            or hidx is not self._hidx
+            or didx is not self._didx
+            or raw_stream != self._raw
+            or ((hidx._version, didx._version) if self._tracked else (_version(hidx), _version(didx))) != self._versions
+        ):
+            return False
+        self._layers.append(layer)
+        self._seqs.append(seq)
+        self._last = layer
+        if not self._in_order and len(self._layers) >= self._run:
+            self._launch()
+        return True
 
     def _copies_stream(self) -> Any:
         """The stream the copies were enqueued on, as a torch stream (None: the current one)."""
