@@ -231,10 +231,7 @@ class PageVerifier:
         self._align = next(a for a in (4, 2, 1) if all(f % (4 * a) == 0 for f in facts))
         # Compiled: the word loop is software-pipelined; the interpreter runs plain loops.
         self._stages = 0 if not self.cuda else 6
-        from .gpu.page_checksum_kernel import ChecksumLaunch
-
-        self._launcher = ChecksumLaunch(self._anchor, self.tokens, self.groups, self._tile, self._align, self._stages,
-                                        self._device_index)  # fmt: skip
+        self._launcher: Any = None  # made at the first launch: the kernel's module imports triton
         if self.cuda:
             torch.cuda.synchronize(self.device)  # the entry tables are on the device before the first launch
 
@@ -262,9 +259,15 @@ class PageVerifier:
         entries, entries_off = self._entries(layers)
         h, d = (hidx, didx) if moved else (self._move(hidx, self.device), self._move(didx, self.device))
         base = self._base
-        self._launcher((h.shape[0] // self.tokens, entries.shape[0]),
-                       (entries_off, h.data_ptr() - base, d.data_ptr() - base, self._table_off, self._flag_off,
-                        self._failed_off, seq, self.num_pages, self.columns), check, seq_step)  # fmt: skip
+        launcher = self._launcher
+        if launcher is None:
+            from .gpu.page_checksum_kernel import ChecksumLaunch
+
+            launcher = self._launcher = ChecksumLaunch(self._anchor, self.tokens, self.groups, self._tile, self._align,
+                                                       self._stages, self._device_index)  # fmt: skip
+        launcher((h.shape[0] // self.tokens, entries.shape[0]),
+                 (entries_off, h.data_ptr() - base, d.data_ptr() - base, self._table_off, self._flag_off,
+                  self._failed_off, seq, self.num_pages, self.columns), check, seq_step)  # fmt: skip
 
     # ---- the torch side (CPU pools) ---------------------------------------------------------
 
