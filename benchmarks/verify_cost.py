@@ -69,6 +69,22 @@ def _pools(kind: str, tokens: int, page: int):
     return dp
 
 
+def pool_pair(kind: str, layout: str, io: str, tokens: int, page: int):
+    """The device pool of ``kind`` and, per verify setting (False, True), a host pool holding ``tokens`` of it,
+    backed up: ``(host, host indices as ``io`` takes them, device indices)``."""
+    dp = _pools(kind, tokens, page)
+    pools = {}
+    for verify in (False, True):
+        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (tokens + 4 * page))
+        slots = host.alloc(tokens)
+        dev = torch.arange(page, page + tokens, device="cuda")
+        hs = slots.cuda() if io != "direct" else slots
+        host.backup_from_device_all_layer(dp, hs, dev, io)
+        pools[verify] = (host, hs, dev)
+    torch.cuda.synchronize()
+    return dp, pools
+
+
 def host_call_us(host, dp, hs, dev, io: str, layers: int) -> list[float]:
     """Host time of each per-layer load call of one load, in µs, with the GPU busy (submission only)."""
     torch.cuda._sleep(50_000_000)

@@ -27,9 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from verify_cost import _pools, host_call_us, write_result  # noqa: E402
-
-import hicache_core as hc  # noqa: E402
+from verify_cost import host_call_us, pool_pair, write_result  # noqa: E402
 
 
 def _profile(host, dp, hs, dev, io: str, layers: int, loads: int, top: int) -> list[str]:
@@ -108,16 +106,9 @@ def _breakdown(host, dp, hs, dev, io: str, layers: int, loads: int, sleep: bool)
 
 
 def _case(kind: str, layout: str, io: str, tokens: int, page: int, loads: int, profile: int, top: int) -> dict:
-    dp = _pools(kind, tokens, page)
+    dp, pair = pool_pair(kind, layout, io, tokens, page)
     layers = dp.layer_num
-    pools = {}
-    for verify in (False, True):
-        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (tokens + 4 * page))
-        slots = host.alloc(tokens)
-        dev = torch.arange(page, page + tokens, device="cuda")
-        hs = slots.cuda() if io != "direct" else slots
-        host.backup_from_device_all_layer(dp, hs, dev, io)
-        pools["verified" if verify else "plain"] = (host, hs, dev)
+    pools = {"verified" if verify else "plain": made for verify, made in pair.items()}
     for host, hs, dev in pools.values():  # warm-up
         for _ in range(3):
             host_call_us(host, dp, hs, dev, io, layers)

@@ -36,9 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from verify_cost import _pools, host_call_us, write_result  # noqa: E402
-
-import hicache_core as hc  # noqa: E402
+from verify_cost import host_call_us, pool_pair, write_result  # noqa: E402
 
 
 def _host_us_per_call(host, dp, hs, dev, io, layers: int) -> float:
@@ -46,17 +44,8 @@ def _host_us_per_call(host, dp, hs, dev, io, layers: int) -> float:
 
 
 def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int, path: str = "per_layer") -> dict:
-    dp = _pools(kind, tokens, page)
+    dp, pools = pool_pair(kind, layout, io, tokens, page)
     layers = dp.layer_num
-    pools = {}
-    for verify in (False, True):
-        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (tokens + 4 * page))
-        slots = host.alloc(tokens)
-        dev = torch.arange(page, page + tokens, device="cuda")
-        hs = slots.cuda() if io != "direct" else slots
-        host.backup_from_device_all_layer(dp, hs, dev, io)
-        pools[verify] = (host, hs, dev)
-    torch.cuda.synchronize()
     (p, phs, pdev), (v, vhs, vdev) = pools[False], pools[True]
     for _ in range(3):
         _host_us_per_call(p, dp, phs, pdev, io, layers)
