@@ -33,14 +33,44 @@ STANDIN = os.path.join(HERE, "test_standin")
 CPU_ENGINE_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
                    "--dtype", "float32", "--max-total-tokens", "2048", "--mem-fraction-static", "0.3",
                    "--enable-metrics", "--log-level", "info", "--sleep-on-idle"]  # fmt: skip
+#: What SGLang's HTTP server logs when its port is taken.
+_BIND_FAILED = "error while attempting to bind on address"
 START_TIMEOUT = float(os.environ.get("HICACHE_E2E_START_TIMEOUT", "420"))
 REQUEST_TIMEOUT = 120.0
 
 
+#: Ports handed out by this process, never handed out twice (a server may not have bound its port yet).
+_HANDED_OUT: set[int] = set()
+_PORT_LOCK = threading.Lock()
+
+
+#: Where ports are handed out: below 22000, where SGLang picks its own (its ``nccl_port``, 22000-29999, which
+#: the scheduler binds later), and below the kernel's ephemeral range.
+_PORTS = (12000, 22000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now on 127.0.0.1, never handed out before by this process, outside the kernel's ephemeral
+    range and SGLang's own.
+
+    A port the kernel picks (bind to port 0) is in the ephemeral range, which every outgoing connection and
+    every other listener that asks for any port (UCX under NIXL, the other suites' servers) draws from too:
+    between this check and the server's own bind one of them took it (seen in CI: a server whose bind
+    failed kept running, and the test waited out its whole start timeout)."""
+    low, high = _PORTS
+    start = low + os.getpid() % (high - low)  # another process running this starts elsewhere
+    with _PORT_LOCK:
+        for port in [*range(start, high), *range(low, start)]:
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError(f"no free port on 127.0.0.1 between {low} and {high}")
 
 
 @dataclass
@@ -81,12 +111,25 @@ class Server:
         return self
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> Server:
-        """Until ``/health_generate`` answers; records ``error`` (with the log's tail) if it does not."""
+        """Until ``/health_generate`` answers; records ``error`` (with the log's tail) if it does not.
+
+        A server whose port was taken before it bound it (its log says so; SGLang then waits on its scheduler
+        instead of exiting) is stopped and started again on another port, at most twice."""
         deadline = time.monotonic() + timeout
+        restarts = 0
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.error = f"{self.name} exited with {self.proc.returncode} before it served"
                 return self
+            if restarts < 2 and _BIND_FAILED in self.log():
+                restarts += 1
+                self.stop()
+                with open(self.log_path, "a") as f:
+                    f.write(f"\n[e2e] port {self.port} was taken before this server bound it: restarting on another\n")
+                os.replace(self.log_path, f"{self.log_path}.port-{self.port}")
+                self.port = 0
+                self.start()
+                continue
             try:
                 with urllib.request.urlopen(f"{self.url}/health_generate", timeout=5) as r:
                     if r.status == 200:
