@@ -130,8 +130,12 @@ class PageVerifier:
         self.device = plan.device
         self.cuda = self.device.type == "cuda"
         pinned = False
+        #: The current stream's handle on a device (CUDA pools; the cheapest way to compare streams).
+        self._raw_stream_of: Callable[[int], int] | None = None
         if self.cuda:
-            from .gpu.device import interpreting, triton_available
+            from .gpu.device import cuda_current_functions, interpreting, triton_available
+
+            self._raw_stream_of = cuda_current_functions()[1]
 
             if not triton_available():
                 raise ValueError("verify=True on a CUDA pool needs triton (the checksum kernel); pip install triton")
@@ -243,9 +247,9 @@ class PageVerifier:
             t = self._entries_layer[layers]
             return t, t.data_ptr() - self._base
         first = layers[0]
-        if first == 0 and len(layers) == self.num_layers and layers[-1] == first + len(layers) - 1:
-            return self._entries_all, self._entries_off_all  # a whole load's layers, in order (the common case)
         if layers == list(range(first, first + len(layers))):  # a run of layers: a slice of the whole table
+            if len(layers) == self.num_layers:  # a whole load's layers, in order (the common case): no slicing
+                return self._entries_all, self._entries_off_all
             t = self._entries_all[first * len(self.components) : (first + len(layers)) * len(self.components)]
         else:
             t = torch.cat([self._entries_layer[layer] for layer in layers])
@@ -331,7 +335,7 @@ class PageVerifier:
         # The stream's handle (a cheap call) tells whether the run goes on. A server's loop is host-bound when
         # its copies are small, and then every microsecond here lengthens the load: the common call is a few
         # comparisons and two appends.
-        raw = _raw_stream(self._device_index) if self._side is not None else 0
+        raw = self._raw_stream_of(self._device_index) if self._side is not None else 0
         with self._lock:  # another thread's backup may close the run meanwhile
             run = self._run
             if run is None or not run.extend(hidx, didx, layer, seq, raw):
@@ -391,7 +395,7 @@ class PageVerifier:
         if self._side is None:
             return self._launch(hidx, didx, layers, first, True, step, moved)
         if in_order:
-            if stream is None or stream.cuda_stream == _raw_stream(self._device_index):
+            if stream is None or stream.cuda_stream == self._raw_stream_of(self._device_index):
                 self._launch(hidx, didx, layers, first, True, step, moved)
             else:
                 with torch.cuda.stream(stream):
@@ -547,17 +551,6 @@ def close_runs_of_this_thread(wait_host: bool = False) -> None:
             verifier.close_run(wait_host)
 
 
-def _raw_stream(device_index: int) -> int:
-    """The current stream's handle on a device (the cheapest way to compare streams)."""
-    return torch._C._cuda_getCurrentRawStream(device_index)
-
-
-def _current_stream_args(device_index: int) -> tuple[int, int, int]:
-    """What makes the current stream's torch object (``torch.cuda.Stream(stream_id=, device_index=, device_type=)``),
-    without making it."""
-    return torch._C._cuda_getCurrentStream(device_index)
-
-
 def _version(t: torch.Tensor) -> int:
     """Torch's version counter of ``t`` (inference tensors have none: in-place writes to them cannot be seen)."""
     return 0 if t.is_inference() else t._version
@@ -588,9 +581,12 @@ class CheckBatch:
         self._in_order = runs == 1  # checked by flush, on the copies' stream
         self._stream = stream
         # A run of per-layer loads names its stream by handle (``raw_stream``, the current one's); the object is
-        # made only where another stream must be ordered after it (``_copies_stream``).
+        # made only where another stream must be ordered after it (``_copies_stream``), from what makes the
+        # current stream's object (``torch.cuda.current_stream``'s stream id, device index and type).
         self._raw = stream.cuda_stream if stream is not None else raw_stream
-        self._stream_args = _current_stream_args(verifier._device_index) if raw_stream and stream is None else None
+        self._stream_args = (
+            torch._C._cuda_getCurrentStream(verifier._device_index) if raw_stream and stream is None else None
+        )
         self._hidx: torch.Tensor | None = None
         self._didx: torch.Tensor | None = None
         self._h: torch.Tensor | None = None
@@ -650,7 +646,7 @@ class CheckBatch:
             layers, seqs, self._layers, self._seqs = self._layers, self._seqs, [], []
             v = self._verifier
             # In order on the current stream (the common case) needs no stream object.
-            here = self._in_order and (not self._raw or self._raw == _raw_stream(v._device_index))
+            here = self._in_order and (not self._raw or self._raw == v._raw_stream_of(v._device_index))
             stream = None if here else self._copies_stream()
             done = v._check_layers(self._h, self._d, layers, seqs, stream, self._in_order, moved=True)
             self._done = done or self._done
@@ -664,7 +660,7 @@ class CheckBatch:
         v = self._verifier
         if done is None and self._launched and v.cuda:
             # Checked in order on the copies' stream: an event only where another stream or the host must wait.
-            if wait_host or (self._raw and self._raw != _raw_stream(v._device_index)):
+            if wait_host or (self._raw and self._raw != v._raw_stream_of(v._device_index)):
                 done = torch.cuda.Event()
                 stream = self._copies_stream()
                 done.record(stream if stream is not None else torch.cuda.current_stream(v.device))

@@ -211,6 +211,34 @@ def test_a_layer_wise_loads_checks_run_in_runs_of_layers_naming_each_failing_lay
     assert f"host pages [{first}]" in str(err) and f"host pages [{last}]" in str(err)
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu", reason="the kernel on CPU pools")
+def test_a_load_of_every_layer_out_of_order_names_the_failing_layers_own_call():
+    # Every layer, first 0 and last 3, but not in order: the batch's check must follow the load's order.
+    pytest.importorskip("triton")
+    dp = device_pool("mha", 4, pages=6, layers=4)
+    fill_random([t for c in hc.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=3)
+    host = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True)
+    host.verifier = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+    p = host.page_size
+    slots = host.alloc(p)
+    dev = torch.arange(p, 2 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _flip_host_byte(host, int(slots[0]) // p, layer=2)
+    seq = host._drops.seq
+    load = host.submit_load(dp, slots, dev, "auto", layer_ids=[0, 2, 1, 3])
+    try:
+        load.result()
+        host.check_verified()
+    except LayerLoadError as exc:  # the check ran before a later layer's call, which raised it
+        err = exc.__cause__
+    except PageVerificationError as exc:
+        err = exc
+    else:
+        pytest.fail("the flipped byte was not caught")
+    assert isinstance(err, PageVerificationError)
+    assert err.layer_ids == [2] and [c[0] - seq for c in err.calls] == [2]  # layer 2 was the load's second call
+
+
 # ---- detection ----------------------------------------------------------------------------------
 
 
