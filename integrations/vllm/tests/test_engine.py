@@ -40,7 +40,10 @@ def test_vllm_metrics_show_the_loads(run, l3):
     assert delta(hi, "A again", "evict 4", "vllm:external_prefix_cache_hits") == cached
     # Bytes over the device link: every loaded block, every layer, a whole page each.
     assert delta(hi, "A again", "evict 4", "vllm:kv_offload_load_bytes") == cached // BLOCK * LAYERS * PAGE
-    assert hi["evict 4"]["metrics"].get("vllm:kv_offload_store_bytes", 0) >= 4 * 8 * LAYERS * PAGE
+    # Stores: the 8 whole blocks of each of A, evict 2, 3 and 4. A store's bytes are counted when the worker
+    # reports it done, on a later engine step, so a busy machine may not have counted evict 4's by the end of
+    # evict 4 (CI of 302ead7 saw 24 pages there); "A again" stores nothing new and runs 17 steps after it.
+    assert hi["A again"]["metrics"].get("vllm:kv_offload_store_bytes", 0) >= 4 * 8 * LAYERS * PAGE
 
 
 def test_batch_with_preemptions_equals_the_engine_without_a_connector(run, l3):
