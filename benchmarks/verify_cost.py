@@ -1,13 +1,15 @@
 """What host-tier verification costs: verified against unverified loads and backups, beside the copy ceiling.
 
-Run on the GPU machine (one process, every figure from the same run)::
+Run on the GPU machine (one process, every figure from the same run; the file is rewritten after every
+case, and a case that fails is a row with its error)::
 
     pip install --no-deps --no-build-isolation --no-index -e . -e plugins/*
-    python benchmarks/verify_cost.py --out $OUT/verify-cost-h200.json [--tokens 4096] [--repeats 30]
+    python benchmarks/verify_cost.py --out $OUT/verify-cost-h200.json [--tokens 4096] [--repeats 30] [--cases all]
 
-Pools: llama-8b-like MHA (32 layers, 8 KV heads, head_dim 128, bf16, page 64, ``page_first`` and
-``layer_first``) and an MLA pool (61 layers, 576 x bf16, page 64, ``page_first``), at ``--tokens``
-cached tokens. Per pool, io backend and verify setting: a 32-layer (61 for MLA) per-layer load of
+Pools: ``--cases`` pool:layout pairs (default llama-8b-like MHA in ``page_first`` and ``layer_first``, and
+DeepSeek's MLA in ``page_first``), or ``all``: every registered pool kind in every layout it allows, each in
+one model's geometry (:data:`GEOMETRIES`; ``--list`` prints the cases and their bytes without a GPU), at ``--tokens``
+cached tokens. Per pool, io backend and verify setting: a per-layer load of every layer of
 the tokens on one stream (synchronous per-layer calls, as SGLang's controller makes them: a verifying
 pool checks them in one launch after the last layer, and the stream waits for it), the same load
 through the layer loader (``submit_load``, the serving path: one launch after the last layer, which
@@ -24,15 +26,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 import hicache_core as hc
 import hicache_core.verify as hc_verify
+from hicache_core.device_pools import DeclaredDevicePool
+from hicache_core.registry import get_registry
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -57,27 +63,96 @@ def _interleaved_ms(fns: dict, repeats: int, samples: dict | None = None) -> dic
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+@dataclass(frozen=True)
+class Geometry:
+    """One model's pool of a kind, per GPU: what the matrix times verification on.
+
+    ``rows``: per component, ``(heads, dim)`` for token kinds and ``(bytes per page,)`` for page kinds;
+    ``page``: the page size it is served with (``None``: ``--page``); ``tokens_per_item``: where an item is
+    not a token slot (Mamba's is one request), the tokens of context one item stands for.
+    """
+
+    layers: int
+    rows: dict[str, tuple[int, ...]]
+    model: str
+    dtype: torch.dtype = torch.bfloat16
+    extras: dict[str, int] = field(default_factory=dict)
+    page: int | None = None
+    tokens_per_item: int = 1
+
+
+#: The geometry of each built-in pool kind. The benchmark refuses a registered kind missing here rather
+#: than leave it out of the matrix; the DeepSeek-V4 and MiniMax rows are assumed sizes of the right order.
+GEOMETRIES: dict[str, Geometry] = {
+    "mha": Geometry(32, {"k": (8, 128), "v": (8, 128)}, "Llama-3-8B: 8 KV heads x 128"),
+    "mha_asym": Geometry(48, {"k": (4, 192), "v": (4, 128)}, "MiMo-V2-like: head_dim 192, v_head_dim 128"),
+    "mha_k_only": Geometry(60, {"k": (1, 128)}, "MiniMax-like sparse index-K: one 128-wide head"),
+    "mla": Geometry(
+        61, {"kv": (1, 576)}, "DeepSeek-V3: 512 latent + 64 rope", extras={"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    ),
+    "page_rows": Geometry(61, {"row": (64 * 132,)}, "DeepSeek-V3.2 DSA indexer: 64 x (128 + 4) bytes a page"),
+    "dsv4_paged": Geometry(61, {"row": (16 * 584,)}, "DeepSeek-V4-like C4 KV (assumed): 16 entries x 584 bytes"),
+    "dsv4_state": Geometry(61, {"state": (8 * 4096,)}, "DeepSeek-V4-like compress state (assumed): ring 8 x 4 KiB"),
+    "mamba": Geometry(
+        36,
+        {"temporal": (32 * 128 * 128 * 4,), "conv": (8192 * 3 * 2,)},
+        "Qwen3-Next-80B linear attention: SSM state 32 x 128 x 128 fp32, conv 8192 x 3 bf16; "
+        "one item per request of 512 tokens",
+        page=1,
+        tokens_per_item=512,
+    ),
+    "nvfp4_page_rows": Geometry(
+        60, {"row": (64 * 8 * 72,)}, "MiniMax-M3-like NVFP4 K (assumed): 8 heads x (64 + 8) bytes a token"
+    ),
+    "kv_scale_pages": Geometry(
+        32, {"k_scale": (64 * 32,), "v_scale": (64 * 32,)}, "MXFP8 scales of Llama-3-8B: one E8M0 per 32 elements"
+    ),
+}
+
+
+def geometry(kind: str) -> Geometry:
+    if kind not in GEOMETRIES:
+        raise SystemExit(f"no geometry for pool kind {kind!r}: add one to verify_cost.GEOMETRIES")
+    return GEOMETRIES[kind]
+
+
+def items_and_page(kind: str, tokens: int, page: int) -> tuple[int, int]:
+    """The items (token slots, or requests) standing for ``tokens`` of context, and the page size they use."""
+    g = geometry(kind)
+    page = g.page or page
+    items = tokens // g.tokens_per_item
+    if items < page or items % page:
+        raise SystemExit(f"{kind}: {tokens} tokens make {items} items, not a whole number of {page}-item pages")
+    return items, page
+
+
+def device_pool(kind: str, items: int, page: int, device: str = "cuda"):
+    """The device pool of ``kind`` in its :data:`GEOMETRIES` geometry, ``items`` of it in use, random bytes."""
+    g = geometry(kind)
+    decl = get_registry().pool_kinds[kind]
+    dp = DeclaredDevicePool(decl, items + 4 * page, page, g.layers, device, dtype=g.dtype, rows=g.rows,
+                               extras=g.extras)  # fmt: skip
+    for comp in decl.components:
+        for t in getattr(dp, comp.device_attr):
+            t.view(torch.uint8).random_(0, 256)
+    return dp
+
+
 def _pools(kind: str, tokens: int, page: int):
     """The device pool of ``kind`` for ``tokens`` cached tokens, filled with random bytes."""
-    size = tokens + 4 * page
-    if kind == "mha":
-        dp = hc.MHADevicePool(size, page, torch.bfloat16, 8, 128, 32, "cuda")
-    else:
-        dp = hc.MLADevicePool(size, page, torch.bfloat16, 512, 64, 61, "cuda")
-    for t in (dp.k_buffer + dp.v_buffer) if kind == "mha" else dp.kv_buffer:
-        t.copy_(torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int16, device="cuda").view(t.dtype))
-    return dp
+    return device_pool(kind, *items_and_page(kind, tokens, page))
 
 
 def pool_pair(kind: str, layout: str, io: str, tokens: int, page: int):
     """The device pool of ``kind`` and, per verify setting (False, True), a host pool holding ``tokens`` of it,
     backed up: ``(host, host indices as ``io`` takes them, device indices)``."""
-    dp = _pools(kind, tokens, page)
+    items, page = items_and_page(kind, tokens, page)
+    dp = device_pool(kind, items, page)
     pools = {}
     for verify in (False, True):
-        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (tokens + 4 * page))
-        slots = host.alloc(tokens)
-        dev = torch.arange(page, page + tokens, device="cuda")
+        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (items + 4 * page))
+        slots = host.alloc(items)
+        dev = torch.arange(page, page + items, device="cuda")
         hs = slots.cuda() if io != "direct" else slots
         host.backup_from_device_all_layer(dp, hs, dev, io)
         pools[verify] = (host, hs, dev)
@@ -97,15 +172,17 @@ def host_call_us(host, dp, hs, dev, io: str, layers: int) -> list[float]:
 
 
 def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int) -> dict:
-    dp = _pools(kind, tokens, page)
+    items, page = items_and_page(kind, tokens, page)
+    dp = device_pool(kind, items, page)
     layers = dp.layer_num
-    row = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens, "layers": layers}
+    row = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens, "items": items, "page": page,
+           "layers": layers, "model": geometry(kind).model}  # fmt: skip
     fns, hosts = {}, {}
     loads: dict[str, list] = {"plain": [], "verified": []}
     for verify in (False, True):
-        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (tokens + 4 * page))
-        slots = host.alloc(tokens)
-        dev = torch.arange(page, page + tokens, device="cuda")
+        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (items + 4 * page))
+        slots = host.alloc(items)
+        dev = torch.arange(page, page + items, device="cuda")
         hc_slots = slots.cuda() if io != "direct" else slots
 
         def backup(host=host, hc_slots=hc_slots, dev=dev):
@@ -156,7 +233,7 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
         if tag == "verified":
             host.check_verified()  # every page clean: nothing may be reported
             row["implementations"] = dict(host.implementations)
-        nbytes = host.get_size_per_token() * tokens
+        nbytes = host.get_size_per_token() * items
         host.destroy()
     row["bytes"] = nbytes
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -173,35 +250,74 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
     return row
 
 
+def matrix_cases(spec: str) -> list[tuple[str, str]]:
+    """``pool:layout`` pairs from ``spec``; ``all``: every registered kind in every layout it allows."""
+    if spec != "all":
+        return [tuple(c.split(":")) for c in spec.split(",")]  # type: ignore[misc]
+    reg = get_registry()
+    return [(name, layout) for name, kind in reg.pool_kinds.items()
+            for layout in sorted(kind.layouts or reg.layouts)]  # fmt: skip
+
+
+def load_bytes(kind: str, tokens: int, page: int) -> int:
+    """Bytes one whole load of ``tokens`` moves, from the geometry alone (no pool made)."""
+    g, decl = geometry(kind), get_registry().pool_kinds[kind]
+    items, page = items_and_page(kind, tokens, page)
+    per_item = sum(math.prod(g.rows[c.name]) for c in decl.components)
+    if decl.items_are_pages:
+        return items // page * g.layers * per_item
+    return items * g.layers * per_item * g.dtype.itemsize
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--out", help="JSON file to write (rewritten after every case)")
     ap.add_argument("--tokens", default="4096,32768", help="cached tokens, comma-separated")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--io", default="kernel,direct", help="io backends, comma-separated")
     ap.add_argument("--cases", default="mha:page_first,mha:layer_first,mla:page_first",
-                    help="pool:layout pairs, comma-separated")  # fmt: skip
+                    help="pool:layout pairs, comma-separated, or 'all' (every registered kind and layout)")  # fmt: skip
+    ap.add_argument("--list", action="store_true", help="print the cases and the bytes each load moves; no GPU")
     ap.add_argument("--copy-engine-runs", type=int, default=None,
                     help="runs a copy-engine load's checks are launched in (default: the library's)")  # fmt: skip
     args = ap.parse_args()
+    cases = [(int(t), kind, layout, io) for t in args.tokens.split(",") for kind, layout in matrix_cases(args.cases)
+             for io in args.io.split(",")]  # fmt: skip
+    if args.list:
+        for tokens, kind, layout, io in cases:
+            print(f"{tokens:6} {kind:16} {layout:20} {io:7} {load_bytes(kind, tokens, args.page) / 2**20:9.1f} MiB")
+        total = sum(load_bytes(kind, tokens, args.page) for tokens, kind, _, _ in cases)
+        print(f"{len(cases)} cases, {total / 2**30:.1f} GiB a load each")
+        return
+    if not args.out:
+        raise SystemExit("--out is required (or --list)")
     if args.copy_engine_runs is not None:
         hc_verify.CHECK_RUNS_COPY_ENGINE = args.copy_engine_runs
     if not torch.cuda.is_available():
         raise SystemExit("verify_cost.py measures the GPU: run it on the GPU machine")
+    what = (
+        "host-tier verification cost: verified vs unverified, same run; goal <= 0.03 at 4096 and 32768 tokens; "
+        f"copy-engine loads checked in {hc_verify.CHECK_RUNS_COPY_ENGINE} run(s)"
+    )
     rows = []
-    cases = [tuple(c.split(":")) for c in args.cases.split(",")]
-    for tokens, (kind, layout), io in [(int(t), c, io) for t in args.tokens.split(",") for c in cases
-                                       for io in args.io.split(",")]:  # fmt: skip
+    for tokens, kind, layout, io in cases:
+        head = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens}
         try:
             rows.append(_case(kind, layout, io, tokens, args.page, args.repeats))
         except hc.UnsupportedCombinationError as exc:
-            rows.append({"pool": kind, "layout": layout, "io_backend": io, "refused": str(exc).splitlines()[0]})
+            rows.append(head | {"refused": str(exc).splitlines()[0]})
+        except Exception as exc:  # one case's failure is a row of the result, not the end of the run
+            rows.append(head | {"error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            torch.cuda.empty_cache()
+        write_result(args.out, what, rows, quiet=True)  # a run cut short keeps the cases it finished
         r = rows[-1]
-        if "refused" in r:
-            print(f"{tokens:6} {kind:4} {layout:12} {io:7} refused")
+        if "refused" in r or "error" in r:
+            print(f"{tokens:6} {kind:16} {layout:20} {io:7} {r.get('refused') or r['error']}")
             continue
-        print(f"{tokens:6} {kind:4} {layout:12} {io:7} load {r['load_ms_plain']:.3f} -> {r['load_ms_verified']:.3f} ms "
+        print(f"{tokens:6} {kind:16} {layout:20} {io:7} load {r['load_ms_plain']:.3f} -> {r['load_ms_verified']:.3f} "
+              f"ms "
               f"({r['load_overhead']:+.1%}), layer-wise {r['layerwise_ms_plain']:.3f} -> "
               f"{r['layerwise_ms_verified']:.3f} ms ({r['layerwise_overhead']:+.1%}; on the GPU alone "
               f"{r['layerwise_gpu_overhead']:+.1%}; hand-over {r['layerwise_handover_us_plain']:.0f} / "
@@ -209,10 +325,6 @@ def main() -> None:
               f"backup {r['backup_ms_plain']:.3f} -> {r['backup_ms_verified']:.3f} "
               f"ms ({r['backup_overhead']:+.1%}); ceiling h2d {r['ceiling_h2d_ms']:.3f} ms; host us a per-layer call "
               f"(first/middle/last) {_calls(r, 'plain')} / {_calls(r, 'verified')}")  # fmt: skip
-    what = (
-        "host-tier verification cost: verified vs unverified, same run; goal <= 0.03 at 4096 and 32768 tokens; "
-        f"copy-engine loads checked in {hc_verify.CHECK_RUNS_COPY_ENGINE} run(s)"
-    )
     write_result(args.out, what, rows)
 
 
@@ -220,7 +332,7 @@ def _calls(row: dict, tag: str) -> str:
     return "-".join(f"{us:.0f}" for us in row[f"load_host_us_first_middle_last_{tag}"])
 
 
-def write_result(path: str, what: str, rows: list[dict]) -> None:
+def write_result(path: str, what: str, rows: list[dict], quiet: bool = False) -> None:
     """Write ``rows`` as a GPU result JSON with the machine and versions of this run (also checksum_kernel.py's)."""
     import triton
 
@@ -237,7 +349,8 @@ def write_result(path: str, what: str, rows: list[dict]) -> None:
     }
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
