@@ -52,13 +52,21 @@ assert M2 < (1 << 63)
 ENTRY_COLUMNS = 6
 
 
+#: Words one step of the page checksum kernel reads (rows x words): with two 64-bit sums per word, a tile of
+#: 64 x 32 words keeps them in registers with the next tiles' loads in flight; 64 x 64 spilled
+#: (benchmarks/results/verify-check-variants-h200.json).
+TILE_WORDS = 2048
+
+
 def tile_shape(tokens: int, row_words: int) -> tuple[int, int, int]:
-    """``(TILE_T, GROUP, BLOCK_W)`` for pages of ``tokens`` items whose widest row has ``row_words`` words."""
+    """``(TILE_T, GROUP, BLOCK_W)`` for pages of ``tokens`` items whose widest row has ``row_words`` words.
+
+    A page of fewer than 64 items (a page kind's page is one row; pages of one token) widens its tile along
+    the row instead, up to :data:`TILE_WORDS`: a 2 MiB Mamba state row read 32 words a step took 16384 steps.
+    """
     tile_t = min(64, 1 << (tokens - 1).bit_length())
     group = min(GROUP_TOKENS, tile_t)
-    # Two 64-bit sums per lane: a tile of 64 x 32 words keeps them in registers with the next tiles' loads in
-    # flight (the loop covers longer rows); 64 words spilled (benchmarks/results/verify-check-variants-h200.json).
-    block_w = min(32, 1 << max(2, (row_words - 1).bit_length()))
+    block_w = min(TILE_WORDS // tile_t, 1 << max(2, (row_words - 1).bit_length()))
     return tile_t, group, block_w
 
 

@@ -108,33 +108,43 @@ def test_kernel_tiles_pages_of_any_size_as_the_definition_groups_them(page_size)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu", reason="the kernel on CPU pools")
-@pytest.mark.parametrize("rows", ["mha 2x40", "mla 512+64", "mha 8x128"])
+@pytest.mark.parametrize("rows", ["mha 2x40", "mla 512+64", "mha 8x128", "page rows 2088"])
 def test_kernel_sums_rows_wider_than_its_tile_as_the_definition(rows):
-    # 40 words: a full tile of words and a part of one; 288 (MLA's 576 bf16): nine; 512 (llama's 8 x 128): sixteen.
+    # 64-token pages take tiles of 64 rows by 32 words. 40 words: a full tile of words and a part of one; 288
+    # (MLA's 576 bf16): nine; 512 (llama's 8 x 128): sixteen. A page kind's page is one row, read 2048 words
+    # at a time: 2088 words, one full tile and a part of one.
     pytest.importorskip("triton")
-    size = 6 * 4
-    if rows.startswith("mla"):
-        dp = hc.MLADevicePool(size, 4, torch.bfloat16, 512, 64, 2, DEVICE)
+    page_kind = rows.startswith("page")
+    if page_kind:
+        dp = hc.PageRowsDevicePool(6, 4, 4 * int(rows.split()[-1]), 2, DEVICE)
+    elif rows.startswith("mla"):
+        dp = hc.MLADevicePool(6 * 64, 64, torch.bfloat16, 512, 64, 2, DEVICE)
     else:
         heads, dim = (int(x) for x in rows.split()[1].split("x"))
-        dp = hc.MHADevicePool(size, 4, torch.bfloat16, heads, dim, 2, DEVICE)
+        dp = hc.MHADevicePool(6 * 64, 64, torch.bfloat16, heads, dim, 2, DEVICE)
     fill_random([t for c in hc.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=5)
     host = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True)
     kernel = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+    assert kernel._tile == ((1, 1, 2048) if page_kind else (64, GROUP_TOKENS, 32))
     assert kernel._tile[2] < max(kernel.words)  # the word loop runs more than once
-    slots = host.alloc(8)
-    dev = torch.arange(4, 12)
-    host.backup_from_device_all_layer(dp, slots, dev, "auto")  # the torch definition
-    kernel.backup(slots, dev, None, 1)
+    p = host.page_size
+    slots = host.alloc(2 * p)
+    dev = torch.arange(p, 3 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")  # the torch definition (a CPU pool's verifier)
+    # What the pool hands its verifier: a page kind's indices are its page rows.
+    h, d = (slots.reshape(-1, p)[:, 0] // p, dev.reshape(-1, p)[:, 0] // p) if page_kind else (slots, dev)
+    kernel.backup(h, d, None, 1)
     assert torch.equal(kernel.table, host.verifier.table) and host.verifier.table.any()
-    kernel.check(slots, dev, 1, 2)
+    kernel.check(h, d, 1, 2)
     assert not kernel.flagged()
-    getattr(dp, hc.host_pool.pool_kind_of(dp).components[0].device_attr)[1][5].view(torch.uint8)[-1] ^= 0x10
-    kernel.check(slots, dev, 1, 3)  # the pool's last layer ends the run: checked now, on the CPU
+    # The last word of the first loaded page's last device row (a page kind's row is its page).
+    row = 1 if page_kind else 2 * p - 1
+    getattr(dp, hc.host_pool.pool_kind_of(dp).components[0].device_attr)[1][row].view(torch.uint8)[-1] ^= 0x10
+    kernel.check(h, d, 1, 3)  # the pool's last layer ends the run: checked now, on the CPU
     assert kernel.flagged()
     with pytest.raises(PageVerificationError) as info:
         kernel.raise_if_failed()
-    assert info.value.pages == [int(slots[0]) // 4]
+    assert info.value.pages == [int(slots[0]) // p]
 
 
 def _record_checked_layers(host) -> list[list[int]]:
