@@ -138,11 +138,6 @@ def device_pool(kind: str, items: int, page: int, device: str = "cuda"):
     return dp
 
 
-def _pools(kind: str, tokens: int, page: int):
-    """The device pool of ``kind`` for ``tokens`` cached tokens, filled with random bytes."""
-    return device_pool(kind, *items_and_page(kind, tokens, page))
-
-
 def pool_pair(kind: str, layout: str, io: str, tokens: int, page: int):
     """The device pool of ``kind`` and, per verify setting (False, True), a host pool holding ``tokens`` of it,
     backed up: ``(host, host indices as ``io`` takes them, device indices)``."""

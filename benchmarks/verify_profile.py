@@ -26,14 +26,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from verify_cost import _pools, write_result  # noqa: E402
+from verify_cost import device_pool, items_and_page, write_result  # noqa: E402
 
 import hicache_core as hc  # noqa: E402
 from hicache_core import verify as hc_verify  # noqa: E402
 
 CHECK_KERNEL = "page_checksums"
 #: (TILE_T, BLOCK_W, stages, num_warps) of the check kernel tried alone; the first is the shape it had before.
+#: Pages of one item (a page kind's row, Mamba's request) try tiles along the row: 32 words was their tile before.
 VARIANTS = [(64, 64, 3, 8)] + [(t, w, s, n) for t in (32, 64) for w in (16, 32) for s in (3, 4, 6) for n in (2, 4, 8)]
+VARIANTS += [(1, w, s, n) for w in (32, 256, 1024, 2048) for s in (3, 6) for n in (4, 8)]
 
 
 def _timeline(trace: dict, loads: int) -> list[dict]:
@@ -84,14 +86,15 @@ def _summary(rows: list[dict]) -> dict:
 
 def _case(kind: str, layout: str, io: str, tokens: int, page: int, check_only: bool = False,
           runs_list: tuple[int, ...] = (1,)) -> dict:  # fmt: skip
-    dp = _pools(kind, tokens, page)
+    items, page = items_and_page(kind, tokens, page)
+    dp = device_pool(kind, items, page)
     layers = dp.layer_num
-    result: dict = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens}
+    result: dict = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens, "items": items}
     defaults = hc_verify.CHECK_RUNS, hc_verify.CHECK_RUNS_COPY_ENGINE
     for verify in (True,) if check_only else (False, True):
-        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (tokens + 4 * page))
-        slots = host.alloc(tokens)
-        dev = torch.arange(page, page + tokens, device="cuda")
+        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (items + 4 * page))
+        slots = host.alloc(items)
+        dev = torch.arange(page, page + items, device="cuda")
         hs = slots.cuda() if io != "direct" else slots
         host.backup_from_device_all_layer(dp, hs, dev, io)
 
@@ -108,6 +111,8 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, check_only: b
                 hc_verify.CHECK_RUNS = hc_verify.CHECK_RUNS_COPY_ENGINE = runs
             _timelines(result, tag, () if check_only else (("layerwise", layerwise), ("per_layer", per_layer)))
         if verify and host.verifier is not None and host.verifier.kernel:
+            if host.geometry.items_are_pages:  # the verifier takes a page kind's page rows, as the pool hands them
+                hs, dev = hs.reshape(-1, page)[:, 0] // page, dev.reshape(-1, page)[:, 0] // page
             result["check_alone"] = _check_alone(host.verifier, hs, dev, layers)
         host.check_verified()
         host.destroy()
@@ -183,8 +188,9 @@ def main() -> None:
             rows.append(r)
             if args.check_only:
                 best = sorted((x, k) for k, x in r["check_alone"].items() if isinstance(x, float))[:5]
-                before = r["check_alone"]["t64_w64_s3_n8"]
-                print(f"{tokens:6} {kind} {layout}: 64 x 64 words, 3 stages {before:.1f} us; best "
+                before = r["check_alone"].get("t64_w64_s3_n8") or r["check_alone"].get("t1_w32_s6_n4")
+                print(f"{tokens:6} {kind} {layout}: the tile before {before:.1f} us; chosen "
+                      f"{r['check_alone']['chosen_tile']}; best "
                       + ", ".join(f"{k} {x:.1f}" for x, k in best), flush=True)
                 continue
             for key in [f"{k}_verified{'' if n == runs[0] else f'_r{n}'}" for k in ("layerwise", "per_layer")
