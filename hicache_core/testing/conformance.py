@@ -356,8 +356,9 @@ class ConformanceTests:
         A raise must come before any byte moves. An implementation that masks out-of-range
         indices instead must move every valid pair, touch nothing else, and leave the report
         for the pool's next call (:class:`~hicache_core.drops.DroppedIndicesError`, naming the
-        faulty call). Every case then moves good indices through the same pool and compares
-        with the reference, so the implementation itself is exercised in each one.
+        faulty call). Every case then moves good indices through the same pool (one layer of a
+        per-layer operation) and compares with the reference, so the implementation itself is
+        exercised in each one.
         """
         case = hicache_case
         kinds, words, validate = BAD_INPUTS[case.extra]
@@ -433,8 +434,11 @@ class ConformanceTests:
                         "torch's index_copy_ meeting a bad index, leaves a half-written pool)",
                         pytrace=False,
                     )
-        # The positive control: the same pool, good indices, byte-exact against the reference.
-        self._run_both(case, impl_side, ref_side, good_h, good_d)
+        # The positive control: the same pool, good indices, byte-exact against the reference. One layer of a
+        # per-layer operation shows the pool still works; test_round_trip moves every layer.
+        self._transfer(case, impl_side, good_h, good_d, one_layer=True)
+        self._transfer(case, ref_side, good_h.clone(), good_d.clone(), one_layer=True)
+        self._sync()
         self._assert_same(case, impl_side, ref_side)
 
     def _check_dropped_and_reported(self, case: Case, impl_side: _Side, ref_side: _Side, h, d) -> None:
