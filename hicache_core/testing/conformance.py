@@ -436,9 +436,7 @@ class ConformanceTests:
                     )
         # The positive control: the same pool, good indices, byte-exact against the reference. One layer of a
         # per-layer operation shows the pool still works; test_round_trip moves every layer.
-        self._transfer(case, impl_side, good_h, good_d, one_layer=True)
-        self._transfer(case, ref_side, good_h.clone(), good_d.clone(), one_layer=True)
-        self._sync()
+        self._run_both(case, impl_side, ref_side, good_h, good_d, one_layer=True)
         self._assert_same(case, impl_side, ref_side)
 
     def _check_dropped_and_reported(self, case: Case, impl_side: _Side, ref_side: _Side, h, d) -> None:
@@ -735,9 +733,10 @@ class ConformanceTests:
         for j, draft in enumerate(side.drafts):
             method(draft, h, d, host.geometry.layer_num + j, backend, is_draft=True)
 
-    def _run_both(self, case: Case, impl_side: _Side, ref_side: _Side, h: torch.Tensor, d: torch.Tensor) -> None:
-        self._transfer(case, impl_side, h, d)
-        self._transfer(case, ref_side, h.clone(), d.clone())
+    def _run_both(self, case: Case, impl_side: _Side, ref_side: _Side, h: torch.Tensor, d: torch.Tensor, *,
+                  one_layer: bool = False) -> None:  # fmt: skip
+        self._transfer(case, impl_side, h, d, one_layer=one_layer)
+        self._transfer(case, ref_side, h.clone(), d.clone(), one_layer=one_layer)
         self._sync()
 
     def _written_mask(self, case: Case, ref_side: _Side, h: torch.Tensor, d: torch.Tensor) -> dict[str, torch.Tensor]:
