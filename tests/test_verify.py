@@ -73,7 +73,15 @@ def test_every_flipped_bit_swapped_words_components_and_layers_change_the_checks
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu", reason="the kernel on CPU pools")
-@pytest.mark.parametrize("kind,layout", CASES[:1] + CASES[3:5] + CASES[6:])
+def _every_kind_page_first():
+    from hicache_core.registry import get_registry
+
+    return [(k, "page_first") for k in get_registry().pool_kinds if (k, "page_first") not in CASES]
+
+
+# Every registered kind in page_first, where every kind may be stored: a page kind's page is one row, read
+# along the row in one tile whatever the widths of its components (Mamba's two differ).
+@pytest.mark.parametrize("kind,layout", CASES[:1] + CASES[3:5] + CASES[6:] + _every_kind_page_first())
 def test_kernel_matches_the_torch_definition(kind, layout):
     pytest.importorskip("triton")
     dp, host = _pool(kind, layout)
