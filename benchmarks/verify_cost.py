@@ -168,17 +168,13 @@ def host_call_us(host, dp, hs, dev, io: str, layers: int) -> list[float]:
 
 def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int) -> dict:
     items, page = items_and_page(kind, tokens, page)
-    dp = device_pool(kind, items, page)
+    dp, pools = pool_pair(kind, layout, io, tokens, page)
     layers = dp.layer_num
     row = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens, "items": items, "page": page,
            "layers": layers, "model": geometry(kind).model}  # fmt: skip
     fns, hosts = {}, {}
     loads: dict[str, list] = {"plain": [], "verified": []}
-    for verify in (False, True):
-        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (items + 4 * page))
-        slots = host.alloc(items)
-        dev = torch.arange(page, page + items, device="cuda")
-        hc_slots = slots.cuda() if io != "direct" else slots
+    for verify, (host, hc_slots, dev) in pools.items():
 
         def backup(host=host, hc_slots=hc_slots, dev=dev):
             host.backup_from_device_all_layer(dp, hc_slots, dev, io)
@@ -312,8 +308,7 @@ def main() -> None:
             print(f"{tokens:6} {kind:16} {layout:20} {io:7} {r.get('refused') or r['error']}")
             continue
         print(f"{tokens:6} {kind:16} {layout:20} {io:7} load {r['load_ms_plain']:.3f} -> {r['load_ms_verified']:.3f} "
-              f"ms "
-              f"({r['load_overhead']:+.1%}), layer-wise {r['layerwise_ms_plain']:.3f} -> "
+              f"ms ({r['load_overhead']:+.1%}), layer-wise {r['layerwise_ms_plain']:.3f} -> "
               f"{r['layerwise_ms_verified']:.3f} ms ({r['layerwise_overhead']:+.1%}; on the GPU alone "
               f"{r['layerwise_gpu_overhead']:+.1%}; hand-over {r['layerwise_handover_us_plain']:.0f} / "
               f"{r['layerwise_handover_us_verified']:.0f} us), "
