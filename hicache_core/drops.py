@@ -25,6 +25,7 @@ import ctypes
 
 import torch
 
+from .host_memory import host_tensor
 from .metrics import record_dropped_indices
 
 #: Calls remembered for naming the one that dropped indices (older ones are named by number only).
@@ -58,10 +59,10 @@ class DropReport:
     store the same value. Never store anything else there.
     """
 
-    def __init__(self, pinned: bool) -> None:
+    def __init__(self, pinned: bool, label: str = "host pool") -> None:
         # Word 0: calls whose indices a kernel masked. Word 1: calls whose page-item indices on the
         # GPU were not whole pages (the core checks those on the GPU, asynchronously, and writes here).
-        self.word = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
+        self.word = host_tensor((2,), torch.int64, label=label, name="drop word", pinned=pinned)
         #: Host address of the drop word (int64).
         self.address: int = self.word.data_ptr()
         self._value = ctypes.c_int64.from_address(self.address)
