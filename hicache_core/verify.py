@@ -104,7 +104,8 @@ class PageVerifier:
 
     def __init__(self, plan: Any, page_size: int, describe: Callable[[int], tuple],
                  move: Callable[[torch.Tensor, torch.device], torch.Tensor], *,
-                 kernel: bool | None = None, last_layers: tuple[int, ...] = (), label: str = "host pool") -> None:  # fmt: skip
+                 kernel: bool | None = None, last_layers: tuple[int, ...] = (),
+                 label: str = "host pool") -> None:  # fmt: skip
         geometry = plan.geometry
         self.tokens = plan.tokens_per_page
         self.page_size = page_size

@@ -32,14 +32,14 @@ def _node(text: str) -> int | str:
 
 
 NUMA_NODE = Setting("HICACHE_HOST_NUMA_NODE", _node, "'auto', 'none' or a node number >= 0", "auto",
-                    "NUMA node of host pools: auto (the GPU's own node, where the machine has several), none, or N")  # fmt: skip
+                    "NUMA node of host pools: auto (the GPU's own node, where there are several), none, or N")  # fmt: skip
 TOUCH_THREADS = integer("HICACHE_HOST_TOUCH_THREADS", minimum=1,
                         doc="threads that first-touch a new host pool (default: the CPUs this process may use, "
                             "at most 32)")  # fmt: skip
 REGISTER_CHUNK_GIB = number("HICACHE_HOST_REGISTER_CHUNK_GIB", minimum=0, above=True, default=256.0, unit="GiB",
                             doc="largest single cudaHostRegister call (one call fails at about 512 GiB)")  # fmt: skip
 HUGE_PAGES = flag("HICACHE_HOST_HUGE_PAGES", default=True,
-                  doc="ask for transparent huge pages for host pools where the system gives them on request")  # fmt: skip
+                  doc="ask for transparent huge pages for host pools where the system gives them")  # fmt: skip
 RESERVE_GIB = number("HICACHE_HOST_RESERVE_GIB", minimum=0, default=0.0, unit="GiB",
                      doc="host memory a new host pool must leave free (refused otherwise)")  # fmt: skip
 
