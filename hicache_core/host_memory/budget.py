@@ -32,7 +32,7 @@ def _node(text: str) -> int | str:
 
 
 NUMA_NODE = Setting("HICACHE_HOST_NUMA_NODE", _node, "'auto', 'none' or a node number >= 0", "auto",
-                    "NUMA node of host pools: auto (the GPU's own node, where there are several), none, or N")  # fmt: skip
+                    "host pools' NUMA node: auto (the GPU's own, where there are several), none, or N")  # fmt: skip
 TOUCH_THREADS = integer("HICACHE_HOST_TOUCH_THREADS", minimum=1,
                         doc="threads that first-touch a new host pool (default: the CPUs this process may use, "
                             "at most 32)")  # fmt: skip
