@@ -136,7 +136,8 @@ def test_pages_are_placed_on_the_node_asked(monkeypatch):
     node = numa.online_nodes()[0]
     monkeypatch.setenv("HICACHE_HOST_NUMA_NODE", str(node))
     host = hc.make_host_pool(_mha(), layout="page_first", io_backend="auto")
-    assert host.host_memory.node == node and f"node {node} (HICACHE_HOST_NUMA_NODE={node})" in host.host_memory.node_reason
+    assert host.host_memory.node == node
+    assert f"node {node} (HICACHE_HOST_NUMA_NODE={node})" in host.host_memory.node_reason
     buffer = host.kv_buffer
     assert numa.nodes_of(buffer.data_ptr(), buffer.numel() * buffer.element_size()) == {node: 64}
 
