@@ -147,6 +147,7 @@ class BlockMover:
             size=self.num_chunks * self.blocks_per_chunk * self.block_size,
             pin_memory=pin_memory,
             operations=[LOAD, BACKUP_ALL],
+            label=f"vLLM offload host tier (rank {tp_rank} of {tp_size})",
         )
         self.cuda = self.device_pool.device.type == "cuda"
         self.storage = None

@@ -82,7 +82,7 @@ class StorageProbe:
         pages = [torch.zeros(1, page_bytes, dtype=torch.int8) for _ in range(num_layers)]
         self._device = VllmPagePool(pages, block_size)
         self._host = make_host_pool(self._device, layout=options.layout, io_backend="auto", size=block_size,
-                                    pin_memory=False)  # fmt: skip
+                                    pin_memory=False, label="vLLM scheduler's L3 probe")  # fmt: skip
         self.storage = make_storage(options.storage_url, self._host, model_id=model_id, **dict(options.storage_options))
 
     def exists(self, key: OffloadKey) -> bool:
