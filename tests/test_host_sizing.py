@@ -10,6 +10,7 @@ import torch
 import hicache_core as hc
 from hicache_core.cli import main
 from hicache_core.device_pools import DeclaredDevicePool
+from hicache_core.host_memory import live_records
 from hicache_core.registry import get_registry
 from hicache_core.tools.sizing import size_host_tier
 
@@ -48,14 +49,17 @@ def test_the_three_models_bytes_per_token_equal_sglangs_shapes():
 @pytest.mark.parametrize("model,layout", [(LLAMA_3_8B, "page_first"), (LLAMA_3_8B, "layer_first"),
                                           (DEEPSEEK_V3, "page_first_direct"), (QWEN3_NEXT, "page_first")])  # fmt: skip
 def test_the_report_equals_the_pools_make_host_pool_builds_byte_for_byte(model, layout):
-    report = size_host_tier(model, hicache_size_gb=0.16 if model is QWEN3_NEXT else 0.02, layout=layout, device="cpu")
+    report = size_host_tier(model, hicache_size_gb=0.16 if model is QWEN3_NEXT else 0.02, layout=layout, device="cpu",
+                            verify=True)  # fmt: skip
     for pool in report.pools:
         device_pool = _build_device_pool(model, pool)
         host = hc.make_host_pool(device_pool, layout=pool.layout, io_backend="auto", page_size=pool.page_size,
-                                 size=pool.slots, label=pool.name)  # fmt: skip
+                                 size=pool.slots, label=pool.name, verify=True)  # fmt: skip
         assert host.host_memory.buffers == pool.memory.buffers
         assert (host.host_memory.mapped, host.size) == (pool.memory.mapped, pool.slots)
         assert host.get_size_per_token() == pool.host_bytes_per_unit
+        held = {r.label: r.asked for r in live_records() if r.label.startswith(pool.name + ": ")}
+        assert held[f"{pool.name}: checksum table"] + held[f"{pool.name}: failure words"] == pool.checksum_table_bytes
         host.destroy()
 
 
