@@ -222,6 +222,9 @@ def _mamba_geometry(config, tp, layers, dtype, device):
     k_heads, k_dim = _need(config, "linear_num_key_heads"), _need(config, "linear_key_head_dim")
     v_heads, v_dim = _need(config, "linear_num_value_heads"), _need(config, "linear_value_head_dim")
     kernel = _need(config, "linear_conv_kernel_dim")
+    if k_heads % tp or v_heads % tp:
+        raise ValueError(f"{k_heads} key and {v_heads} value heads of linear attention do not divide by TP {tp} "
+                         "(SGLang then extends the key groups per rank; hicache size does not model that)")  # fmt: skip
     temporal = v_heads // tp * k_dim * v_dim * 4
     conv = (2 * k_heads * k_dim + v_heads * v_dim) // tp * (kernel - 1) * torch.empty((), dtype=dtype).element_size()
     return example_geometry(get_registry().pool_kinds["mamba"], page_size=1, layer_num=layers, device_type=device,
