@@ -578,3 +578,63 @@ def test_a_forked_child_gets_a_working_loader_and_a_clear_error_for_the_parents(
     assert got["held settles"], "a load of the parent's has no copy running in the child"
     held.result()  # the parent's loader is untouched by the child
     assert layer_loader("cpu") is parents
+
+
+# ---- on CUDA: a failed load's copies run on after the error, and the settle waits wait them out -------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the loader's stream")
+
+
+@needs_cuda
+def test_on_cuda_a_failed_loads_earlier_copies_run_on_and_the_settle_waits_wait_them_out():
+    loader = LayerLoader("cuda", timeout_s=30)
+    src = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    dst = [torch.zeros_like(src) for _ in range(3)]
+
+    def step(layer):  # on the loader's stream; layer 1's copy queued behind about half a second of GPU time
+        if layer == 2:
+            raise RuntimeError("planted copy failure")
+        if layer == 1:
+            torch.cuda._sleep(1_000_000_000)
+        dst[layer].copy_(src, non_blocking=True)
+
+    for wait_on in ("host", "stream"):
+        for t in dst:
+            t.zero_()
+        torch.cuda.synchronize()
+        load = loader.submit(3, step, what="planted")
+        with pytest.raises(LayerLoadError, match=r"^planted: layer 2 failed to load \(RuntimeError: planted copy"):
+            load.wait(2)
+        assert not load.settled() and not load.settled_event.query()  # layer 1's copy has not run yet
+        assert load.finish_event.query() is False
+        if wait_on == "host":
+            assert load.wait_settled() is True
+            got = [t.clone() for t in dst]
+        else:
+            consumer = torch.cuda.Stream()
+            load.settled_event.wait(consumer)  # enqueued after the event was recorded: no wait on unsubmitted work
+            with torch.cuda.stream(consumer):
+                got = [t.clone() for t in dst]
+            consumer.synchronize()
+        assert torch.equal(got[0], src) and torch.equal(got[1], src) and not got[2].any(), wait_on
+        assert load.settled() and load.settled_event.query()
+        with pytest.raises(LayerLoadError, match="planted copy failure"):
+            load.finish_event.synchronize()
+    loader.close()
+
+
+@needs_cuda
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_on_cuda_a_forked_child_gets_torchs_error_at_once_not_a_timeout():
+    layer_loader("cuda").submit(1, lambda layer: None).result()  # CUDA is initialised in the parent
+
+    def run() -> dict:
+        t0 = time.monotonic()
+        try:
+            layer_loader("cuda")
+            return {"error": None, "in": time.monotonic() - t0}
+        except RuntimeError as exc:
+            return {"error": str(exc), "in": time.monotonic() - t0}
+
+    got = _in_forked_child(run)
+    assert got["error"] and "forked subprocess" in got["error"] and got["in"] < 5, got
