@@ -344,6 +344,7 @@ class HostPool(PageAccess):
         self._rows = plan.device_rows_per_layer
         self._drops = plan.drop_report
         self._drop_word, self._drop_calls = plan.drop_report._value, plan.drop_report._calls
+        self._drop_numbers, self._call_now = plan.drop_report.numbers, plan.drop_report.current
         self._cache = IndexCache()
         self._malformed_on_device: torch.Tensor | None = None
         host_bytes = sum(t.numel() * t.element_size() for t in plan.host_buffers.values())
@@ -539,7 +540,7 @@ class HostPool(PageAccess):
                 verifier.before_backup()
             self._call(entry[0], BACKUP_ALL, h, d)
             if verifier is not None:
-                verifier.backup(h, d, None, self._drops.seq)
+                verifier.backup(h, d, None, self._call_now.seq)
 
     def submit_load(
         self,
@@ -637,11 +638,11 @@ class HostPool(PageAccess):
             if verifier is not None:
                 if op == LOAD:
                     if batch is not None:
-                        batch.add(h, d, layer, self._drops.seq)
+                        batch.add(h, d, layer, self._call_now.seq)
                     else:
-                        verifier.check(h, d, layer, self._drops.seq)
+                        verifier.check(h, d, layer, self._call_now.seq)
                 else:
-                    verifier.backup(h, d, layer, self._drops.seq)
+                    verifier.backup(h, d, layer, self._call_now.seq)
         except BaseException:
             if self.verifier is not None:  # the caller may reuse the rows of a load it abandons on this error
                 self.verifier.close_run(wait_host=True)
@@ -747,8 +748,8 @@ class HostPool(PageAccess):
             drops.raise_if_dropped()
         if self.verifier is not None and self.verifier.flagged():
             self.verifier.raise_if_failed()
-        seq = drops.seq = drops.seq + 1  # DropReport.begin, inline: this is the hot path
-        self._drop_calls[seq & HISTORY_MASK] = (op, layer_id, n)
+        seq = self._call_now.seq = next(self._drop_numbers)  # DropReport.begin, inline: this is the hot path
+        self._drop_calls[seq & HISTORY_MASK] = (op, layer_id, n, seq)
         if self._items_are_pages:
             host_indices = self._page_items(host_indices, "host_indices")
             device_indices = self._page_items(device_indices, "device_indices")
@@ -791,7 +792,7 @@ class HostPool(PageAccess):
         flag = self._malformed_on_device
         if flag is None or flag.device != slots.device:
             flag = self._malformed_on_device = torch.zeros(1, dtype=torch.int64, device=slots.device)
-        bad = whole_pages_mask(slots, self.page_size).to(torch.int64) * self._drops.seq
+        bad = whole_pages_mask(slots, self.page_size).to(torch.int64) * self._call_now.seq
         # A running maximum, so that a later good call can never overwrite an earlier bad one.
         torch.maximum(flag, bad.reshape(1), out=flag)
         self._drops.word[1:2].copy_(flag, non_blocking=True)
