@@ -163,7 +163,7 @@ def _from_chain(endpoint: str | None, region: str, named: str | None, explicit: 
         import botocore.exceptions
         import botocore.session
     except ImportError as exc:
-        raise ValueError("s3:// reads AWS's credential chain with botocore: pip install boto3==1.44.5 (or give "
+        raise ValueError("s3:// reads AWS's credential chain with botocore: pip install botocore==1.44.18 (or give "
                          "key_id= and secret=)") from exc  # fmt: skip
     session = botocore.session.Session(profile=explicit)
     try:

@@ -45,7 +45,7 @@ class MultipartUploader:
                 from botocore import UNSIGNED
                 from botocore.config import Config
             except ImportError as exc:
-                raise RuntimeError("s3:// multipart uploads need botocore: pip install boto3==1.44.5") from exc
+                raise RuntimeError("s3:// multipart uploads need botocore: pip install botocore==1.44.18") from exc
             kwargs: dict[str, Any] = {}
             config = {"s3": {"addressing_style": "path"}, "connect_timeout": self.connect_timeout,
                       "read_timeout": self.timeout, "retries": {"total_max_attempts": 1},

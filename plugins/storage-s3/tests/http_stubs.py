@@ -1,0 +1,126 @@
+"""Real local HTTP endpoints for the S3 fault tests: a relay in front of SeaweedFS, a throttling server.
+
+:class:`Relay` forwards every TCP byte to a real server and records the head of each request (method,
+path, headers), optionally holding back the requests a predicate picks for a while (a slow part upload).
+:class:`ThrottlingServer` answers the requests it is told to with ``503 SlowDown`` and a ``Retry-After``,
+the others with 200, and records each request's method, path and arrival time.
+"""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 in front of ``target_port``; :attr:`heads` holds each request's head as text."""
+
+    def __init__(self, target_port: int, hold: Callable[[str], float] | None = None) -> None:
+        self.target_port = target_port
+        self.hold = hold
+        self.heads: list[str] = []
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
+        try:
+            while chunk := src.recv(1 << 20):
+                if requests and chunk[:8].split(b" ", 1)[0] in (b"GET", b"PUT", b"POST", b"HEAD", b"DELETE"):
+                    head = chunk.split(b"\r\n\r\n", 1)[0].decode("latin-1")
+                    with self._lock:
+                        self.heads.append(head)
+                    delay = self.hold(head.split("\r\n", 1)[0]) if self.hold else 0.0
+                    if delay:
+                        time.sleep(delay)
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+
+_SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+             b"<Message>Please reduce your request rate.</Message></Error>")  # fmt: skip
+
+
+class ThrottlingServer:
+    """An HTTP server on 127.0.0.1 that throttles: ``throttle(n, method)`` says whether the n-th request gets 503.
+
+    :attr:`log` holds ``(method, path, monotonic time)`` of every request it received.
+    """
+
+    def __init__(self, throttle: Callable[[int, str], bool], retry_after: str | None = "1") -> None:
+        self.log: list[tuple[str, str, float]] = []
+        lock = threading.Lock()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)
+                with lock:
+                    throttled = throttle(len(outer.log), self.command)
+                    outer.log.append((self.command, self.path, time.monotonic()))
+                if throttled:
+                    body = b"" if self.command == "HEAD" else _SLOWDOWN
+                    self.send_response(503, "Slow Down")
+                    if retry_after is not None:
+                        self.send_header("Retry-After", retry_after)
+                    self.send_header("Content-Type", "application/xml")
+                else:
+                    body = b""
+                    self.send_response(200)
+                    self.send_header("ETag", '"0"')
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
