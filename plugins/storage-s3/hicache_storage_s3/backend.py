@@ -256,7 +256,6 @@ class S3Storage(StorageBackend):
                     out.append(TimeoutError(f"s3 {what} on {self.where} not done within {limit:.0f} s"))
             with self._counts_lock:
                 self._counts["throttled"] += throttle.throttled
-                self._counts["timeouts"] += len(pending)
                 self._counts["requests"] += sent[0]
             return out
 
@@ -264,9 +263,7 @@ class S3Storage(StorageBackend):
         try:
             return list(future.result(limit + cleanup + 1))
         except concurrent.futures.TimeoutError:
-            future.cancel()
-            with self._counts_lock:
-                self._counts["timeouts"] += len(make)
+            future.cancel()  # counted as timeouts where the callers explain each result (_error)
             return [TimeoutError(f"s3 {what} on {self.where} not done within {limit:.0f} s")] * len(make)
 
     async def _ask_retry_after(self, path: str) -> float | None:
