@@ -391,6 +391,8 @@ class S3Storage(StorageBackend):
         finally:
             with gate:
                 state["open"] = False
+        if any(not isinstance(r, BaseException) for r in results):
+            self._bucket_seen = True  # a stored object proves the bucket: a later miss is a miss
         return [None if not isinstance(r, BaseException) else self._error(r, "PUT") for r in results]
 
     def get_objects_into(self, keys: Sequence[str], targets: Sequence[Sequence[Span]]) -> list[BaseException | None]:

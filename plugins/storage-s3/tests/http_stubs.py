@@ -124,3 +124,41 @@ class ThrottlingServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class CredentialsEndpoint:
+    """A container credentials endpoint (ECS/EKS) on 127.0.0.1: each GET issues new temporary credentials.
+
+    The key id and secret stay ``key_id``/``secret``; the session token is ``<prefix>-1``, ``-2``, ... in
+    :attr:`issued`, each valid ``valid_s`` seconds (AWS's SDKs refresh one that expires within minutes).
+    """
+
+    def __init__(self, key_id: str, secret: str, *, prefix: str = "container-token", valid_s: float = 300) -> None:
+        import datetime
+        import json
+
+        self.issued: list[str] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                outer.issued.append(f"{prefix}-{len(outer.issued) + 1}")
+                expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=valid_s)
+                body = json.dumps({"AccessKeyId": key_id, "SecretAccessKey": secret, "Token": outer.issued[-1],
+                                   "Expiration": expires.strftime("%Y-%m-%dT%H:%M:%SZ")}).encode()  # fmt: skip
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/v2/credentials/hicache"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

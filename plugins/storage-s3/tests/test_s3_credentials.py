@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 from hicache_storage_s3.credentials import resolve
-from http_stubs import Relay
+from http_stubs import CredentialsEndpoint, Relay
 from seaweedfs_server import ACCESS_KEY, PLUS_KEY, PLUS_SECRET, SECRET_KEY
 
 from hicache_core.storage import make_storage, page_hashes
@@ -219,3 +220,36 @@ def test_a_session_token_from_the_environment_is_sent_with_every_request(seaweed
     for head in relay.heads:
         headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in head.split("\r\n")[1:])}
         assert headers.get("x-amz-security-token") == TOKEN, head.split("\r\n")[0]
+
+
+def test_a_container_role_is_refreshed_and_its_tokens_sent(seaweedfs, s3_bucket, aws_env):
+    """Temporary credentials from a container role (the ECS/EKS endpoint, served here on 127.0.0.1) are
+    asked for again as they near their end: the requests carry each new session token in turn."""
+    pytest.importorskip("botocore", reason="AWS's credential chain is read with botocore: pip install botocore")
+    endpoint = CredentialsEndpoint(ACCESS_KEY, SECRET_KEY, valid_s=300)  # within botocore's refresh window
+    relay = Relay(seaweedfs.port)
+    aws_env.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", endpoint.url)
+    try:
+        backend = make_storage(f"s3://{s3_bucket}/role?endpoint={relay.endpoint}&refresh=0.3&retries=0").backend
+        assert backend.backend_stats()["credentials_from"] == "container role"
+        backend.put_objects(["a"], [[Span(0, 3, memoryview(bytearray(b"abc")))]])
+        first = len(relay.heads)
+        time.sleep(0.6)  # past obstore's refresh interval: it asks the chain again
+        results = backend.put_objects(["b"], [[Span(0, 3, memoryview(bytearray(b"abc")))]])
+        backend.close()
+    finally:
+        relay.close()
+        endpoint.close()
+    sent = [_header(h, "x-amz-security-token") for h in relay.heads]
+    assert all(t in endpoint.issued for t in sent), (sent, endpoint.issued)
+    assert sent[first] != sent[first - 1], "the second batch signed with the first batch's token"
+    assert len(endpoint.issued) >= 2
+    assert not any(t in str(results) for t in endpoint.issued)
+
+
+def _header(head: str, name: str) -> str | None:
+    for line in head.split("\r\n")[1:]:
+        key, _, value = line.partition(":")
+        if key.strip().lower() == name:
+            return value.strip()
+    return None
