@@ -162,3 +162,83 @@ class CredentialsEndpoint:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class InstanceMetadata:
+    """An EC2 instance metadata service (IMDSv2) and an STS endpoint on 127.0.0.1, for the chain's last links.
+
+    ``PUT /latest/api/token`` gives a session token; ``GET /latest/meta-data/iam/security-credentials/``
+    names the role, then that path plus the role hands out temporary credentials (only with the token).
+    ``POST /`` with ``Action=AssumeRoleWithWebIdentity`` answers as STS does, recording the web identity
+    token it was sent in :attr:`web_tokens`. Each hand-out's session token is in :attr:`issued`.
+    """
+
+    ROLE = "hicache-test-role"
+
+    def __init__(self, key_id: str, secret: str) -> None:
+        import datetime
+        import json
+        import urllib.parse
+
+        self.issued: list[str] = []
+        self.web_tokens: list[str] = []
+        outer = self
+
+        def expiry() -> datetime.datetime:
+            return datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _send(self, status: int, body: bytes, kind: str = "text/plain") -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_PUT(self) -> None:  # noqa: N802 - http.server's name
+                ok = self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+                self._send(200, b"imds-session") if ok else self._send(404, b"")
+
+            def do_GET(self) -> None:  # noqa: N802
+                base = "/latest/meta-data/iam/security-credentials/"
+                if self.headers.get("X-aws-ec2-metadata-token") != "imds-session":
+                    return self._send(401, b"")
+                if self.path == base:
+                    return self._send(200, outer.ROLE.encode())
+                if self.path == base + outer.ROLE:
+                    outer.issued.append(f"instance-token-{len(outer.issued) + 1}")
+                    body = {"Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": key_id, "SecretAccessKey": secret,
+                            "Token": outer.issued[-1], "Expiration": expiry().strftime("%Y-%m-%dT%H:%M:%SZ"),
+                            "LastUpdated": "2026-01-01T00:00:00Z"}  # fmt: skip
+                    return self._send(200, json.dumps(body).encode(), "application/json")
+                return self._send(404, b"")
+
+            def do_POST(self) -> None:  # noqa: N802
+                form = urllib.parse.parse_qs(self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode())
+                if form.get("Action") != ["AssumeRoleWithWebIdentity"]:
+                    return self._send(400, b"")
+                outer.web_tokens.append(form["WebIdentityToken"][0])
+                outer.issued.append(f"web-token-{len(outer.issued) + 1}")
+                body = (
+                    '<AssumeRoleWithWebIdentityResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/">'
+                    "<AssumeRoleWithWebIdentityResult><Credentials>"
+                    f"<AccessKeyId>{key_id}</AccessKeyId><SecretAccessKey>{secret}</SecretAccessKey>"
+                    f"<SessionToken>{outer.issued[-1]}</SessionToken>"
+                    f"<Expiration>{expiry().strftime('%Y-%m-%dT%H:%M:%SZ')}</Expiration>"
+                    "</Credentials></AssumeRoleWithWebIdentityResult></AssumeRoleWithWebIdentityResponse>"
+                )
+                return self._send(200, body.encode(), "text/xml")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -165,8 +165,9 @@ def s3_request(endpoint: str, method: str, path: str, *, key: str = ACCESS_KEY, 
     for part in (day, REGION, "s3", "aws4_request"):
         k = hmac.new(k, part.encode(), hashlib.sha256).digest()
     signature = hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest()
-    headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={key}/{scope}, SignedHeaders={signed}, "
-                                f"Signature={signature}")
+    headers["authorization"] = (
+        f"AWS4-HMAC-SHA256 Credential={key}/{scope}, SignedHeaders={signed}, Signature={signature}"
+    )
     request = urllib.request.Request(endpoint + path, data=body or None, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:

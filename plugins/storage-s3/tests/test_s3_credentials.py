@@ -7,7 +7,7 @@ import time
 
 import pytest
 from hicache_storage_s3.credentials import resolve
-from http_stubs import CredentialsEndpoint, Relay
+from http_stubs import CredentialsEndpoint, InstanceMetadata, Relay
 from seaweedfs_server import ACCESS_KEY, PLUS_KEY, PLUS_SECRET, SECRET_KEY
 
 from hicache_core.storage import make_storage, page_hashes
@@ -165,7 +165,7 @@ def test_a_planted_secret_never_appears(seaweedfs, s3_bucket, s3_env, monkeypatc
     text = "\n".join(seen)
     assert "credentials were refused" in text  # the refusal is explained...
     for secret in (PLANTED, TOKEN, SECRET_KEY, KEY_ID, ACCESS_KEY):  # ...without a credential part in it
-        assert secret not in text, f"a credential appears in:\n{text[max(0, text.find(secret) - 300):][:600]}"
+        assert secret not in text, f"a credential appears in:\n{text[max(0, text.find(secret) - 300) :][:600]}"
 
 
 def test_url_options_keep_a_literal_plus_and_decode_percent_escapes():
@@ -245,6 +245,35 @@ def test_a_container_role_is_refreshed_and_its_tokens_sent(seaweedfs, s3_bucket,
     assert sent[first] != sent[first - 1], "the second batch signed with the first batch's token"
     assert len(endpoint.issued) >= 2
     assert not any(t in str(results) for t in endpoint.issued)
+
+
+@pytest.mark.parametrize("link", ["instance role", "web identity"])
+def test_the_chain_reaches_instance_roles_and_web_identity(seaweedfs, s3_bucket, aws_env, tmp_path, link):
+    """The chain's last links, each served on 127.0.0.1: an EC2 instance role (IMDSv2) and a web identity
+    token exchanged with STS. Their session token signs the requests (SeaweedFS refuses tokens it did not
+    issue: the test asserts what is sent)."""
+    pytest.importorskip("botocore", reason="AWS's credential chain is read with botocore: pip install botocore")
+    services = InstanceMetadata(ACCESS_KEY, SECRET_KEY)
+    relay = Relay(seaweedfs.port)
+    if link == "instance role":
+        aws_env.delenv("AWS_EC2_METADATA_DISABLED")
+        aws_env.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", services.endpoint)
+    else:
+        (tmp_path / "web-token").write_text("a-web-identity-jwt")
+        aws_env.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(tmp_path / "web-token"))
+        aws_env.setenv("AWS_ROLE_ARN", "arn:aws:iam::123456789012:role/hicache")
+        aws_env.setenv("AWS_ENDPOINT_URL_STS", services.endpoint)
+    try:
+        backend = make_storage(f"s3://{s3_bucket}/chain?endpoint={relay.endpoint}&retries=0").backend
+        assert backend.backend_stats()["credentials_from"] == link
+        (result,) = backend.put_objects(["a"], [[Span(0, 3, memoryview(bytearray(b"abc")))]])
+        backend.close()
+    finally:
+        relay.close()
+        services.close()
+    assert services.issued and _header(relay.heads[0], "x-amz-security-token") == services.issued[-1]
+    assert link == "instance role" or services.web_tokens == ["a-web-identity-jwt"]
+    assert not any(t in str(result) for t in services.issued)
 
 
 def _header(head: str, name: str) -> str | None:
