@@ -9,6 +9,13 @@ roles (ECS/EKS) and EC2 instance roles. Temporary credentials are refreshed by b
 expire; obstore asks again every ``refresh`` seconds. A ``?profile=`` in the URL is an explicit choice:
 it wins over the environment's keys (as in the AWS CLI).
 
+Why botocore's chain rather than object_store's own (web identity, container and instance roles, in
+Rust): object_store reads neither profiles nor their roles, SSO or ``credential_process``, and its
+credentials never reach Python, where the multipart client (:mod:`.multipart`) must sign with the same
+ones. :class:`Credentials` is obstore's ``credential_provider`` contract over that chain, as
+``obstore.auth.boto3.Boto3CredentialProvider`` is, without importing boto3 (three more packages) and
+keeping every part it handed out, which scrubbing needs.
+
 Region: ``?region=``, ``AWS_REGION``, ``AWS_DEFAULT_REGION``, the profile's, else ``us-east-1``.
 Endpoint: ``?endpoint=``, ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, the profile's ``endpoint_url``,
 else AWS itself.
