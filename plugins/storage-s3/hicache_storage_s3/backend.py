@@ -434,6 +434,8 @@ class S3Storage(StorageBackend):
                 out.append(ObjectMissing(got) if _is_not_found(got) else self._error(got, "GET"))
             else:
                 out.append(got)
+        if any(r is None or isinstance(r, (ObjectMissing, SizeMismatch)) for r in out):
+            self._bucket_seen = True  # a GET's answer tells a missing key (NoSuchKey) from a missing bucket
         return out
 
     def ping(self) -> None:
@@ -450,6 +452,7 @@ class S3Storage(StorageBackend):
             err = self._error(got, "LIST")
             unreachable = isinstance(err, TimeoutError) or "not reachable" in str(err)
             raise StorageError(f"{err}; {self.server_hint}" if unreachable else str(err)) from None
+        self._bucket_seen = True
 
     def remove_objects(self, keys: Sequence[str]) -> None:
         if not keys:
