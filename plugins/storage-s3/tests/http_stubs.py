@@ -16,11 +16,17 @@ from collections.abc import Callable
 
 
 class Relay:
-    """A TCP relay on 127.0.0.1 in front of ``target_port``; :attr:`heads` holds each request's head as text."""
+    """A TCP relay on 127.0.0.1 in front of ``target_port``; :attr:`heads` holds each request's head as text.
 
-    def __init__(self, target_port: int, hold: Callable[[str], float] | None = None) -> None:
+    ``hold(request_line)`` gives the seconds to hold a request back before it goes on; ``drop(request_line)``
+    says to cut the connection instead (the client sees it closed before any answer).
+    """
+
+    def __init__(self, target_port: int, hold: Callable[[str], float] | None = None,
+                 drop: Callable[[str], bool] | None = None) -> None:  # fmt: skip
         self.target_port = target_port
         self.hold = hold
+        self.drop = drop
         self.heads: list[str] = []
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -49,7 +55,10 @@ class Relay:
                     head = chunk.split(b"\r\n\r\n", 1)[0].decode("latin-1")
                     with self._lock:
                         self.heads.append(head)
-                    delay = self.hold(head.split("\r\n", 1)[0]) if self.hold else 0.0
+                    line = head.split("\r\n", 1)[0]
+                    if self.drop is not None and self.drop(line):
+                        return
+                    delay = self.hold(line) if self.hold else 0.0
                     if delay:
                         time.sleep(delay)
                 dst.sendall(chunk)
