@@ -84,7 +84,7 @@ class S3Storage(StorageBackend):
         "refresh": "seconds between asks of AWS's credential chain for temporary credentials (default 60)",
         "timeout": "seconds any one request may take, retries included (default 10)",
         "connect_timeout": "seconds to connect (default 3)",
-        "retries": "retries of a request that failed to connect or got HTTP 5xx (default 2)",
+        "retries": "retries of a request that failed to connect, lost its connection or got HTTP 5xx (default 2)",
         "throttle_retries": f"requests a batch may add in all when the server throttles it (503 SlowDown, 429; "
         f"default {THROTTLE_RETRIES})",
         "concurrency": f"requests in flight per batch (default {CONCURRENCY})",
@@ -231,7 +231,7 @@ class S3Storage(StorageBackend):
                             if await throttle.retry_after_throttled(path):
                                 continue
                             return Throttled(f"{_short(self._scrub(_classify(exc)[1]))} [{throttle.reason()}]")
-                        if kind in ("server", "unreachable") and failures < self.retries:
+                        if kind in ("server", "unreachable", "dropped") and failures < self.retries:
                             failures += 1
                             await asyncio.sleep(random.uniform(0, min(1.0, 0.05 * 2**failures)))
                             continue
@@ -544,6 +544,7 @@ _MEANING = {
     "no_bucket": "the bucket does not exist (create it first); ",
     "denied": "the credentials were refused (wrong key or secret, or no permission on the bucket); ",
     "unreachable": "the server is not reachable; ",
+    "dropped": "the connection dropped before the answer was whole; ",
     "tls": "the server's TLS certificate was not accepted (give the CA that signed it with ca=); ",
     "server": "the server failed the request (HTTP 5xx; SeaweedFS also answers so when no volume has room); ",
 }
@@ -581,6 +582,9 @@ def _classify(exc: BaseException) -> tuple[str, str]:
         for w in ("kind: connect", "connectionrefused", "error sending request", "could not connect to the endpoint")
     ):
         return "unreachable", summary
+    if any(w in low for w in ("connection reset", "broken pipe", "error decoding response body", "incompletemessage",
+                              "connection was closed before", "connection closed before")):  # fmt: skip
+        return "dropped", summary
     if "status: 5" in low or "500 internal server error" in low or "503 service unavailable" in low:
         return "server", summary
     return "other", summary

@@ -248,3 +248,34 @@ def test_a_missing_key_in_a_bucket_that_exists_checks_the_bucket_once(weed):
     assert all(r.ok for r in store.write_pages(keys[:1], slots_of([1], 64)))
     assert store.batch_exists(keys) == 1
     store.close()
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_dropped_connection_is_retried_as_retries_allow(seaweedfs, s3_bucket, s3_env, retries):
+    from http_stubs import Relay
+
+    from hicache_core.storage.pages import Span
+
+    cut: list[str] = []
+
+    def drop(line: str) -> bool:  # the first PUT's connection is cut before any answer
+        if line.startswith("PUT") and not cut:
+            cut.append(line)
+            return True
+        return False
+
+    relay = Relay(seaweedfs.port, drop=drop)
+    try:
+        url = f"s3://{s3_bucket}/drop{uuid.uuid4().hex[:6]}?endpoint={relay.endpoint}&timeout=5&retries={retries}"
+        backend = make_storage(url).backend
+        (result,) = backend.put_objects(["k"], [[Span(0, 5, memoryview(bytearray(b"hello")))]])
+        found = backend.exists_objects(["k"])
+        backend.close()
+    finally:
+        relay.close()
+    puts = [h for h in relay.heads if h.startswith("PUT")]
+    if retries:
+        assert result is None and found == [True] and len(puts) == 2
+    else:
+        assert isinstance(result, Exception) and found == [False] and len(puts) == 1
+        assert "dropped" in str(result) or "not reachable" in str(result), result
