@@ -77,12 +77,13 @@ class S3Storage(StorageBackend):
         "the profile's endpoint_url, else AWS)",
         "region": "the region (default: AWS_REGION, AWS_DEFAULT_REGION, the profile's, else us-east-1)",
         "profile": "an AWS profile in ~/.aws/credentials and ~/.aws/config (default: AWS_PROFILE, else default)",
-        "key_id": "access key id (prefer the environment or a profile; with secret=)",
+        "key_id": "access key id (never printed; prefer the environment or a profile; with secret=)",
         "secret": "secret access key (never printed)",
         "token": "session token (never printed)",
         "anonymous": "send unsigned requests, for a public bucket (default 0)",
         "refresh": "seconds between asks of AWS's credential chain for temporary credentials (default 60)",
-        "timeout": "seconds any one request may take, retries included (default 10)",
+        "timeout": "seconds any one request may take; a batch, its retries included, that times its waves + 1 "
+        "(default 10)",
         "connect_timeout": "seconds to connect (default 3)",
         "retries": "retries of a request that failed to connect, lost its connection or got HTTP 5xx (default 2)",
         "throttle_retries": f"requests a batch may add in all when the server throttles it (503 SlowDown, 429; "
