@@ -183,6 +183,9 @@ def main() -> None:
     parser.add_argument("--gib", default="20.4,60", help="host pool sizes, GiB, comma-separated")
     parser.add_argument("--methods", default="torch,sglang_mmap,hicache")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 unless hicache's rows meet the bars: pinned <= asked + 0.5 %%, H2D and D2H within "
+                             "1 %% of torch's pinned memory, nothing left after close, the oversized pool refused")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # method:gib, run in this process (the driver's child)
     args = parser.parse_args()
     if args.case:
@@ -200,6 +203,37 @@ def main() -> None:
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]))
         _write(args.out, rows)
+    if args.check:
+        failures = check_bars(rows)
+        for line in failures:
+            print(f"BAR NOT MET: {line}")
+        sys.exit(1 if failures else 0)
+
+
+def check_bars(rows: list[dict]) -> list[str]:
+    """What of the issue's bars hicache's rows miss (an error row is a miss)."""
+    out = []
+    torch_rows = {r["gib_asked"]: r for r in rows if r.get("method") == "torch"}
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['method']} {r.get('gib_asked')} GiB failed: {r['error'][-300:]}")
+            continue
+        if r["method"] == "hicache_refusal":
+            if not r["refused"]:
+                out.append("a pool larger than the machine was not refused")
+            continue
+        if r["method"] != "hicache":
+            continue
+        gib = r["gib_asked"]
+        if r["device"] == "cuda" and r["pinned_bytes"] > r["asked_bytes"] * 1.005:
+            out.append(f"{gib} GiB: pinned {r['pinned_bytes']} > asked {r['asked_bytes']} + 0.5 %")
+        if r["rss_after_close_delta_bytes"] > 64 << 20:
+            out.append(f"{gib} GiB: {r['rss_after_close_delta_bytes']} bytes still held after close")
+        theirs = torch_rows.get(gib, {})
+        for key in ("h2d_gbps", "d2h_gbps"):
+            if key in r and key in theirs and r[key] < 0.99 * theirs[key]:
+                out.append(f"{gib} GiB: {key} {r[key]:.2f} < 0.99 x torch's {theirs[key]:.2f}")
+    return out
 
 
 def _write(path: str, rows: list[dict]) -> None:
