@@ -351,3 +351,41 @@ def test_a_key_file_only_its_owner_reads_is_taken(tmp_path):
     path.write_bytes(os.urandom(16).hex().encode() + b"\n")  # 32 hex characters: the least taken
     path.chmod(0o640)
     assert len(ClusterKey.from_file(path).key_id) == 8
+
+
+def test_a_peer_reader_authenticates_what_it_reads_from_an_owner(tmp_path, monkeypatch):
+    """``peer://``: the tag travels in the directory entry and covers the bytes read from the owner's pool, so
+    an unkeyed publisher and bytes changed in the owner's pool after publishing are ``auth_failed`` for a reader."""
+    pytest.importorskip("nixl_cu13", reason="NIXL is not installed (pip install nixl-cu13==1.5.1)")
+    if "peer" not in get_registry().storage_backends:
+        pytest.skip("hicache-storage-peer is not installed")
+    monkeypatch.setenv("UCX_TLS", os.environ.get("UCX_TLS", "tcp,self"))
+    server = start_redis(tmp_path)
+    url = f"peer://127.0.0.1:{server.port}/0?prefix=auth:&timeout=5"
+    owner_pool, reader_pool = kit.host_pool(pages=8), kit.host_pool(pages=8)
+    _fill(owner_pool, 4)
+    key = ClusterKey(KEY_A)
+    stores = []
+    try:
+        owner = make_storage(url, owner_pool, model_id="peer-auth", cluster_key=key)
+        stores.append(owner)
+        keyless_owner = make_storage(url, owner_pool, model_id="peer-auth", cluster_key=None)
+        stores.append(keyless_owner)
+        reader = make_storage(url, reader_pool, model_id="peer-auth", cluster_key=key)
+        stores.append(reader)
+        keys = page_hashes(list(range(4 * kit.PAGE)), kit.PAGE)
+        assert all(r.ok for r in owner.write_pages(keys[:2], _slots([0, 1])))
+        assert keyless_owner.write_pages(keys[2:3], _slots([2]))[0].ok
+        results = reader.read_pages(keys[:3], _slots([4, 5, 6]))
+        assert [r.status for r in results] == [PageStatus.OK, PageStatus.OK, PageStatus.AUTH_FAILED], results
+        assert results[2].detail.startswith("written without the cluster key")
+        assert _page(reader, 4) == _page(owner, 0) and _page(reader, 5) == _page(owner, 1)
+        # a byte of a published page changed in the owner's pool (what a remote NIXL write could do)
+        span = owner.pages.page_spans(1)[0]
+        span.view[7] ^= 0x01
+        (r,) = reader.read_pages(keys[1:2], _slots([7]))
+        assert r.status is PageStatus.AUTH_FAILED and r.detail.startswith("MAC mismatch"), r
+    finally:
+        for s in stores:
+            s.close()
+        server.stop()
