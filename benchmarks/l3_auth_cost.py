@@ -53,6 +53,21 @@ def _seaweedfs_helper():
     return mod
 
 
+def _start_seaweedfs(tmp: Path):
+    """SeaweedFS with room for every round of both stores (removed objects keep their space until a vacuum).
+
+    A second try on a fresh folder: weed exits when one of its six ports was taken between choosing and binding.
+    """
+    weed = _seaweedfs_helper()
+    for attempt in range(2):
+        try:
+            return weed, weed.start_seaweedfs(tmp / f"weed{attempt}", volume_size_mb=1024, volume_max=32)
+        except RuntimeError:
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _loadavg() -> list[str]:
     return open("/proc/loadavg").read().split()[:3]
 
@@ -146,9 +161,7 @@ def main() -> None:
                 server = start_redis(Path(tmp))
                 url = f"redis://127.0.0.1:{server.port}/0?prefix=cost:"
             elif scheme == "s3":
-                weed = _seaweedfs_helper()
-                # Removed objects keep their volume space until a vacuum: room for every round of both stores.
-                server = weed.start_seaweedfs(Path(tmp) / "weed", volume_size_mb=1024, volume_max=32)
+                weed, server = _start_seaweedfs(Path(tmp))
                 url = server.url(server.create_bucket("cost"), "c", key_id=weed.ACCESS_KEY, secret=weed.SECRET_KEY)
             else:
                 sys.exit(f"unknown store {scheme!r}: file, redis or s3")
