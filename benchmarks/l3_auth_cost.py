@@ -10,10 +10,11 @@ Starts its own stores in a temporary folder: ``file://``, a real redis-server, a
 cluster key and one without (their namespaces differ); each round runs both, in alternating order,
 write then read, objects removed after each, target pages zeroed before each read, and the read
 bytes checked against the originals. GB/s is the median of ``--rounds`` after a warm-up round; the
-bar is keyed / unkeyed >= 0.9, for writes and for reads. Beside wall time, this process's CPU seconds
-per GB (every thread, kernel time included; not the servers'): what the MAC adds, which a shared
-machine's load does not move as much. The load average is recorded around each store (the development
-machine is shared: a loaded machine reads noisier).
+bar is keyed / unkeyed >= 0.9, for writes and for reads, taken as the median over rounds of each
+round's keyed / unkeyed pair (the ratio of the two medians is recorded too). Beside wall time, this
+process's CPU seconds per GB (every thread, kernel time included; not the servers'): what the MAC
+adds, which a shared machine's load does not move as much. The load average is recorded around each
+store (the development machine is shared: a loaded machine reads noisier).
 """
 
 from __future__ import annotations
@@ -134,11 +135,15 @@ def _measure(url: str, page_tokens: int, mib: int, rounds: int) -> dict[str, Any
         rows = []
         for op in ("write", "read"):
             gbps = {s: [payload / t / 1e9 for t in times[s][op]] for s in stores}
-            ratio = statistics.median(gbps["keyed"]) / statistics.median(gbps["unkeyed"])
+            # Per round, keyed against the unkeyed run beside it: a shared machine's load drifts over seconds,
+            # and a pair feels the same drift. The median of those is the figure held to the bar.
+            ratio = statistics.median([u / k for u, k in zip(times["unkeyed"][op], times["keyed"][op])])
             rows.append({"operation": op, "page_tokens": page_tokens, "page_bytes": page_bytes, "pages": n,
                          "bytes": payload, "unkeyed_gbps_median": statistics.median(gbps["unkeyed"]),
                          "keyed_gbps_median": statistics.median(gbps["keyed"]), "unkeyed_gbps": gbps["unkeyed"],
-                         "keyed_gbps": gbps["keyed"], "keyed_over_unkeyed": ratio, "bar": BAR,
+                         "keyed_gbps": gbps["keyed"], "keyed_over_unkeyed": ratio,
+                         "keyed_over_unkeyed_of_medians": statistics.median(gbps["keyed"])
+                         / statistics.median(gbps["unkeyed"]), "bar": BAR,
                          "unkeyed_cpu_s_per_gb": statistics.median(cpu["unkeyed"][op]) / (payload / 1e9),
                          "keyed_cpu_s_per_gb": statistics.median(cpu["keyed"][op]) / (payload / 1e9),
                          "meets_bar": ratio >= BAR, "rounds": rounds})  # fmt: skip

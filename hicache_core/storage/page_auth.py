@@ -72,7 +72,7 @@ class ClusterKey:
     Only two values derived one-way from the secret are kept: the MAC key and the key id.
     """
 
-    __slots__ = ("_mac_key", "key_id", "source")
+    __slots__ = ("_mac_key", "_hasher", "key_id", "source")
 
     def __init__(self, material: bytes, source: str = "the caller") -> None:
         if not isinstance(material, (bytes, bytearray)):
@@ -85,6 +85,7 @@ class ClusterKey:
             )
         blake3 = _blake3()
         self._mac_key = blake3.blake3(material, derive_key_context=_MAC_CONTEXT).digest()
+        self._hasher = blake3.blake3
         #: 8 bytes that name the key (in every keyed page's header); they tell nothing of the key.
         self.key_id: bytes = blake3.blake3(material, derive_key_context=_ID_CONTEXT).digest(8)
         self.source = source
@@ -133,10 +134,7 @@ class ClusterKey:
         The key is length-prefixed, so no header, key and payload split the same bytes two ways.
         """
         key = full_key.encode("utf-8", "surrogatepass")
-        h = _blake3().blake3(key=self._mac_key)
-        h.update(bytes(header_prefix))
-        h.update(struct.pack("<I", len(key)))
-        h.update(key)
+        h = self._hasher(bytes(header_prefix) + struct.pack("<I", len(key)) + key, key=self._mac_key)
         for ptr, n in runs:
             if n:
                 h.update(memoryview((ctypes.c_char * n).from_address(ptr)).cast("B"))

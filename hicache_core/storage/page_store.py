@@ -426,17 +426,21 @@ class PageStore:
         """Algorithm 3 headers: the key id where the checksum was, the tag where the key digest was."""
         size, key = self.pages.page_bytes, self.cluster_key
         key_id = int.from_bytes(key.key_id, "little")
-        prefixes = [pack_header(payload_bytes=size, checksum=key_id, fingerprint=self._fingerprint,
-                                key_digest=bytes(TAG_BYTES), verify_words=(sum(s.nbytes for s in spans) - size) // 8,
-                                algorithm=CHECKSUM_KEYED) for spans in payloads]  # fmt: skip
-        tags = parallel_map(lambda i: key.tag(prefixes[i][:MAC_HEADER_BYTES], full[i],
-                                              [(s.ptr, s.nbytes) for s in payloads[i]]),
+        by_words: dict[int, bytes] = {}  # the bytes before the tag are the batch's, but for the checksum row's length
+        prefixes = []
+        for spans in payloads:
+            words = (sum(s.nbytes for s in spans) - size) // 8
+            if words not in by_words:
+                by_words[words] = pack_header(payload_bytes=size, checksum=key_id, fingerprint=self._fingerprint,
+                                              key_digest=bytes(TAG_BYTES), verify_words=words,
+                                              algorithm=CHECKSUM_KEYED)[:MAC_HEADER_BYTES]  # fmt: skip
+            prefixes.append(by_words[words])
+        tags = parallel_map(lambda i: key.tag(prefixes[i], full[i], [(s.ptr, s.nbytes) for s in payloads[i]]),
                             range(len(full)), self.checksum_threads)  # fmt: skip
         values = []
         for prefix, tag, spans in zip(prefixes, tags, payloads):
-            header = bytearray(prefix)
-            header[MAC_HEADER_BYTES : MAC_HEADER_BYTES + TAG_BYTES] = tag
-            header[HEADER_SIZE - 4 :] = zlib.crc32(header[: HEADER_SIZE - 4]).to_bytes(4, "little")
+            body = prefix + tag
+            header = bytearray(body + zlib.crc32(body).to_bytes(4, "little"))
             values.append([Span(address_of(header), HEADER_SIZE, memoryview(header)), *spans])
         return values
 
