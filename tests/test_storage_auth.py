@@ -351,6 +351,9 @@ def test_a_key_file_only_its_owner_reads_is_taken(tmp_path):
     path.write_bytes(os.urandom(16).hex().encode() + b"\n")  # 32 hex characters: the least taken
     path.chmod(0o640)
     assert len(ClusterKey.from_file(path).key_id) == 8
+    path.write_bytes(b"k" * (1 << 16) + b"k")  # not truncated to a key: refused
+    with pytest.raises(ClusterKeyError, match=f"^cluster key file {path} is over 65536 bytes: not a key file$"):
+        ClusterKey.from_file(path)
 
 
 def test_a_peer_reader_authenticates_what_it_reads_from_an_owner(tmp_path, monkeypatch):

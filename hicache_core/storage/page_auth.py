@@ -39,6 +39,7 @@ KEY = text(ENV_KEY, doc="the cluster's L3 key itself (prefer HICACHE_L3_KEY_FILE
 #: The least key material taken: 32 bytes, e.g. ``openssl rand -hex 32`` (64 characters).
 MIN_KEY_BYTES = 32
 TAG_BYTES = 32
+_MAX_KEY_FILE = 1 << 16
 #: ``PageStore(cluster_key=...)``'s default: read the key from the environment.
 FROM_ENVIRONMENT: Literal["environment"] = "environment"
 
@@ -121,10 +122,12 @@ class ClusterKey:
                         f"cluster key file {path} may be read or written by any user (mode {stat.filemode(mode)}): "
                         f"chmod o-rwx {path}"
                     )
-                material = f.read(1 << 16)
+                material = f.read(_MAX_KEY_FILE + 1)
         except OSError as exc:
             raise ClusterKeyError(f"cannot read the cluster key file {path} ({ENV_KEY_FILE}): "
                                   f"{exc.strerror or type(exc).__name__}") from None  # fmt: skip
+        if len(material) > _MAX_KEY_FILE:
+            raise ClusterKeyError(f"cluster key file {path} is over {_MAX_KEY_FILE} bytes: not a key file")
         return cls(material, str(path))
 
     def tag(self, header_prefix: bytes | bytearray | memoryview, full_key: str,
