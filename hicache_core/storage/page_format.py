@@ -58,6 +58,8 @@ CHECKSUM_KEYED = 3
 ALGORITHMS = (CHECKSUM_XXH3_64, CHECKSUM_DEVICE, CHECKSUM_KEYED)
 #: Header bytes a keyed page's tag covers: everything before the tag's own field.
 MAC_HEADER_BYTES = 44
+#: Where a keyed page's header keeps the id of the key that wrote it (the checksum field).
+KEY_ID_AT = slice(20, 28)
 _BODY = struct.Struct("<4sHHHHQQ16s32s")  # 76 bytes, then the CRC-32
 assert _BODY.size == HEADER_SIZE - 4
 
@@ -83,7 +85,7 @@ class PageHeader:
     @property
     def key_id(self) -> bytes:
         """The id of the cluster key a keyed page was written with (empty for an unkeyed page)."""
-        return self.checksum.to_bytes(8, "little") if self.keyed else b""
+        return self.checksum.to_bytes(KEY_ID_AT.stop - KEY_ID_AT.start, "little") if self.keyed else b""
 
 
 class HeaderError(ValueError):

@@ -34,6 +34,7 @@ from .page_format import (
     CHECKSUM_KEYED,
     CHECKSUM_XXH3_64,
     HEADER_SIZE,
+    KEY_ID_AT,
     MAC_HEADER_BYTES,
     HeaderError,
     VersionError,
@@ -91,8 +92,6 @@ _READ_COUNTER = {
     PageStatus.MISMATCH: "read_mismatch",
     PageStatus.AUTH_FAILED: "read_auth_failed",
 }
-#: Where a keyed page's header keeps the id of the key that wrote it (the checksum field, bytes 20..27).
-_KEY_ID_AT = slice(20, 28)
 
 
 class PageStore:
@@ -105,7 +104,7 @@ class PageStore:
     :param namespace: the keys' :class:`Namespace` (required with a host pool).
     :param cluster_key: the cluster's :class:`~hicache_core.storage.page_auth.ClusterKey`: every page
         is written with its MAC and read only when the MAC checks (``auth_failed`` otherwise);
-        ``None``: unauthenticated pages, as before 0.3.1; the default reads ``HICACHE_L3_KEY_FILE`` or
+        ``None``: unauthenticated pages, as without a key; the default reads ``HICACHE_L3_KEY_FILE`` or
         ``HICACHE_L3_KEY``.
 
     Binding sets the backend's ``namespace`` and ``page_bytes`` and calls its
@@ -448,7 +447,7 @@ class PageStore:
         """The tag of each arrived page that says it is keyed with this store's key (``None`` for the rest)."""
         key = self.cluster_key
         mine = [i for i, (hd, r) in enumerate(zip(headers, runs)) if r and len(hd) >= HEADER_SIZE
-                and stored_algorithm(hd) == CHECKSUM_KEYED and bytes(hd[_KEY_ID_AT]) == key.key_id]  # fmt: skip
+                and stored_algorithm(hd) == CHECKSUM_KEYED and bytes(hd[KEY_ID_AT]) == key.key_id]  # fmt: skip
         tags: list[bytes | None] = [None] * len(full)
         computed = parallel_map(lambda i: key.tag(bytes(headers[i][:MAC_HEADER_BYTES]), full[i], runs[i]), mine,
                                 self.checksum_threads)  # fmt: skip
