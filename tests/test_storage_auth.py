@@ -392,3 +392,23 @@ def test_a_peer_reader_authenticates_what_it_reads_from_an_owner(tmp_path, monke
         for s in stores:
             s.close()
         server.stop()
+
+
+def test_storage_check_says_whether_pages_are_authenticated(tmp_path, monkeypatch, capsys):
+    for var in ("HICACHE_L3_KEY", "HICACHE_L3_KEY_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    url = f"file://{tmp_path}"
+    assert main(["storage", "check", url]) == 0
+    assert "pages unauthenticated (no HICACHE_L3_KEY_FILE): whoever can write the store" in capsys.readouterr().out
+    monkeypatch.setenv("HICACHE_L3_KEY", KEY_A.decode())
+    assert main(["storage", "check", url]) == 0
+    out = capsys.readouterr().out
+    key_id = ClusterKey(KEY_A).key_id.hex()
+    assert f"pages authenticated with the cluster key (key id {key_id}, from HICACHE_L3_KEY)" in out, out
+    assert main(["storage", "check", url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["ok"], report["authenticated"], report["key_id"]) == (True, True, key_id)
+    monkeypatch.setenv("HICACHE_L3_KEY", "planted-short")
+    assert main(["storage", "check", url]) == 2
+    out = capsys.readouterr().out
+    assert "is 13 bytes; it must be at least 32" in out and "planted" not in out, out
