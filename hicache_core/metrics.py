@@ -23,12 +23,15 @@ What is measured:
 * ``hicache_host_pinned_bytes`` {pool}: host memory pinned by the live host pools of this process (their
   buffers, checksum tables and drop words) and by staging buffers, per pool label, read when a snapshot is taken.
 * ``hicache_l3_pages_total`` {op, outcome}: every L3 page read or written, by its outcome
-  (``ok``, ``missing``, ``corrupt``, ``mismatch``, ``full``, ``error``, ``timeout``, ...).
+  (``ok``, ``missing``, ``corrupt``, ``mismatch``, ``auth_failed``, ``full``, ``error``, ``timeout``, ...).
 * ``hicache_l3_bytes_total`` {op}: bytes of L3 pages moved (header included).
 * ``hicache_l3_prefetch_pages_total`` {result, reason}: pages a prefetch asked for, ``hit`` or
   ``miss`` with the reason code of :mod:`hicache_core.storage.explain`.
 * ``hicache_checksum_failures_total`` {tier}: pages whose checksum failed (``l3``, ``host``);
   :func:`record_checksum_failure` is the one entry point.
+* ``hicache_l3_auth_failures_total`` {why}: L3 pages read that did not authenticate with the
+  cluster key (``unkeyed``, ``other_key``, ``bad_tag``, ``no_key_here``); each is also an
+  ``auth_failed`` outcome of ``hicache_l3_pages_total``. :func:`record_auth_failure` records them.
 * ``hicache_dropped_indices_total``: transfer calls whose out-of-range or malformed indices a
   kernel masked (reported by ``check_dropped`` and the next call).
 """
@@ -248,11 +251,13 @@ L3_BYTES = Counter("hicache_l3_bytes_total", "L3 bytes moved (pages read or writ
 L3_PREFETCH = Counter("hicache_l3_prefetch_pages_total", "Pages L3 prefetches asked for: hit, or miss by reason",
                       ("result", "reason"))  # fmt: skip
 CHECKSUM_FAILURES = Counter("hicache_checksum_failures_total", "Pages whose checksum failed, per tier", ("tier",))
+L3_AUTH_FAILURES = Counter("hicache_l3_auth_failures_total", "L3 pages read that the cluster key did not authenticate, "
+                           "by why", ("why",))  # fmt: skip
 DROPPED_INDICES = Counter("hicache_dropped_indices_total", "Transfer calls whose indices a kernel masked")
 
 METRICS: tuple[_Metric, ...] = (TRANSFER_PAGES, TRANSFER_BYTES, TRANSFER_SUBMIT, HOST_POOL_PAGES, HOST_PINNED_BYTES,
-                                L3_PAGES, L3_BYTES,
-                                L3_PREFETCH, CHECKSUM_FAILURES, DROPPED_INDICES)  # fmt: skip
+                                L3_PAGES, L3_BYTES, L3_PREFETCH, CHECKSUM_FAILURES, L3_AUTH_FAILURES,
+                                DROPPED_INDICES)  # fmt: skip
 
 _POOLS: weakref.WeakSet = weakref.WeakSet()
 
@@ -307,6 +312,18 @@ def record_checksum_failure(tier: str, pages: int = 1) -> None:
     if not isinstance(pages, int) or isinstance(pages, bool) or pages < 1:
         raise ValueError(f"pages must be a positive int, got {pages!r}")
     CHECKSUM_FAILURES.labels(tier=tier).inc(pages)
+
+
+#: Why a page read failed authentication (``hicache_l3_auth_failures_total``'s label).
+AUTH_FAILURE_WHYS = ("unkeyed", "other_key", "bad_tag", "no_key_here")
+
+
+def record_auth_failure(why: str, pages: int = 1) -> None:
+    """L3 pages that failed authentication: written ``unkeyed`` (without a key), with an ``other_key``, a
+    ``bad_tag`` (changed, or copied under another key), or keyed while this instance has ``no_key_here``."""
+    if why not in AUTH_FAILURE_WHYS:
+        raise ValueError(f"auth failure must be one of {AUTH_FAILURE_WHYS}, got {why!r}")
+    L3_AUTH_FAILURES.labels(why=why).inc(pages)
 
 
 def record_dropped_indices(calls: int = 1) -> None:

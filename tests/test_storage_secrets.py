@@ -163,7 +163,8 @@ def test_every_registered_scheme_has_a_row():
     backends = get_registry().storage_backends
     for alias in [s for s in STORES if STORES[s] is None and s in registered]:
         assert any(issubclass(backends[alias], backends[s]) for s in STORES if STORES[s] and s in backends), (
-            f"{alias}:// has no row of its own and is no subclass of a scheme that has one")
+            f"{alias}:// has no row of its own and is no subclass of a scheme that has one"
+        )
 
 
 def _scan(texts: dict[str, str], extra: tuple[str, ...] = ()) -> None:
@@ -218,7 +219,8 @@ def _exercise(url: str, texts: dict[str, str], *, working: bool,
             with StorageController(backend, prefetch_policy="wait_complete", batch_pages=2) as ctl:
                 ctl.backup(toks, host.alloc(16)).result(30)
                 texts[f"controller ({shown})"] = repr(ctl.prefetch(toks).result(30)) + json.dumps(
-                    ctl.stats(), default=str)
+                    ctl.stats(), default=str
+                )
     finally:
         backend.close()
     assert working or failures, f"{shown} opened and worked; it was meant to fail"
@@ -241,13 +243,57 @@ def test_no_secret_shows_anywhere(scheme, tmp_path, capsys, caplog):
                 code = cli.main(["storage", command, url])
                 out = capsys.readouterr()
                 texts[f"hicache storage {command} {redact_url(url)} (exit {code})"] = out.out + out.err
-                assert (code == 0) == (url in row.working and command == "check") or (
-                    command == "stats"), (
-                    f"hicache storage {command} {redact_url(url)} exited {code}: {redact_text(out.out + out.err)}")
+                assert (code == 0) == (url in row.working and command == "check") or (command == "stats"), (
+                    f"hicache storage {command} {redact_url(url)} exited {code}: {redact_text(out.out + out.err)}"
+                )
     texts["logs"] = caplog.text + "".join(str(r.exc_info) + repr(r.args) for r in caplog.records)
     texts["metrics"] = json.dumps(metrics.snapshot(), default=str)
     assert any("***" in t for t in texts.values())  # the secrets were there to hide, and hidden
     _scan(texts, row.secrets)
+
+
+CLUSTER_KEY = "Pl4nted-cluster-key-from-env-0123456789"  # HICACHE_L3_KEY: the pages' MAC key
+CLUSTER_KEY_FILE = "Pl4nted-cluster-key-in-a-file-9876543210"  # what HICACHE_L3_KEY_FILE's file holds
+
+
+@pytest.mark.parametrize("source", ["env", "file"])
+@pytest.mark.parametrize("scheme", ["file", "redis", "s3", "mooncake"])
+def test_the_cluster_key_shows_nowhere(scheme, source, tmp_path, capsys, caplog, monkeypatch):
+    """With the cluster's L3 key set (environment or file), every scheme's texts are scanned for it too."""
+    if scheme not in get_registry().storage_backends:
+        pytest.skip(f"no installed plugin registers {scheme}://")
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.delenv("HICACHE_L3_KEY", raising=False)
+    monkeypatch.delenv("HICACHE_L3_KEY_FILE", raising=False)
+    if source == "env":
+        monkeypatch.setenv("HICACHE_L3_KEY", CLUSTER_KEY)
+    else:
+        path = tmp_path / "cluster.key"
+        path.write_text(CLUSTER_KEY_FILE + "\n")
+        path.chmod(0o600)
+        monkeypatch.setenv("HICACHE_L3_KEY_FILE", str(path))
+    texts: dict[str, str] = {}
+    with STORES[scheme](tmp_path) as row:
+        for url in row.working[:1]:
+            _exercise(url, texts, working=True, expect=row.expect)
+            code = cli.main(["storage", "check", url])
+            out = capsys.readouterr()
+            texts[f"hicache storage check {redact_url(url)} (exit {code})"] = out.out + out.err
+            assert code == 0, out.out + out.err
+        for url in row.failing[:2]:
+            _exercise(url, texts, working=False)
+    # a key too short, from either source: refused, without the key in the message
+    short = "Pl4nted-short-key"
+    monkeypatch.setenv("HICACHE_L3_KEY", short)
+    monkeypatch.delenv("HICACHE_L3_KEY_FILE", raising=False)
+    with pytest.raises(ValueError) as raised:
+        make_storage(f"file://{tmp_path / 'short'}", make_pool(StorageCase("mha", "page_first", "plain", 4), pages=2),
+                     model_id="m")  # fmt: skip
+    texts.update(_exception_texts("short key", raised.value))
+    texts["logs"] = caplog.text + "".join(str(r.exc_info) + repr(r.args) for r in caplog.records)
+    texts["metrics"] = json.dumps(metrics.snapshot(), default=str)
+    assert any("key id=" in t for t in texts.values())  # the stores were keyed
+    _scan(texts, row.secrets + (CLUSTER_KEY, CLUSTER_KEY_FILE, short))
 
 
 class _Leaky(StorageBackend):

@@ -9,6 +9,8 @@
   other models, geometries and rank shares apart.
 * :class:`StorageController` backs pages up and prefetches them on worker threads, and
   makes tensor-parallel ranks agree on what was found.
+* :class:`ClusterKey` is the cluster's key (``HICACHE_L3_KEY_FILE``): with it, every page carries a
+  keyed MAC and loads only when it checks (:mod:`hicache_core.storage.page_auth`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from .controller import BackupFuture, PrefetchFuture, PrefetchResult, PrefetchTimeout, StorageController
     from .keys import Namespace, hash_page, namespace_for, page_hashes
     from .make import UnknownStorageScheme, make_storage
+    from .page_auth import ClusterKey, ClusterKeyError
     from .page_store import STORAGE_BATCH_SIZE, PageStore, StorageStats
     from .pages import PageMap, Span
     from .url import StorageURL
@@ -63,10 +66,14 @@ _EXPORTS = {
     "StorageURL": "url",
     "UnknownStorageScheme": "make",
     "make_storage": "make",
+    "ClusterKey": "page_auth",
+    "ClusterKeyError": "page_auth",
 }
 __all__ = [
     "BackupFuture",
     "Capabilities",
+    "ClusterKey",
+    "ClusterKeyError",
     "Namespace",
     "NotAPage",
     "ObjectMissing",

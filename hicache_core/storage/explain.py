@@ -12,7 +12,9 @@ Two sources, put together per page:
 
 Reason codes (:data:`REASONS`): ``in_host`` (the caller's host tier holds it), ``in_store`` (the
 store holds it sound: the next prefetch would hit), ``loaded`` (the last prefetch brought it to
-the host tier), ``not_in_store``, ``checksum_failed``, ``layout_mismatch``, ``timed_out``,
+the host tier), ``not_in_store``, ``checksum_failed``, ``layout_mismatch``, ``auth_failed`` (the
+cluster key does not authenticate the stored page: written without it or with another key, changed,
+or copied under another key), ``timed_out``,
 ``ranks_disagreed``, ``host_pool_full``, ``queue_full``, ``cancelled``, ``store_unreachable``,
 ``earlier_page_missing`` / ``earlier_page_failed`` (a prefix is only usable up to its first
 missing page), ``error``.
@@ -35,8 +37,8 @@ from .keys import Namespace, fingerprint, geometry_description, page_hashes
 from .page_store import PageStore, check_keys
 
 LOADED = "loaded"
-REASONS = ("in_host", "in_store", LOADED, "not_in_store", "checksum_failed", "layout_mismatch", "timed_out",
-           "ranks_disagreed", "host_pool_full", "queue_full", "cancelled", "store_unreachable",
+REASONS = ("in_host", "in_store", LOADED, "not_in_store", "checksum_failed", "layout_mismatch", "auth_failed",
+           "timed_out", "ranks_disagreed", "host_pool_full", "queue_full", "cancelled", "store_unreachable",
            "earlier_page_missing", "earlier_page_failed", "error")  # fmt: skip
 OUTCOMES_FORMAT = "hicache-outcomes-1"
 #: Reasons that leave no trace in the store: only the controller's memory can give them.
@@ -48,6 +50,7 @@ _BY_STATUS = {
     PageStatus.MISSING: "not_in_store",
     PageStatus.CORRUPT: "checksum_failed",
     PageStatus.MISMATCH: "layout_mismatch",
+    PageStatus.AUTH_FAILED: "auth_failed",
     PageStatus.TIMEOUT: "timed_out",
     PageStatus.CANCELLED: "cancelled",
 }

@@ -7,6 +7,7 @@ from typing import Any
 from ..plugin_sources import source_tree_plugins
 from ..registry import Registry, get_registry
 from .keys import namespace_for
+from .page_auth import FROM_ENVIRONMENT, ClusterKey, resolve_key
 from .page_store import PageStore
 from .url import StorageURL, scrub_exception, secrets_of
 
@@ -24,6 +25,7 @@ def make_storage(
     tp_size: int = 1,
     replicated: bool | None = None,
     registry: Registry | None = None,
+    cluster_key: ClusterKey | None | str = FROM_ENVIRONMENT,
     **options: Any,
 ) -> PageStore:
     """Build the storage backend of ``url`` and wrap it in a :class:`PageStore` bound to ``host_pool``'s pages.
@@ -36,12 +38,17 @@ def make_storage(
     :param tp_rank: this rank's tensor-parallel rank; ``tp_size`` the TP world size.
     :param replicated: every TP rank holds the same bytes (default: true for MLA pools);
         then all ranks share one copy of each page.
+    :param cluster_key: the cluster's key: pages are written with its MAC and load only when it
+        checks. The default reads ``HICACHE_L3_KEY_FILE`` or ``HICACHE_L3_KEY`` (neither set:
+        unauthenticated pages); ``None`` turns authentication off whatever the environment says.
     :param options: backend options; they override the URL's query (``?capacity=...``).
     :raises UnknownStorageScheme: no installed backend serves the scheme (the message lists
         the installed schemes and what to install).
-    :raises ValueError: a bad URL, option or argument, before anything is opened.
+    :raises ValueError: a bad URL, option or argument, before anything is opened (a
+        :class:`~hicache_core.storage.page_auth.ClusterKeyError` for a bad key setting).
     """
     parsed = StorageURL.parse(url)
+    key = resolve_key(cluster_key)
     registry = registry or get_registry()
     backends = registry.storage_backends
     cls = backends.get(parsed.scheme)
@@ -56,7 +63,7 @@ def make_storage(
     try:
         backend = cls(parsed, **merged)
         try:
-            return PageStore(backend, host_pool, namespace)
+            return PageStore(backend, host_pool, namespace, cluster_key=key)
         except BaseException:
             backend.close()
             raise

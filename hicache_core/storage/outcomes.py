@@ -17,6 +17,7 @@ class PageStatus(str, Enum):
     MISSING = "missing"  # the store has no object under the key
     CORRUPT = "corrupt"  # header or payload checksum wrong
     MISMATCH = "mismatch"  # a sound page, but another format version, geometry, key or size
+    AUTH_FAILED = "auth_failed"  # the cluster key does not authenticate it (written without it, with another, changed)
     FULL = "full"  # the store refused the write for lack of space
     ERROR = "error"  # the backend raised or reported an error
     TIMEOUT = "timeout"  # not done within the time the caller allowed

@@ -17,6 +17,7 @@ import re
 import threading
 import time
 import warnings
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -27,10 +28,14 @@ from .. import metrics as _metrics
 from ..lazy import Moved
 from .keys import Namespace, fingerprint, geometry_description
 from .outcomes import NotAPage, ObjectMissing, PageResult, PageStatus, SizeMismatch, StorageError, StorageFull
+from .page_auth import FROM_ENVIRONMENT, TAG_BYTES, ClusterKey, resolve_key
 from .page_format import (
     CHECKSUM_DEVICE,
+    CHECKSUM_KEYED,
     CHECKSUM_XXH3_64,
     HEADER_SIZE,
+    KEY_ID_AT,
+    MAC_HEADER_BYTES,
     HeaderError,
     VersionError,
     address_of,
@@ -39,6 +44,7 @@ from .page_format import (
     hashed_runs,
     pack_header,
     parallel_checksums,
+    parallel_map,
     row_of,
     stored_algorithm,
     unpack_header,
@@ -69,6 +75,7 @@ class StorageStats:
     read_missing: int = 0
     read_corrupt: int = 0
     read_mismatch: int = 0
+    read_auth_failed: int = 0
     read_failed: int = 0
     backend: dict[str, Any] = field(default_factory=dict)
 
@@ -83,6 +90,7 @@ _READ_COUNTER = {
     PageStatus.MISSING: "read_missing",
     PageStatus.CORRUPT: "read_corrupt",
     PageStatus.MISMATCH: "read_mismatch",
+    PageStatus.AUTH_FAILED: "read_auth_failed",
 }
 
 
@@ -94,18 +102,26 @@ class PageStore:
     :param host_pool: the host pool whose pages move; ``None`` makes an unbound store (statistics
         and administration only: :meth:`get_stats`, :meth:`clear`, :meth:`ping`, :meth:`close`).
     :param namespace: the keys' :class:`Namespace` (required with a host pool).
+    :param cluster_key: the cluster's :class:`~hicache_core.storage.page_auth.ClusterKey`: every page
+        is written with its MAC and read only when the MAC checks (``auth_failed`` otherwise);
+        ``None``: unauthenticated pages, as without a key; the default reads ``HICACHE_L3_KEY_FILE`` or
+        ``HICACHE_L3_KEY``.
 
     Binding sets the backend's ``namespace`` and ``page_bytes`` and calls its
     ``register_memory`` with the pool's buffers. ``HICACHE_L3_HOST_CHECK`` and
     ``HICACHE_L3_HASH_THREADS`` are read here, once.
     """
 
-    def __init__(self, backend: StorageBackend, host_pool: Any = None, namespace: Namespace | None = None) -> None:
+    def __init__(self, backend: StorageBackend, host_pool: Any = None, namespace: Namespace | None = None,
+                 cluster_key: ClusterKey | None | str = FROM_ENVIRONMENT) -> None:  # fmt: skip
         if not callable(getattr(backend, "exists_objects", None)) or not hasattr(backend, "url"):
             raise TypeError(f"PageStore wraps a hicache_core.storage.StorageBackend, got {type(backend).__name__}")
         if host_pool is not None and namespace is None:
             raise ValueError("PageStore needs the namespace of its keys with a host pool (make_storage makes both)")
+        key = resolve_key(cluster_key)
         own = self.__dict__
+        #: The cluster's key (pages carry its MAC), or ``None``: unauthenticated pages.
+        own["cluster_key"] = key
         own["backend"] = backend
         own["url"] = backend.url
         own["_backend_name"] = type(backend).__name__
@@ -128,7 +144,9 @@ class PageStore:
         # would land in, even if a caller forced a namespace that does not describe this pool.
         own["_fingerprint"] = bytes.fromhex(fingerprint(geometry_description(host_pool)))
         #: Pages written device-checked (format algorithm 2): the pool verifies, and no host check was asked.
-        own["device_checked"] = pages.verifier is not None and os.environ.get("HICACHE_L3_HOST_CHECK", "") in ("", "0")
+        #: A keyed store never is: a device checksum is no MAC, so the host authenticates every byte.
+        own["device_checked"] = (key is None and pages.verifier is not None
+                                 and os.environ.get("HICACHE_L3_HOST_CHECK", "") in ("", "0"))  # fmt: skip
         backend.namespace = namespace
         backend.page_bytes = pages.page_bytes
         backend.register_memory(pages.buffer_spans())
@@ -139,6 +157,11 @@ class PageStore:
         if self._pages is None:
             raise self._unbound()
         return self._pages
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether pages are written and read with the cluster key's MAC."""
+        return self.cluster_key is not None
 
     @property
     def page_bytes(self) -> int:
@@ -382,6 +405,8 @@ class PageStore:
             return self._io_pool
 
     def _stage_headers(self, full: list[str], payloads: list[list[Span]]) -> list[list[Span]]:
+        if self.cluster_key is not None:
+            return self._keyed_headers(full, payloads)
         size = self.pages.page_bytes
         values = []
         device_checked = self.device_checked
@@ -395,6 +420,54 @@ class PageStore:
                                            algorithm=algorithm))  # fmt: skip
             values.append([Span(address_of(header), HEADER_SIZE, memoryview(header)), *spans])
         return values
+
+    def _keyed_headers(self, full: list[str], payloads: list[list[Span]]) -> list[list[Span]]:
+        """Algorithm 3 headers: the key id where the checksum was, the tag where the key digest was."""
+        size, key = self.pages.page_bytes, self.cluster_key
+        key_id = int.from_bytes(key.key_id, "little")
+        by_words: dict[int, bytes] = {}  # the bytes before the tag are the batch's, but for the checksum row's length
+        prefixes = []
+        for spans in payloads:
+            words = (sum(s.nbytes for s in spans) - size) // 8
+            if words not in by_words:
+                by_words[words] = pack_header(payload_bytes=size, checksum=key_id, fingerprint=self._fingerprint,
+                                              key_digest=bytes(TAG_BYTES), verify_words=words,
+                                              algorithm=CHECKSUM_KEYED)[:MAC_HEADER_BYTES]  # fmt: skip
+            prefixes.append(by_words[words])
+        tags = parallel_map(lambda i: key.tag(prefixes[i], full[i], [(s.ptr, s.nbytes) for s in payloads[i]]),
+                            range(len(full)), self.checksum_threads)  # fmt: skip
+        values = []
+        for prefix, tag, spans in zip(prefixes, tags, payloads):
+            body = prefix + tag
+            header = bytearray(body + zlib.crc32(body).to_bytes(4, "little"))
+            values.append([Span(address_of(header), HEADER_SIZE, memoryview(header)), *spans])
+        return values
+
+    def _tags(self, headers: list[Any], full: list[str], runs: list[list[tuple[int, int]]]) -> list[bytes | None]:
+        """The tag of each arrived page that says it is keyed with this store's key (``None`` for the rest)."""
+        key = self.cluster_key
+        mine = [i for i, (hd, r) in enumerate(zip(headers, runs)) if r and len(hd) >= HEADER_SIZE
+                and stored_algorithm(hd) == CHECKSUM_KEYED and bytes(hd[KEY_ID_AT]) == key.key_id]  # fmt: skip
+        tags: list[bytes | None] = [None] * len(full)
+        computed = parallel_map(lambda i: key.tag(bytes(headers[i][:MAC_HEADER_BYTES]), full[i], runs[i]), mine,
+                                self.checksum_threads)  # fmt: skip
+        for i, tag in zip(mine, computed):
+            tags[i] = tag
+        return tags
+
+    def _blob_tags(self, full: list[str], targets: list[list[Span]], blobs: list[Any]) -> list[bytes | None]:
+        """:meth:`_tags` of whole objects as ``get_objects`` returned them (``None``: failed, or of another size)."""
+        views, runs = [], []
+        for blob, target in zip(blobs, targets):
+            total = sum(s.nbytes for s in target)
+            view = None if blob is None or isinstance(blob, BaseException) else memoryview(blob).cast("B")
+            if view is None or len(view) != HEADER_SIZE + total:
+                views.append(b"")
+                runs.append([])
+                continue
+            views.append(view[:HEADER_SIZE])
+            runs.append([(address_of(view) + HEADER_SIZE, total)])
+        return self._tags(views, full, runs)
 
     def _put(self, hashes: list[str], full: list[str], payloads: list[list[Span]]) -> list[PageResult]:
         return self._stage_put((hashes, full, self._stage_headers(full, payloads)))
@@ -462,18 +535,22 @@ class PageStore:
         results = []
         if self.backend.capabilities.zero_copy:
             arrived = [[(s.ptr, s.nbytes) for s in t] if e is None else [] for t, e in zip(targets, outcome)]
-            # A device-checked page (algorithm 2) is hashed here only in its checksum row: its payload is
-            # checked on the device after load, against that row.
-            digests = parallel_checksums([
-                r[-1:] if r and stored_algorithm(hd) == CHECKSUM_DEVICE else r for r, hd in zip(arrived, headers)
-            ], self.checksum_threads)  # fmt: skip
+            if self.cluster_key is not None:
+                digests: list[Any] = self._tags(headers, full, arrived)
+            else:
+                # A device-checked page (algorithm 2) is hashed here only in its checksum row: its payload is
+                # checked on the device after load, against that row.
+                digests = parallel_checksums([
+                    r[-1:] if r and stored_algorithm(hd) == CHECKSUM_DEVICE else r for r, hd in zip(arrived, headers)
+                ], self.checksum_threads)  # fmt: skip
             for h, key, header, runs, err, digest in zip(hashes, full, headers, arrived, outcome, digests):
                 if err is not None:
                     results.append(_failed_read(h, err, self.backend.redact))
                     continue
                 results.append(self._check_object(h, key, header, runs, size, digest))
         else:
-            for h, key, target, blob in zip(hashes, full, targets, outcome):
+            tags = self._blob_tags(full, targets, outcome) if self.cluster_key is not None else [None] * len(full)
+            for h, key, target, blob, tag in zip(hashes, full, targets, outcome, tags):
                 if blob is None or isinstance(blob, BaseException):
                     results.append(_failed_read(h, ObjectMissing(key) if blob is None else blob, self.backend.redact))
                     continue
@@ -485,7 +562,7 @@ class PageStore:
                     continue
                 base = address_of(view)
                 runs = [(base + HEADER_SIZE, total)]
-                digest = None
+                digest = tag
                 if stored_algorithm(view[:HEADER_SIZE]) == CHECKSUM_DEVICE and total > size:
                     digest = checksum_runs([(base + HEADER_SIZE + size, total - size)])
                 result = self._check_object(h, key, view[:HEADER_SIZE], runs, size, digest)
@@ -509,16 +586,26 @@ class PageStore:
         return results
 
     def _check_object(self, h: str, key: str, header_bytes: Any, runs: list[tuple[int, int]], size: int,
-                digest: int | None = None) -> PageResult:  # fmt: skip
+                digest: int | bytes | None = None) -> PageResult:  # fmt: skip
         try:
             header = unpack_header(header_bytes)
         except VersionError as exc:
             return PageResult(h, PageStatus.MISMATCH, str(exc))
         except HeaderError as exc:
             return PageResult(h, PageStatus.CORRUPT, str(exc))
+        mine = self.cluster_key
+        if mine is not None and not header.keyed:
+            return _auth_failed(h, "unkeyed", "written without the cluster key (by a writer outside the cluster, "
+                                "or by an instance without HICACHE_L3_KEY_FILE)")  # fmt: skip
+        if mine is None and header.keyed:
+            return _auth_failed(h, "no_key_here", f"written with cluster key id {header.key_id.hex()}; this "
+                                "instance has no key (HICACHE_L3_KEY_FILE) to authenticate it")  # fmt: skip
+        if mine is not None and header.key_id != mine.key_id:
+            return _auth_failed(h, "other_key", f"written with another cluster key (id {header.key_id.hex()}, "
+                                f"this instance's is {mine.key_id.hex()})")  # fmt: skip
         if header.fingerprint != self._fingerprint:
             return PageResult(h, PageStatus.MISMATCH, "stored for another pool geometry (fingerprint differs)")
-        if header.key_digest != self._key_digest(key):
+        if not header.keyed and header.key_digest != self._key_digest(key):
             return PageResult(h, PageStatus.MISMATCH, "the object carries another key")
         if header.payload_bytes != size:
             return PageResult(h, PageStatus.MISMATCH, f"payload is {header.payload_bytes} bytes, a page here is {size}")
@@ -530,6 +617,12 @@ class PageStore:
                 f"stored with {header.verify_words} host-tier verification "
                 f"words, a page here has {words} (written by a pool with verify set differently)",
             )
+        if header.keyed:
+            tag = digest if isinstance(digest, bytes) else mine.tag(bytes(header_bytes[:MAC_HEADER_BYTES]), key, runs)
+            if not mine.verify(tag, header.key_digest):
+                return _auth_failed(h, "bad_tag", "MAC mismatch: the bytes were changed after they were written, "
+                                    "or the page was stored under another key")  # fmt: skip
+            return PageResult(h, PageStatus.OK)
         if header.checksum_algorithm == CHECKSUM_DEVICE and digest is None:
             digest = checksum_runs(row_of(runs, size))
         if (checksum_runs(runs) if digest is None else digest) != header.checksum:
@@ -563,7 +656,8 @@ class PageStore:
 
     def __repr__(self) -> str:
         bound = f" namespace={self.namespace.prefix}" if self.namespace else " (unbound)"
-        return f"<PageStore {type(self.backend).__name__} {self.url.redacted}{bound}>"
+        auth = f" key id={self.cluster_key.key_id.hex()}" if self.cluster_key is not None else " unauthenticated"
+        return f"<PageStore {type(self.backend).__name__} {self.url.redacted}{bound}{auth}>"
 
     # ---- 0.2's API, where the backend was the store: kept until hicache-core 0.4 ------------------
 
@@ -626,6 +720,12 @@ def _record_l3(op: str, results: list[PageResult], object_bytes: int) -> None:
         _metrics.L3_BYTES.labels(op=op).inc(by["ok"] * object_bytes)
     if by.get("corrupt"):
         _metrics.record_checksum_failure("l3", by["corrupt"])
+
+
+def _auth_failed(h: str, why: str, detail: str) -> PageResult:
+    """A page the cluster key does not authenticate: a miss, counted by why (hicache_l3_auth_failures_total)."""
+    _metrics.record_auth_failure(why)
+    return PageResult(h, PageStatus.AUTH_FAILED, detail)
 
 
 def _page_slots(pages: list[int], page_size: int) -> torch.Tensor:

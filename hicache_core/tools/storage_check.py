@@ -98,14 +98,20 @@ def run_check(url: str, as_json: bool = False) -> int:
             reader.close()
         store.close()
     ok = all(s[1] for s in steps)
+    key = store.cluster_key
     if as_json:
-        report = {"url": redact_url(url), "ok": ok, "second_instance": second,
+        report = {"url": redact_url(url), "ok": ok, "second_instance": second, "authenticated": key is not None,
+                  "key_id": key.key_id.hex() if key is not None else None,
                   "steps": [dict(step=s, ok=o, detail=d) for s, o, d in steps], "stats": stats}  # fmt: skip
         if second:
             report["reader_stats"] = reader_stats
         print(json.dumps(report, indent=2, default=str))
     else:
         print(f"hicache storage check {redact_url(url)} ({type(store.backend).__name__}, {store.backend.capabilities})")
+        if key is not None:
+            print(f"  pages authenticated with the cluster key (key id {key.key_id.hex()}, from {key.source})")
+        else:
+            print("  pages unauthenticated (no HICACHE_L3_KEY_FILE): whoever can write the store decides what loads")
         if second:
             scheme = store.backend.scheme
             print(f"  {scheme}:// serves other instances only: a second instance of the URL reads the pages")
