@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import io
 import json
 import re
@@ -88,9 +89,13 @@ def _declared_in_tree() -> dict[str, tuple[str, settings.Setting]]:
     out = {s.name: ("hicache-core", s) for s in variables.SETTINGS}
     for owner, (folder, target) in _settings_entry_points().items():
         module, _, attr = target.partition(":")
-        if str(folder) not in sys.path:
-            sys.path.append(str(folder))
-        for setting in getattr(importlib.import_module(module), attr):
+        # By its file, not by sys.path: an adapter not installed here must not become installed for
+        # the tests after this one (its egg-info would be found on the path).
+        path = folder / (module.replace(".", "/") + ".py")
+        spec = importlib.util.spec_from_file_location(f"_declared_{owner.replace(':', '_').replace('-', '_')}", path)
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        for setting in getattr(loaded, attr):
             assert setting.name not in out, f"{setting.name} is declared by {out[setting.name][0]} and by {owner}"
             out[setting.name] = (owner, setting)
     return out
