@@ -34,20 +34,24 @@ class Declared:
     declared_by: str
 
 
-def declared(*, include_plugins: bool = True) -> dict[str, Declared]:
+def declared() -> dict[str, Declared]:
     """Every declared setting by variable name: the core's, then each ``hicache.settings`` entry point's.
 
     Imports only the declaring modules (no torch, no plugin implementation).
 
-    :raises DeclarationError: a variable declared twice, or an entry point that is not a list of settings.
+    :raises DeclarationError: a variable declared twice, or an entry point that does not load or is not
+        a list of settings (the message names the distribution).
     """
     from importlib.metadata import entry_points
 
     sources: list[tuple[str, Any]] = [(CORE, variables.SETTINGS)]
-    if include_plugins:
-        for point in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda p: p.name):
-            owner = point.dist.name if point.dist is not None else point.name
+    for point in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda p: p.name):
+        owner = point.dist.name if point.dist is not None else point.name
+        try:
             sources.append((owner, point.load()))
+        except Exception as exc:  # a broken plugin is named, not a traceback of the whole listing
+            raise DeclarationError(f"{owner}: its {ENTRY_POINT_GROUP} entry point {point.value} failed to load: "
+                                   f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
     out: dict[str, Declared] = {}
     for owner, settings in sources:
         if not isinstance(settings, (list, tuple)) or not all(isinstance(s, Setting) for s in settings):

@@ -384,3 +384,25 @@ def test_plugins_keeps_unset_all_and_empty_none(monkeypatch):
     assert allowed_plugins() == {"kernel", "direct"}
     monkeypatch.setenv("HICACHE_L3_HOST_CHECK", "false")
     assert variables.L3_HOST_CHECK.read() is False
+
+
+def test_a_plugin_list_that_does_not_load_is_named_and_settings_exits_2(monkeypatch, capsys):
+    import importlib.metadata as metadata
+
+    from hicache_core.tools.settings_list import run
+
+    real = metadata.entry_points
+    broken = metadata.EntryPoint(
+        "broken", "hicache_no_such_module.variables:SETTINGS", settings_registry.ENTRY_POINT_GROUP
+    )
+    monkeypatch.setattr(
+        metadata,
+        "entry_points",
+        lambda group: [broken] if group == settings_registry.ENTRY_POINT_GROUP else real(group=group),
+    )
+    assert run() == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "hicache settings: broken: its hicache.settings entry point hicache_no_such_module.variables:SETTINGS "
+        "failed to load: ModuleNotFoundError: No module named 'hicache_no_such_module'"
+    )

@@ -10,12 +10,17 @@ from __future__ import annotations
 import json
 import sys
 
-from ..settings_registry import current
+from ..settings_registry import DeclarationError, current
 
 
 def run(as_json: bool = False) -> int:
-    """Print the settings (a table, or ``--json``); 1 if any variable holds a value its setting refuses."""
-    rows = current()
+    """Print the settings (a table, or ``--json``); 1 if any variable holds a value its setting refuses, 2 if
+    a declaration is broken (a variable declared twice, a plugin's list that does not load)."""
+    try:
+        rows = current()
+    except DeclarationError as exc:
+        print(f"hicache settings: {exc}", file=sys.stderr)
+        return 2
     refused = [row for row in rows if row.error]
     if as_json:
         print(json.dumps([row.as_dict() for row in rows], indent=2))
