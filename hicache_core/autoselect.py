@@ -35,6 +35,7 @@ import torch
 
 from .dispatch import reasons_for
 from .implementation import OPERATIONS, Implementation, TransferRequest
+from .variables import PROFILE
 
 #: Upper edges (tokens per call) of the buckets; a call falls in the first edge >= its tokens,
 #: and calls above the last edge in the last bucket.
@@ -44,7 +45,7 @@ DMA_MIN_PIECE = 32 << 10
 #: The first-party copy-engine implementation. The rule no longer reads this name: it asks each
 #: candidate's declared ``engine`` (kept for 0.1 callers; docs/plugins.md, "Versions").
 COPY_ENGINE = "direct.copy_engine"
-ENV_PROFILE = "HICACHE_PROFILE"
+ENV_PROFILE = PROFILE.name
 PROFILE_VERSION = 1
 
 
@@ -184,7 +185,7 @@ class Profile:
 
 def profile_path(identity: dict[str, str] | None = None) -> Path:
     """This device's profile file (``HICACHE_PROFILE`` overrides it)."""
-    override = os.environ.get(ENV_PROFILE)
+    override = PROFILE.read()
     if override:
         return Path(override)
     return cache_dir() / f"profile-{profile_key(identity or device_identity())}.json"

@@ -1,4 +1,4 @@
-"""The ``hicache`` command: plugins, matrix, explain, demo, bench."""
+"""The ``hicache`` command: plugins, matrix, explain, demo, bench, settings."""
 
 from __future__ import annotations
 
@@ -103,7 +103,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), help="pinned (cuda) or not (default: cuda where present)")
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("settings", help="every HICACHE_* variable: its value, where it came from, what it takes")
+    p.add_argument("--json", action="store_true")
+
     args = parser.parse_args(argv)
+    if args.command == "settings":
+        from .tools.settings_list import run as run_settings
+
+        return run_settings(args.json)
     if args.command == "size":
         return cmd_size(args)
     if args.command == "plugins":

@@ -38,14 +38,13 @@ from .page_access import PageAccess
 from .plan import TransferPlan
 from .pool_kinds import PoolKind
 from .registry import Registry, get_registry
-from .settings import flag
 from .validation import positive_int, strict_int
+from .variables import VALIDATE
 from .verify import ENV_VERIFY, CheckBatch, PageVerifier, verify_default
 
 _log = logging.getLogger("hicache")
 
-ENV_VALIDATE = "HICACHE_VALIDATE"
-VALIDATE = flag(ENV_VALIDATE, doc="1 checks indices, page structure and layer ownership on every host-pool call")
+ENV_VALIDATE = VALIDATE.name
 DEFAULT_HOST_TO_DEVICE_RATIO = 2.0
 _POOL_NUMBERS = itertools.count(1)
 

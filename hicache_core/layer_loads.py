@@ -53,12 +53,10 @@ from typing import Any
 
 import torch
 
-from .settings import number
+from .variables import LOAD_TIMEOUT as TIMEOUT
 from .verify import close_runs_of_this_thread
 
-DEFAULT_TIMEOUT_S = 60.0
-TIMEOUT = number("HICACHE_LOAD_TIMEOUT_S", above=True, default=DEFAULT_TIMEOUT_S, unit="seconds",
-                 doc="seconds a consumer waits on the host for its layer to be submitted before it raises")  # fmt: skip
+DEFAULT_TIMEOUT_S: float = TIMEOUT.default
 ENV_TIMEOUT = TIMEOUT.name
 
 

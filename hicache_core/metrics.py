@@ -47,14 +47,16 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .variables import METRICS_DIR
+
 _LABEL_OK = frozenset("abcdefghijklmnopqrstuvwxyz_")
 #: The folder where snapshots and outcome memories go by default, and where the tools read them.
-ENV_METRICS_DIR = "HICACHE_METRICS_DIR"
+ENV_METRICS_DIR = METRICS_DIR.name
 
 
 def metrics_dir() -> str | None:
     """The folder ``HICACHE_METRICS_DIR`` names (``None``: unset or empty); read here only."""
-    return os.environ.get(ENV_METRICS_DIR) or None
+    return METRICS_DIR.read()
 
 
 def default_path(file: str, who: str) -> Path:

@@ -27,9 +27,10 @@ from .implementation import OPERATIONS, Implementation, TransferRequest
 from .layouts import Layout, layout_problems
 from .pool_kinds import PoolKind, pool_kind_problems
 from .storage.backend import StorageBackend
+from .variables import PLUGINS
 from .versions import compatibility_problem, core_requirement, core_version
 
-ENV_PLUGINS = "HICACHE_PLUGINS"
+ENV_PLUGINS = PLUGINS.name
 ENTRY_POINT_GROUP = "hicache"
 CORE_PLUGIN = "hicache_core"
 
@@ -71,11 +72,9 @@ class PluginRecord:
 
 
 def allowed_plugins(value: str | None = None) -> set[str] | None:
-    """Parse ``HICACHE_PLUGINS``: ``None`` allows all, an empty set none."""
-    value = os.environ.get(ENV_PLUGINS) if value is None else value
-    if value is None:
-        return None
-    return {name.strip() for name in value.split(",") if name.strip()}
+    """Parse ``HICACHE_PLUGINS`` (or ``value``, its text): ``None`` allows all, an empty set none."""
+    names = PLUGINS.read() if value is None else PLUGINS.parse_text(value)
+    return None if names is None else set(names)
 
 
 class Registry:

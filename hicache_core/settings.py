@@ -5,6 +5,12 @@ A :class:`Setting` is read where a pool, a plugin or a server is set up, never p
 refused with :class:`SettingError`, which names the variable, what it holds and what it takes.
 Nothing is coerced: ``HICACHE_VALIDATE=2`` is an error, not "on". The knobs of GPU
 implementations (:mod:`hicache_core.gpu.knobs`) read their variables through the same parsers.
+
+Every ``HICACHE_*`` variable is declared in a light module that imports nothing heavy: the core's in
+:mod:`hicache_core.variables`, each plugin's and adapter's in the module its ``hicache.settings`` entry
+point names (a list of :class:`Setting`). :func:`hicache_core.settings_registry.declared` gathers them all without
+importing torch or a plugin's implementation; ``hicache settings`` prints them with their values and
+where each came from.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class Setting:
     :param takes: the values it takes, in words, for the error (``"1 or 0"``).
     :param default: the value when the variable is unset or blank.
     :param doc: one line: what it does (``--help`` texts list it).
+    :param keep_blank: a set but blank variable is parsed (``HICACHE_PLUGINS=""``: no plugin), not the default.
+    :param show: the value as ``hicache settings`` prints it (default ``str``): a URL's password never shows.
     """
 
     name: str
@@ -40,16 +48,25 @@ class Setting:
     takes: str
     default: Any = None
     doc: str = ""
+    keep_blank: bool = False
+    show: Callable[[Any], str] = str
 
     def read(self, environ: Mapping[str, str] | None = None) -> Any:
         """The value now in the environment (``environ``, default ``os.environ``), or :attr:`default`.
 
         :raises SettingError: the variable holds a value this setting does not take.
         """
-        raw = (os.environ if environ is None else environ).get(self.name)
-        if raw is None or not raw.strip():
+        raw = self.raw(environ)
+        if raw is None:
             return self.default
         return self.parse_text(raw)
+
+    def raw(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The variable's text as set, or ``None`` where :meth:`read` gives the default (unset, or blank)."""
+        raw = (os.environ if environ is None else environ).get(self.name)
+        if raw is None or (not raw.strip() and not self.keep_blank):
+            return None
+        return raw
 
     def parse_text(self, raw: str) -> Any:
         """``raw`` as this setting's value (what :meth:`read` does with a set variable)."""
@@ -111,6 +128,16 @@ def choice(name: str, values: Sequence[str], *, default: str | None = None, doc:
     return Setting(name, parse, "one of: " + ", ".join(repr(v) for v in values), default, doc)
 
 
-def text(name: str, *, default: str | None = None, doc: str = "") -> Setting:
-    """Any text (a path, a URL, a list the caller parses); unset or blank: ``default``."""
-    return Setting(name, str, "text", default, doc)
+def text(name: str, *, default: str | None = None, doc: str = "", takes: str = "text",
+         show: Callable[[Any], str] = str) -> Setting:  # fmt: skip
+    """Any text (a path, a URL, a module name); unset or blank: ``default``. ``takes`` says what in words."""
+    return Setting(name, str, takes, default, doc, show=show)
+
+
+def knob(name: str, *, takes: str, doc: str) -> Setting:
+    """The variable of a GPU implementation's knob (:class:`hicache_core.gpu.knobs.Knob`), declared for the list.
+
+    The implementation reads and checks it when one is made (its knob's check names the variable and
+    the range); here it is text, so that listing it never imports the implementation.
+    """
+    return Setting(name, str, takes, None, doc)

@@ -56,11 +56,9 @@ import torch
 from . import metrics as _metrics
 from .host_memory import host_tensor
 from .page_checksum import ENTRY_COLUMNS, NO_CHECKSUM, checksum_rows, groups_per_page, row_words, seed, tile_shape
-from .settings import flag
+from .variables import VERIFY
 
-ENV_VERIFY = "HICACHE_VERIFY"
-VERIFY = flag(ENV_VERIFY, default=None, doc="1 checks every load of every host pool against checksums taken at its "
-             "backup, 0 none; unset: CUDA pools that can be verified are, CPU pools are not")  # fmt: skip
+ENV_VERIFY = VERIFY.name
 
 
 def verify_default() -> bool | None:

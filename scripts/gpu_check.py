@@ -134,13 +134,12 @@ def run(name: str, argv: list[str], timeout: int, env: dict | None = None) -> di
 
 def live(name: str) -> tuple[list[str], dict]:
     """pytest arguments and environment that write each test's outcome as it comes (``gpu/pytest_live.py``),
-    dump every thread's stack after 60 s in one test, and trace direct's worker thread: a run its bound stops
-    still names what failed and what hung (:func:`live_summary`)."""
-    report, trace = RESULTS / f"gpu-check-{name}-live.txt", RESULTS / f"gpu-check-{name}-direct-trace.txt"
-    for path in (report, trace):
-        path.unlink(missing_ok=True)
+    and dump every thread's stack after 60 s in one test: a run its bound stops still names what failed and
+    what hung (:func:`live_summary`). (Direct's worker thread, once traced here, was retired in 0.3.0.)"""
+    report = RESULTS / f"gpu-check-{name}-live.txt"
+    report.unlink(missing_ok=True)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "scripts" / "gpu"), os.environ.get("PYTHONPATH")) if p),
-           "HICACHE_LIVE_REPORT": str(report), "HICACHE_DIRECT_TRACE": str(trace)}  # fmt: skip
+           "HICACHE_LIVE_REPORT": str(report)}  # fmt: skip
     return ["-p", "pytest_live", "-o", "faulthandler_timeout=60"], env
 
 

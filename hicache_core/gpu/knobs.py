@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -77,7 +76,7 @@ class Knob:
         try:
             self.__set__(obj, value)
         except ValueError as exc:  # the variable is what the user wrote: name it beside the knob's range
-            raise ValueError(f"{setting.name}={os.environ[setting.name].strip()!r}: {exc}") from None
+            raise ValueError(f"{setting.name}={(setting.raw() or '').strip()!r}: {exc}") from None
 
 
 def checked(ok: Callable[[Any], bool], expected: str, keep: Callable[[Any], Any] | None = None):

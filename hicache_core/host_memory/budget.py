@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..settings import Setting, flag, integer, number
+from .. import variables
 from . import numa
 from .limits import MemoryLimits, read_limits
 from .mapping import PAGE, huge_pages_offered
@@ -22,26 +22,11 @@ from .mapping import PAGE, huge_pages_offered
 _GIB = 1 << 30
 
 
-def _node(text: str) -> int | str:
-    if text in ("auto", "none"):
-        return text
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
-    return value
-
-
-NUMA_NODE = Setting("HICACHE_HOST_NUMA_NODE", _node, "'auto', 'none' or a node number >= 0", "auto",
-                    "host pools' NUMA node: auto (the GPU's own, where there are several), none, or N")  # fmt: skip
-TOUCH_THREADS = integer("HICACHE_HOST_TOUCH_THREADS", minimum=1,
-                        doc="threads that first-touch a new host pool (default: the CPUs this process may use, "
-                            "at most 32)")  # fmt: skip
-REGISTER_CHUNK_GIB = number("HICACHE_HOST_REGISTER_CHUNK_GIB", minimum=0, above=True, default=256.0, unit="GiB",
-                            doc="largest single cudaHostRegister call (one call fails at about 512 GiB)")  # fmt: skip
-HUGE_PAGES = flag("HICACHE_HOST_HUGE_PAGES", default=True,
-                  doc="ask for transparent huge pages for host pools where the system gives them")  # fmt: skip
-RESERVE_GIB = number("HICACHE_HOST_RESERVE_GIB", minimum=0, default=0.0, unit="GiB",
-                     doc="host memory a new host pool must leave free (refused otherwise)")  # fmt: skip
+NUMA_NODE = variables.HOST_NUMA_NODE
+TOUCH_THREADS = variables.HOST_TOUCH_THREADS
+REGISTER_CHUNK_GIB = variables.HOST_REGISTER_CHUNK_GIB
+HUGE_PAGES = variables.HOST_HUGE_PAGES
+RESERVE_GIB = variables.HOST_RESERVE_GIB
 
 
 class HostMemoryError(ValueError):

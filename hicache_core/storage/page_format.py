@@ -49,6 +49,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..variables import L3_HASH_THREADS
+
 MAGIC = b"HICP"
 FORMAT_VERSION = 2
 HEADER_SIZE = 80
@@ -231,12 +233,8 @@ def address_of(buffer: bytes | bytearray | memoryview) -> int:
 
 def checksum_threads() -> int:
     """Threads that checksum a batch's pages at once (``HICACHE_L3_HASH_THREADS``; default the cores, at most 8)."""
-    raw = os.environ.get("HICACHE_L3_HASH_THREADS", "").strip()
-    if raw:
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(f"HICACHE_L3_HASH_THREADS={raw!r} must be an integer >= 1")
-        return int(raw)
-    return max(1, min(8, os.cpu_count() or 1))
+    asked = L3_HASH_THREADS.read()
+    return asked if asked is not None else max(1, min(8, os.cpu_count() or 1))
 
 
 _HASHERS: Any = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import re
 import threading
 import time
@@ -26,6 +25,7 @@ import torch
 
 from .. import metrics as _metrics
 from ..lazy import Moved
+from ..variables import L3_HOST_CHECK
 from .keys import Namespace, fingerprint, geometry_description
 from .outcomes import NotAPage, ObjectMissing, PageResult, PageStatus, SizeMismatch, StorageError, StorageFull
 from .page_auth import FROM_ENVIRONMENT, TAG_BYTES, ClusterKey, resolve_key
@@ -133,6 +133,7 @@ class PageStore:
         own["_stats_lock"] = threading.Lock()
         own["_io_pool"] = None
         own["checksum_threads"] = checksum_threads()
+        host_check = L3_HOST_CHECK.read()  # read before any byte moves, with or without a pool
         own["device_checked"] = False
         _adopt_overrides(self, backend)
         backend.__dict__["_page_store"] = self  # the 0.2 page API on the backend reaches this store (legacy.py)
@@ -145,8 +146,7 @@ class PageStore:
         own["_fingerprint"] = bytes.fromhex(fingerprint(geometry_description(host_pool)))
         #: Pages written device-checked (format algorithm 2): the pool verifies, and no host check was asked.
         #: A keyed store never is: a device checksum is no MAC, so the host authenticates every byte.
-        own["device_checked"] = (key is None and pages.verifier is not None
-                                 and os.environ.get("HICACHE_L3_HOST_CHECK", "") in ("", "0"))  # fmt: skip
+        own["device_checked"] = key is None and pages.verifier is not None and not host_check
         backend.namespace = namespace
         backend.page_bytes = pages.page_bytes
         backend.register_memory(pages.buffer_spans())

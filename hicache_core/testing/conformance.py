@@ -10,7 +10,6 @@ reasons, so the report shows what is not covered and why.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -24,6 +23,7 @@ from ..geometry import PoolGeometry, geometry_of
 from ..host_pool import make_host_pool
 from ..implementation import BACKUP_ALL, LOAD, Implementation, TransferRequest
 from ..registry import Registry, get_registry
+from ..variables import KIT_ISOLATE
 from . import cases as C
 from .cases import Case
 from .cuda_context import context_lost
@@ -168,11 +168,9 @@ class ConformanceTests:
         """Whether cases run in the case worker: :attr:`isolate`, else ``HICACHE_KIT_ISOLATE``, else on CUDA."""
         if cls.isolate is not None:
             return bool(cls.isolate)
-        env = os.environ.get("HICACHE_KIT_ISOLATE", "").strip()
-        if env in ("0", "1"):
-            return env == "1"
-        if env:
-            raise ValueError(f"HICACHE_KIT_ISOLATE={env!r}: use 1 (each case in a child process) or 0")
+        asked = KIT_ISOLATE.read()
+        if asked is not None:
+            return asked
         return cls.device_under_test().type == "cuda"
 
     @classmethod

@@ -34,8 +34,10 @@ import traceback
 from dataclasses import asdict
 from typing import IO, Any
 
+from ..variables import KIT_CASE_TIMEOUT, KIT_WORKER_FD
+
 #: Seconds one case may run in the worker before it counts as hung (the worker is then killed).
-CASE_TIMEOUT = float(os.environ.get("HICACHE_KIT_CASE_TIMEOUT", "600"))
+CASE_TIMEOUT: float = KIT_CASE_TIMEOUT.read()
 #: The end of a dead worker's stderr quoted in the failure (the driver's last words).
 STDERR_TAIL = 3000
 
@@ -46,7 +48,7 @@ class _Worker:
     def __init__(self) -> None:
         self.stderr: IO[bytes] = tempfile.TemporaryFile()
         read_fd, write_fd = os.pipe()
-        env = {**os.environ, "HICACHE_KIT_WORKER_FD": str(write_fd)}
+        env = {**os.environ, KIT_WORKER_FD.name: str(write_fd)}
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from hicache_core.testing.isolated import worker_main; worker_main()"],
             stdin=subprocess.PIPE,
@@ -201,7 +203,10 @@ def worker_main() -> None:
     """The case worker: reads requests on stdin, answers on ``HICACHE_KIT_WORKER_FD``; exits at EOF."""
     import faulthandler
 
-    answers = os.fdopen(int(os.environ["HICACHE_KIT_WORKER_FD"]), "w", buffering=1)
+    fd = KIT_WORKER_FD.read()
+    if fd is None:
+        raise SystemExit(f"the case worker answers on a pipe its parent names in {KIT_WORKER_FD.name}; it is unset")
+    answers = os.fdopen(fd, "w", buffering=1)
     faulthandler.enable()  # a fatal signal prints the Python stack of the fault: the case's last words
     # What a case prints must not reach the protocol: stdout goes where stderr goes.
     os.dup2(2, 1)

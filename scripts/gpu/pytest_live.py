@@ -9,10 +9,11 @@ text, and the tests that started but did not finish can be read off it.
 
 from __future__ import annotations
 
-import os
 import time
 
-_PATH = os.environ.get("HICACHE_LIVE_REPORT")
+from hicache_core.variables import LIVE_REPORT
+
+_PATH = LIVE_REPORT.read()
 _T0 = time.monotonic()
 
 

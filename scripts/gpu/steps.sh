@@ -10,7 +10,9 @@ begin_check() {  # begin_check NAME DEFAULT_DEADLINE_S: $OUT (default /tmp/hicac
   : >"$LOG"
   export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
   PY=${PYTHON:-python3}
-  deadline=$(( $(date +%s) + ${HICACHE_CHECK_DEADLINE:-$2} ))
+  local asked  # HICACHE_CHECK_DEADLINE, read through hicache's settings (a bad value ends the check, named)
+  asked=$("$PY" -m hicache_core.settings_registry HICACHE_CHECK_DEADLINE) || exit 1
+  deadline=$(( $(date +%s) + ${asked:-$2} ))
   results=()
 }
 

@@ -27,7 +27,6 @@ SGLang's budget is ``block_quota`` blocks of ``num_warps_per_block`` warps (defa
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,10 +34,11 @@ from typing import Any
 import torch
 
 from ...implementation import BACKUP_ALL, LOAD
+from ...variables import BENCH_ANCHOR
 
 #: Where SGLang's functions are looked for when nothing else is named.
 DEFAULT_MODULE = "sgl_kernel.kvcacheio"
-ENV_MODULE = "HICACHE_BENCH_ANCHOR"
+ENV_MODULE = BENCH_ANCHOR.name
 #: SGLang's default launch shape, then hicache's budget, then one block per SM (``None``).
 BLOCK_QUOTAS: tuple[int | None, ...] = (2, 8, None)
 WARPS_PER_BLOCK = 32
@@ -78,7 +78,7 @@ class Anchor:
 
 def find_anchor(module: str | None = None) -> Anchor:
     """Import SGLang's functions from ``module`` (default: ``$HICACHE_BENCH_ANCHOR``, else sgl-kernel's)."""
-    name = module or os.environ.get(ENV_MODULE) or DEFAULT_MODULE
+    name = module or BENCH_ANCHOR.read() or DEFAULT_MODULE
     try:
         found = importlib.import_module(name)
     except Exception as exc:  # noqa: BLE001 - any failure to import means: no anchor in this run, and why

@@ -16,9 +16,9 @@ SGLang's controller, radix tree, transfer engine and storage backends then talk 
 
 from __future__ import annotations
 
+from hicache_core.lazy import lazy_face
+
 from .errors import NotServedError
-from .installer import SGLANG_VERSION, install, is_installed, sglang_version, uninstall
-from .pool import SGLangHostPool, SGLangMHAHostPool, SGLangMLAHostPool
 
 __all__ = [
     "NotServedError",
@@ -31,3 +31,8 @@ __all__ = [
     "sglang_version",
     "uninstall",
 ]
+# Lazy, so that its hicache.settings entry point (hicache_sglang.variables) imports neither torch nor SGLang.
+__getattr__, __dir__ = lazy_face(globals(), {
+    **dict.fromkeys(("SGLANG_VERSION", "install", "is_installed", "sglang_version", "uninstall"), "installer"),
+    **dict.fromkeys(("SGLangHostPool", "SGLangMHAHostPool", "SGLangMLAHostPool"), "pool"),
+})  # fmt: skip

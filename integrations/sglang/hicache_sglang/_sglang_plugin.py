@@ -9,9 +9,8 @@ nothing by itself.
 
 from __future__ import annotations
 
-from hicache_core.settings import flag
+from .variables import INSTALL
 
-INSTALL = flag("HICACHE_SGLANG", doc="1 installs the adapter in every process SGLang starts (launch_server sets it)")
 ENV = INSTALL.name
 
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hicache_core.host_memory import HostMemoryPlan
-from hicache_core.settings import number
 
 from .errors import NotServedError
+from .variables import HOST_RESERVE_GIB
 
 #: GiB of host memory SGLang's HiCache budget keeps free (SGLang 0.5.23 fixes 10 GiB).
-RESERVE = number("HICACHE_SGLANG_HOST_RESERVE_GIB", unit="GiB",
-                 doc="host memory SGLang's HiCache budget keeps free (SGLang: 10 GiB, fixed)")  # fmt: skip
+RESERVE = HOST_RESERVE_GIB
 
 
 def check_host_memory(requested: int, label: str, *, asking: str = "requesting") -> None:

@@ -32,14 +32,12 @@ from typing import Any
 import torch
 
 from hicache_core.layer_loads import LayerLoad, LayerLoadError, LayerLoadTimeout, layer_loader
-from hicache_core.settings import choice
 
 from .pool_api import CoreSlots
+from .variables import LAYER_LOADS
 
 CHOICES = ("hicache", "sglang")
-MODE = choice("HICACHE_SGLANG_LAYER_LOADS", CHOICES, default="hicache",
-              doc="who submits hicache pools' layer-wise loads: hicache (its layer loader, off the scheduler thread; "
-                  "the default) or sglang (SGLang's own loop)")  # fmt: skip
+MODE = LAYER_LOADS
 ENV = MODE.name
 log = logging.getLogger("hicache_sglang")
 _installed: list[tuple[type, str, Any]] = []

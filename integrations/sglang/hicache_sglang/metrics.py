@@ -24,14 +24,15 @@ import threading
 from typing import Any
 
 from hicache_core import metrics as hm
-from hicache_core.settings import number, text
+from hicache_core.settings import text
+
+from .variables import METRICS_INTERVAL
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "sglang:"
-DEFAULT_INTERVAL = 5.0
-INTERVAL = number("HICACHE_METRICS_INTERVAL", above=True, unit="seconds", default=DEFAULT_INTERVAL,
-                  doc="seconds between syncs of hicache's metrics to SGLang's /metrics (default 5)")  # fmt: skip
+DEFAULT_INTERVAL: float = METRICS_INTERVAL.default
+INTERVAL = METRICS_INTERVAL
 ENV_INTERVAL = INTERVAL.name
 #: SGLang's own variable: set (for --enable-metrics) where prometheus_client runs in multiprocess mode.
 MULTIPROC_DIR = text("PROMETHEUS_MULTIPROC_DIR")

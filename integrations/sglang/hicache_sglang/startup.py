@@ -16,22 +16,17 @@ from hicache_core.settings import Setting, SettingError
 
 from .build import DIRECT_LAYOUTS, check_layout_io
 from .errors import NotServedError
-from .host_memory import RESERVE, check_host_memory
+from .host_memory import check_host_memory
 
 
 def settings() -> tuple[Setting, ...]:
-    """The settings the adapter and hicache's pools read in a server (each declared once, where it is used)."""
-    from hicache_core.host_pool import VALIDATE
-    from hicache_core.layer_loads import TIMEOUT
-    from hicache_core.verify import VERIFY
+    """The settings the adapter and hicache's pools read in a server (``hicache settings`` lists every one)."""
+    from hicache_core.variables import LOAD_TIMEOUT, VALIDATE, VERIFY
 
-    from ._sglang_plugin import INSTALL
-    from .builders.hisparse import SWAP_IN
-    from .layer_loads import MODE
-    from .metrics import INTERVAL
-    from .storage import URL
+    from . import variables as v
 
-    return (INSTALL, RESERVE, VALIDATE, VERIFY, SWAP_IN, URL, INTERVAL, MODE, TIMEOUT)
+    return (v.INSTALL, v.HOST_RESERVE_GIB, VALIDATE, VERIFY, v.HISPARSE_SWAP_IN, v.STORAGE_URL, v.METRICS_INTERVAL,
+            v.LAYER_LOADS, LOAD_TIMEOUT)  # fmt: skip
 
 
 def environment() -> dict[str, str]:
@@ -40,6 +35,7 @@ def environment() -> dict[str, str]:
 
     out = {setting.name: setting.doc for setting in settings()}
     out[ENV_PLUGINS] = "comma-separated hicache plugins to load (default: every installed one)"
+    # The knobs' own lines: `hicache settings` (every variable, its value and what it takes).
     out["HICACHE_DIRECT_{MAX_BATCH,STREAMS,PREFER_OVERLAP,BATCH}"] = "knobs of the direct io backend's copy engine"
     out["HICACHE_KERNEL_MAX_CTAS, HICACHE_JIT_MAX_CTAS"] = "CTAs of the Triton / JIT kernels (default 8, 0 = every SM)"
     return out

@@ -21,13 +21,11 @@ from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from hicache_core.settings import text
-
 from .errors import NotServedError
+from .variables import STORAGE_URL
 
 #: The storage URL when the extra config names none.
-URL = text("HICACHE_SGLANG_STORAGE_URL", doc="hicache storage's URL when --hicache-storage-backend-extra-config "
-           "names none")  # fmt: skip
+URL = STORAGE_URL
 ENV_URL = URL.name
 
 

@@ -13,7 +13,6 @@ the SMs stay with the model.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -24,6 +23,7 @@ from hicache_core.gpu.knobs import knobs_of
 
 from .descriptors import DescriptorBuilder, PartAddresses
 from .memcpy import CudaCopier, copier_for
+from .variables import BENCH_BATCH_2D
 
 #: The settings :meth:`DirectCopy.tuned` takes: the CUDA copier's declared knobs.
 _COPIER_KNOBS = tuple(knob.name for knob in knobs_of(CudaCopier))
@@ -69,7 +69,7 @@ class DirectCopy(Implementation):
                     if all(hasattr(self.copier, knob) for knob in settings)}  # fmt: skip
         # 2-D copies as one cudaMemcpy3DBatchAsync: only where there are 2-D copies, and only when the
         # bench is asked to (scripts/gpu/direct-check.sh asks once its byte-exact check of that path passed).
-        if self.builder.sliced and os.environ.get("HICACHE_BENCH_BATCH_2D") == "1":
+        if self.builder.sliced and BENCH_BATCH_2D.read():
             variants["batch_2d"] = {"batch_2d": True}
         return variants
 

@@ -35,6 +35,7 @@ from hicache_core.gpu.device import cuda_current_functions
 from hicache_core.gpu.knobs import Knob, flag, int_at_least, read_knobs
 
 from .descriptors import Batch
+from .variables import RETIRED_THREAD
 
 _DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
 _STREAM_PER_THREAD = 2  # cudaStreamPerThread
@@ -464,19 +465,10 @@ def cudart() -> ctypes.CDLL:
     raise OSError("could not load the CUDA runtime (libcudart): " + "; ".join(errors[-3:]))
 
 
-#: Retired in hicache-direct 0.3.0 with the worker it switched on (a side stream gated by stream memory
-#: operations, which could deadlock); a set value is refused rather than ignored.
-RETIRED_THREAD_ENV = "HICACHE_DIRECT_THREAD"
+RETIRED_THREAD_ENV = RETIRED_THREAD.name
 
 
 def copier_for(device: torch.device) -> HostCopier | CudaCopier:
     """The copier for a device pool on ``device``."""
-    value = os.environ.get(RETIRED_THREAD_ENV)
-    if value not in (None, "", "0"):
-        raise ValueError(
-            f"{RETIRED_THREAD_ENV}={value!r}: the direct plugin's worker thread was retired in hicache-direct 0.3.0 "
-            "(its stream memory operations could deadlock). Layer-wise loads go off the caller's thread through "
-            "HostPool.submit_load (hicache_core.layer_loads), which SGLang's adapter uses by default; unset the "
-            "variable"
-        )
+    RETIRED_THREAD.read()  # refuses any value but 0, saying why (see hicache_direct.variables)
     return CudaCopier(device) if device.type == "cuda" else HostCopier()

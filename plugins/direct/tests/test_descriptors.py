@@ -314,8 +314,8 @@ def test_the_retired_worker_switch_is_refused_not_ignored(monkeypatch):
     """HICACHE_DIRECT_THREAD=1 asked for the worker retired in 0.3.0: refused at pool construction, naming
     what replaced it; 0 (what every call now does) is accepted."""
     monkeypatch.setenv("HICACHE_DIRECT_THREAD", "1")
-    with pytest.raises(ValueError, match=r"^HICACHE_DIRECT_THREAD='1': the direct plugin's worker thread was "
-                                         r"retired in hicache-direct 0\.3\.0 .*HostPool\.submit_load"):  # fmt: skip
+    refused = r"^HICACHE_DIRECT_THREAD='1' is not 0 or unset: the direct plugin's worker thread was retired in "
+    with pytest.raises(ValueError, match=refused + r"hicache-direct 0\.3\.0 .*HostPool\.submit_load"):
         _pools()
     monkeypatch.setenv("HICACHE_DIRECT_THREAD", "0")
     _pools()

@@ -9,17 +9,7 @@ kept for the rest of the process (:func:`compiled_keys`, :func:`compile_count`,
 from collections.abc import Callable
 
 from hicache_core import hookimpl
-
-from .one_layer import (
-    DEFAULT_VARIANT,
-    VARIANTS,
-    JitOneLayer,
-    KernelKey,
-    compile_count,
-    compile_seconds,
-    compiled_keys,
-    triton_cache_entries,
-)
+from hicache_core.lazy import lazy_face
 
 __all__ = [
     "DEFAULT_VARIANT",
@@ -31,9 +21,13 @@ __all__ = [
     "compiled_keys",
     "triton_cache_entries",
 ]
+# Lazy, so that its hicache.settings entry point (hicache_jit.variables) imports no torch.
+__getattr__, __dir__ = lazy_face(globals(), dict.fromkeys(__all__, "one_layer"))
 
 
 @hookimpl
 def hicache_register_backends(register: Callable[[type], None]) -> None:
     """Register ``jit.one_layer`` (io backend ``"kernel"``, priority 60)."""
+    from .one_layer import JitOneLayer
+
     register(JitOneLayer)

@@ -37,16 +37,15 @@ import torch
 
 import hicache_core as hc
 from hicache_core.allocator import SlotAllocator
-from hicache_core.settings import choice
 
 from ..errors import NotServedError
 from ..host_memory import sglang_budget
 from ..identity import describe, logger
 from ..pool import DeviceView, SGLangMHAHostPool, SGLangMLAHostPool
+from ..variables import HISPARSE_SWAP_IN
 
 #: ``sglang`` lets SGLang's HiSparse swap-in kernels read hicache's host pool (unset: HiSparse is refused).
-SWAP_IN = choice("HICACHE_SGLANG_HISPARSE_SWAP_IN", ("sglang",),
-                 doc="sglang: serve --enable-hisparse (its swap-in: SGLang's kernels)")  # fmt: skip
+SWAP_IN = HISPARSE_SWAP_IN
 ENV_SWAP_IN = SWAP_IN.name
 #: The io backend SGLang's coordinator passes on every call (its pools accept no other).
 IO_BACKEND = "kernel"
