@@ -73,6 +73,11 @@ L3_HASH_THREADS = integer(
     minimum=1,
     doc="threads that checksum a batch's L3 pages at once (default: the cores, at most 8)",
 )
+# Read as text: hicache_core.storage.page_auth validates them with messages that never echo the key.
+L3_KEY_FILE = text("HICACHE_L3_KEY_FILE", doc="a file holding the cluster's L3 key: every page is written and read "
+                   "with a MAC")  # fmt: skip
+L3_KEY = text("HICACHE_L3_KEY", doc="the cluster's L3 key itself (prefer HICACHE_L3_KEY_FILE: the environment leaks "
+              "more)")  # fmt: skip
 
 # ---- the storage conformance kit ---------------------------------------------------------------------
 
@@ -139,7 +144,7 @@ SETTINGS: list[Setting] = [
     VALIDATE, VERIFY, LOAD_TIMEOUT,
     HOST_NUMA_NODE, HOST_TOUCH_THREADS, HOST_REGISTER_CHUNK_GIB, HOST_HUGE_PAGES, HOST_RESERVE_GIB,
     PLUGINS, PROFILE, METRICS_DIR,
-    L3_HOST_CHECK, L3_HASH_THREADS,
+    L3_HOST_CHECK, L3_HASH_THREADS, L3_KEY_FILE, L3_KEY,
     KIT_ISOLATE, KIT_CASE_TIMEOUT, KIT_WORKER_FD,
     BENCH_ANCHOR, CHECK_DEADLINE, LIVE_REPORT, TEST_DEVICE,
     DEV_VENV, DEV_SGLANG_VENV, DEV_SGLANG_SITE, DEV_VLLM_VENV, DEV_DOCS_VENV, DEV_TORCH_SPEC, DEV_GPU_PYTHON,

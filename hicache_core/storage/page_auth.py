@@ -29,13 +29,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from ..settings import text
+from ..variables import L3_KEY, L3_KEY_FILE
 
-ENV_KEY_FILE = "HICACHE_L3_KEY_FILE"
-ENV_KEY = "HICACHE_L3_KEY"
 #: Read with ``Setting.read`` as text: the variables are validated here, by messages that never echo them.
-KEY_FILE = text(ENV_KEY_FILE, doc="a file holding the cluster's L3 key: every page is written and read with a MAC")
-KEY = text(ENV_KEY, doc="the cluster's L3 key itself (prefer HICACHE_L3_KEY_FILE: the environment leaks more)")
+KEY_FILE, KEY = L3_KEY_FILE, L3_KEY
+ENV_KEY_FILE, ENV_KEY = KEY_FILE.name, KEY.name
 #: The least key material taken: 32 bytes, e.g. ``openssl rand -hex 32`` (64 characters).
 MIN_KEY_BYTES = 32
 TAG_BYTES = 32
