@@ -244,6 +244,9 @@ class PageStore:
         """Store pages; one :class:`PageResult` per key. Checks every argument before a byte moves."""
         hashes = check_keys(keys)
         pages = self.page_ids(hashes, host_indices)
+        # The namespace before the hold: a weight-version change sets the hold first, so these pages go
+        # under the keys of the weights they were computed with, or are held.
+        ns = self.namespace
         held = self._held(hashes)
         if held is not None:
             return held
@@ -264,7 +267,7 @@ class PageStore:
                 written = iter(self.write_pages([hashes[i] for i in keep], _page_slots(
                     [pages[i] for i in keep], pm.page_size)))  # fmt: skip
                 return [refused[i] if i in refused else next(written) for i in range(len(pages))]
-        work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
+        work = [(hashes[a:b], ns.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
                 for a, b in self._chunks(len(hashes))]  # fmt: skip
         # Two stages in flight: the next chunk's checksums are taken while the store writes this one.
         return self._pipelined(work, lambda w: (w[0], w[1], self._stage_headers(w[1], w[2])), self._stage_put)
@@ -290,9 +293,9 @@ class PageStore:
         pages = self.pages
         flat = _flat_bytes(value, pages.page_bytes)
         (h,) = check_keys([key])
+        full = self.namespace.key(h)  # before the hold (see write_pages)
         if self._held([h]) is not None:
             return False
-        full = self.namespace.key(h)
         ptr = flat.data_ptr()
         span = Span(ptr, pages.page_bytes, memoryview(flat.numpy()).cast("B"))
         return self._put([h], [full], [[span]])[0].ok
@@ -332,9 +335,10 @@ class PageStore:
             raise ValueError(f"batch_set got {len(hashes)} keys and {len(values)} values")
         flats = [_flat_bytes(v, pages.page_bytes) for v in values]
         spans = [[Span(f.data_ptr(), pages.page_bytes, memoryview(f.numpy()).cast("B"))] for f in flats]
+        full = self.namespace.keys(hashes)  # before the hold (see write_pages)
         if self._held(hashes) is not None:
             return False
-        return all(r.ok for r in self._put(hashes, self.namespace.keys(hashes), spans))
+        return all(r.ok for r in self._put(hashes, full, spans))
 
     def batch_get(self, keys: Sequence[str], target_locations: Sequence[torch.Tensor] | None = None,
                   **_: Any) -> list[torch.Tensor | None]:  # fmt: skip
