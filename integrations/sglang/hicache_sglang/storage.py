@@ -104,7 +104,7 @@ class HicacheStorage(HiCacheStorage):
         cfg = self.config
         self.store = make_storage(self.url, mem_pool_host.core, model_id=cfg.model_name, tp_rank=cfg.tp_rank,
                                   tp_size=cfg.tp_size, replicated=cfg.is_mla_model,
-                                  weight_version=weight_updates.sglang_weight_version(), **self.options)  # fmt: skip
+                                  weight_version=weight_updates.current_version(), **self.options)  # fmt: skip
         weight_updates.track(self)
 
     def set_weight_version(self, version: str, *, reason: str = "") -> bool:

@@ -17,6 +17,9 @@ moves its keys to a new weight version (``PageStore.set_weight_version``):
 * otherwise SGLang's version with a random suffix, drawn on TP rank 0 and broadcast to the other
   ranks: weights no other server can be shown to hold, so their pages are shared with none.
 
+A store attached after an update (``/attach_hicache_storage_backend``) starts at that update's version
+(:func:`current_version`), not at SGLang's, which an unnamed update leaves as it was.
+
 An update that did not flush (``flush_cache=False``, or a flush SGLang refused because requests were
 running) leaves SGLang's tree, device and host, as SGLang keeps it; hicache then writes nothing to
 L3 or the peer tier until the host pool is cleared (SGLang's next flush), so no page of the old
@@ -42,6 +45,7 @@ ENTRY_POINTS = {
     "update_weights_from_ipc": False,
 }
 _stores: weakref.WeakSet = weakref.WeakSet()
+_current: str | None = None  # the version of this process's last update (None: none yet, SGLang's is right)
 _installed: list[tuple[type, str, Any]] = []
 
 
@@ -58,6 +62,11 @@ def sglang_weight_version() -> str:
     if not isinstance(version, str) or not version:
         raise RuntimeError(f"SGLang reports weight version {version!r}: hicache keys pages on a non-empty version")
     return version
+
+
+def current_version() -> str:
+    """The weight version keys are made with now: the last update's here, else SGLang's (a store attached later)."""
+    return _current if _current is not None else sglang_weight_version()
 
 
 def next_version(named: str | None, before: str, after: str, token: str) -> str:
@@ -81,13 +90,12 @@ def _rank0_token(manager: Any) -> str:
 
 
 def _follow(manager: Any, entry: str, recv_req: Any, before: str) -> None:
-    stores = [s for s in list(_stores) if getattr(s, "store", None) is not None]
-    if not stores:
-        return
-    version = next_version(getattr(recv_req, "weight_version", None), before, sglang_weight_version(),
-                           _rank0_token(manager))  # fmt: skip
-    for storage in stores:
-        storage.set_weight_version(version, reason=entry)
+    global _current
+    # Every rank runs every update, stores or not: the token's broadcast is matched on all of them.
+    _current = next_version(getattr(recv_req, "weight_version", None), before, sglang_weight_version(),
+                            _rank0_token(manager))  # fmt: skip
+    for storage in [s for s in list(_stores) if getattr(s, "store", None) is not None]:
+        storage.set_weight_version(_current, reason=entry)
 
 
 def _wrap(entry: str, original: Any, needs_session: bool) -> Any:
@@ -128,4 +136,5 @@ def uninstall() -> None:
         setattr(owner, name, old)
 
 
-__all__ = ["ENTRY_POINTS", "install", "next_version", "sglang_weight_version", "track", "uninstall"]
+__all__ = ["ENTRY_POINTS", "current_version", "install", "next_version", "sglang_weight_version", "track",
+           "uninstall"]  # fmt: skip

@@ -120,3 +120,27 @@ def test_the_adapter_follows_every_weight_update_entry_point_of_sglang():
     assert weight_updates.next_version(None, "default", "default", "t0k") == "default~unnamed-t0k"
     assert weight_updates.next_version("rl-7", "rl-7", "rl-7", "t0k") == "rl-7~unnamed-t0k"  # the name in use
     assert weight_updates.next_version("rl-8", "rl-7", "rl-7", "t0k") == "rl-7~unnamed-t0k"  # SGLang did not take it
+
+
+def test_an_update_moves_the_live_stores_and_a_store_attached_after_it_starts_there(monkeypatch):
+    from types import SimpleNamespace
+
+    from hicache_sglang import weight_updates
+
+    monkeypatch.setattr(weight_updates, "_current", None)  # this process has had no update yet
+    url = f"memory://sglang-attach-{uuid.uuid4().hex[:8]}"
+    host = _host("mha", "page_first", "kernel")
+    live = _storage(host, url)
+    keys = [f"{i:064x}" for i in range(21, 23)]
+    assert live.batch_set_v1(keys, torch.arange(1 * PAGE, 3 * PAGE)) == [True, True]
+    host.clear()
+    # what the wrapped update_weights_from_tensor does once SGLang returned (one rank: no TP group to broadcast on)
+    weight_updates._follow(SimpleNamespace(), "update_weights_from_tensor", SimpleNamespace(weight_version=None),
+                           "default")  # fmt: skip
+    version = live.store.weight_version
+    assert version.startswith("default~unnamed-") and live.batch_exists(keys) == 0
+    # SGLang still reports "default" (an unnamed update leaves it): a store attached now must not key on it
+    later = _storage(_host("mha", "page_first", "kernel"), url)
+    assert later.store.weight_version == version and later.batch_exists(keys) == 0
+    live.close()
+    later.close()
