@@ -12,8 +12,9 @@ This module wraps the four. Once one returned (succeeded or not: a failed update
 part of the weights), every hicache storage of this process (:class:`~hicache_sglang.storage.HicacheStorage`)
 moves its keys to a new weight version (``PageStore.set_weight_version``):
 
-* the request's ``weight_version`` when it named a new one and SGLang recorded it: servers updated
-  to the same named version share pages (the name is the operator's promise that the weights are equal);
+* the request's ``weight_version`` when it named a new one, SGLang recorded it and the request flushes
+  the cache (a bucketed update's last bucket): servers updated to the same named version share pages
+  (the name is the operator's promise that the weights are equal);
 * otherwise SGLang's version with a random suffix, drawn on TP rank 0 and broadcast to the other
   ranks: weights no other server can be shown to hold, so their pages are shared with none.
 
@@ -69,9 +70,14 @@ def current_version() -> str:
     return _current if _current is not None else sglang_weight_version()
 
 
-def next_version(named: str | None, before: str, after: str, token: str) -> str:
-    """The weight version of the weights an update left: the request's name, when SGLang took it, else unique."""
-    if named is not None and named != before and after == named:
+def next_version(named: str | None, before: str, after: str, token: str, *, flushes: bool = True) -> str:
+    """The weight version of the weights an update left: the request's name, when SGLang took it, else unique.
+
+    A name counts only on an update that flushes the cache (``flush_cache=True``: the last bucket of a
+    bucketed update): after an earlier bucket the weights are partly the old ones, and what is computed
+    with them must not go under the name other servers will read.
+    """
+    if named is not None and named != before and after == named and flushes:
         return named
     return f"{after}~unnamed-{token}"
 
@@ -93,7 +99,7 @@ def _follow(manager: Any, entry: str, recv_req: Any, before: str) -> None:
     global _current
     # Every rank runs every update, stores or not: the token's broadcast is matched on all of them.
     _current = next_version(getattr(recv_req, "weight_version", None), before, sglang_weight_version(),
-                            _rank0_token(manager))  # fmt: skip
+                            _rank0_token(manager), flushes=bool(getattr(recv_req, "flush_cache", True)))  # fmt: skip
     for storage in [s for s in list(_stores) if getattr(s, "store", None) is not None]:
         storage.set_weight_version(_current, reason=entry)
 

@@ -7,9 +7,11 @@ kwargs={"weights_path": ...})``, in place from disk or from tensors) and the wei
 ``/finish_weight_update``). None of them tells the KV connector: vLLM leaves invalidating what the old
 weights computed to the caller (``reset_prefix_cache(reset_connector=True)``).
 
-This module wraps ``EngineCore.collective_rpc``. After ``reload_weights`` or ``finish_weight_update``
-returned (or raised: a failed reload may have loaded part of the weights), on the engine core's
-thread, between engine steps:
+This module wraps ``EngineCore.collective_rpc``. After ``reload_weights``, ``start_weight_update`` or
+``finish_weight_update`` returned (or raised: a failed reload may have loaded part of the weights), on
+the engine core's thread, between engine steps (a session's start moves to a version of its own, so
+that nothing computed while its chunks arrive lands under the old weights' keys, where other engines
+still read):
 
 * the connector's host tier is dropped: ``Scheduler.reset_connector_cache()`` empties the offloading
   manager (every host chunk forgotten), so no host page of the old weights is looked up again;
@@ -31,8 +33,8 @@ import weakref
 from typing import Any
 
 logger = logging.getLogger("hicache_vllm")
-#: Worker RPCs after which the weights are other weights.
-RELOADS = ("reload_weights", "finish_weight_update")
+#: Worker RPCs after which the weights are other weights (from a session's start on, partly other ones).
+RELOADS = ("reload_weights", "start_weight_update", "finish_weight_update")
 _followers: weakref.WeakSet = weakref.WeakSet()  # objects with set_weight_version(version), in this process
 _installed: list[tuple[type, str, Any]] = []
 
