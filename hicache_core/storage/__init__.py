@@ -6,7 +6,8 @@
 * :class:`StorageBackend` is the base class a storage plugin subclasses: byte primitives on whole
   objects; plugins register it through ``hicache_register_storage_backends``.
 * :func:`page_hashes` is SGLang's SHA-256 key chain; :class:`Namespace` keeps pages of
-  other models, geometries and rank shares apart.
+  other models, weight versions, geometries and rank shares apart (``PageStore.set_weight_version``
+  moves a live store to new weights: ``weights.py``).
 * :class:`StorageController` backs pages up and prefetches them on worker threads, and
   makes tensor-parallel ranks agree on what was found.
 * :class:`ClusterKey` is the cluster's key (``HICACHE_L3_KEY_FILE``): with it, every page carries a

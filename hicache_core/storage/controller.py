@@ -20,6 +20,10 @@ thread waits for that event, never the caller's stream.
   ``all_reduce(MIN)`` on every rank, whether it was cancelled, refused, failed or found
   nothing, so no rank can wait for a collective another rank skipped.
 
+* **Weight versions** (:meth:`StorageController.set_weight_version`): a backup queued before the
+  change writes nothing after it (its pages were computed with the old weights), and a prefetch
+  whose reads overlapped the change completes no page.
+
 Every wait has a timeout, and every page's outcome is reported (:class:`PageResult`) and
 counted (:meth:`StorageController.stats`).
 """
@@ -32,7 +36,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,7 @@ from .backend import PageResult, PageStatus
 from .explain import LOADED, Outcomes, explain_miss, reason_of_status
 from .keys import page_hashes
 from .page_store import STORAGE_BATCH_SIZE, PageStore
+from .weights import OLD_WEIGHT_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +150,7 @@ class PrefetchResult:
     results: list[PageResult] = field(default_factory=list)
     terminated: bool = False
     error: str = ""
+    epoch: int = 0  # the store's weight-version epoch its pages were read under
 
     @property
     def tokens(self) -> int:
@@ -170,6 +176,9 @@ class PrefetchFuture(_Future):
     def result(self, timeout: float | None = None) -> PrefetchResult:
         """Wait per policy, then return what completed.
 
+        Pages read under a weight version the store has left since are not handed over: their
+        slots are freed and the result completes none (``error`` says why).
+
         ``best_effort``: terminate now, wait only for the batch in flight. ``wait_complete``:
         wait for every page. ``timeout``: wait until the policy's limit, then terminate.
         Waits after a terminate are bounded by the controller's ``op_timeout`` (or ``timeout``).
@@ -178,6 +187,9 @@ class PrefetchFuture(_Future):
         when the worker finishes it frees every host slot it reserved (none stays reserved for a
         caller who will never take it); a later ``result()`` raises the same ``TimeoutError``.
         """
+        return self._controller._current_weights(self._result(timeout))
+
+    def _result(self, timeout: float | None) -> PrefetchResult:
         ctl = self._controller
         bound = ctl.op_timeout if timeout is None else timeout
         if ctl.prefetch_policy == "best_effort":
@@ -219,6 +231,7 @@ class _Backup:
     pages: list[int]
     future: BackupFuture
     ready: Any
+    epoch: int = 0
 
 
 @dataclass
@@ -291,7 +304,8 @@ class StorageController:
              "backup_skipped_by_policy", "backup_skipped_replica", "backup_refused_queue_full", "prefetches",
              "prefetch_refused_queue_full", "prefetch_cancelled", "prefetch_pages_hit", "prefetch_pages_agreed",
              "prefetch_pages_loaded", "prefetch_pages_failed", "prefetch_terminated", "prefetch_no_host_space",
-             "prefetch_abandoned", "prefetch_abandoned_pages_freed", "agreement_timeouts", "agreement_disagreements"),
+             "prefetch_abandoned", "prefetch_abandoned_pages_freed", "agreement_timeouts", "agreement_disagreements",
+             "backup_skipped_old_weights", "prefetch_pages_old_weights"),
             0,
         )  # fmt: skip
         self._lock = threading.Lock()
@@ -339,7 +353,7 @@ class StorageController:
             future._set(BackupResult([PageResult(k, PageStatus.SKIPPED, skip) for k in keys]))
             return future
         try:
-            self._backup_q.put_nowait(_Backup(keys, pages, future, ready))
+            self._backup_q.put_nowait(_Backup(keys, pages, future, ready, self.storage.weights.epoch))
         except queue.Full:
             self._count("backup_refused_queue_full")
             detail = f"backup queue full ({self._backup_q.maxsize} pending)"
@@ -359,6 +373,15 @@ class StorageController:
             request.refused = "prefetch queue full"
         self._prefetch_q.put(request)
         return future
+
+    def set_weight_version(self, version: str) -> bool:
+        """The server's weights changed: serve ``version``'s pages from now on (:meth:`PageStore.set_weight_version`).
+
+        Backups still queued write nothing; a prefetch whose reads overlap the change completes no
+        page. False when ``version`` is the current one. Call it on every rank.
+        """
+        self._check_open()
+        return self.storage.set_weight_version(version)
 
     def explain_miss(self, token_ids: Sequence[Any], *, prior_hash: str | None = None,
                      host_pages: int | Sequence[bool] | None = None) -> Any:  # fmt: skip
@@ -449,6 +472,10 @@ class StorageController:
         keys, pages = job.keys, job.pages
         if job.future.cancelled():
             return BackupResult([PageResult(k, PageStatus.CANCELLED) for k in keys])
+        if job.epoch != self.storage.weights.epoch:
+            self._count("backup_skipped_old_weights")
+            detail = "the weight version changed after this backup was queued: its pages are of the old weights"
+            return BackupResult([PageResult(k, PageStatus.SKIPPED, detail) for k in keys])
         if job.ready is not None and not _wait_event(job.ready, self.op_timeout):
             detail = f"device-to-host copy not finished within {self.op_timeout:g} s"
             self._count("backup_pages_failed", len(keys))
@@ -517,6 +544,7 @@ class StorageController:
     def _run_prefetch(self, job: _Prefetch) -> PrefetchResult:
         self._count("prefetches")
         keys, fut = job.keys, job.future
+        epoch = self.storage.weights.epoch
         digest = keys_digest(keys)
         empty = torch.empty(0, dtype=torch.int64)
         error, why = job.refused, ("queue_full" if job.refused else "")
@@ -562,6 +590,10 @@ class StorageController:
         if terminated:
             self._count("prefetch_terminated")
         self._count("prefetch_pages_failed", sum(not r.ok for r in results))
+        if loaded and epoch != self.storage.weights.epoch:  # read while the weights changed: maybe old pages
+            self._count("prefetch_pages_old_weights", loaded)
+            loaded, results = 0, []  # none is reported loaded: each page's reason is the change
+            error, why = "the weight version changed while this prefetch read", OLD_WEIGHT_VERSION
         try:
             completed = self._agree(loaded, digest)
         except AgreementFailed as exc:
@@ -577,7 +609,7 @@ class StorageController:
             why = why or "timed_out"
             error = error or "the caller stopped waiting (prefetch policy) before these pages were read"
         self._explain(keys, local, agreed, loaded, completed, results, why, error)
-        return PrefetchResult(keys, local, agreed, completed, slots[:keep], results, terminated, error)
+        return PrefetchResult(keys, local, agreed, completed, slots[:keep], results, terminated, error, epoch)
 
     def _explain(self, keys: list[str], local: int, agreed: int, loaded: int, completed: int,
                  results: list[PageResult], why: str, detail: str) -> None:  # fmt: skip
@@ -597,7 +629,12 @@ class StorageController:
         if not why or why in ("host_pool_full", "timed_out"):
             rec(keys[agreed:local], "ranks_disagreed", "another rank's store lacked it (the ranks took the minimum)")
         if local < len(keys) and why not in ("queue_full", "cancelled", "store_unreachable"):
-            rec(keys[local : local + 1], "not_in_store", "")
+            old = self._old_version(keys[local])
+            if old is None:
+                rec(keys[local : local + 1], "not_in_store", "")
+            else:
+                rec(keys[local : local + 1], OLD_WEIGHT_VERSION, f"stored for weight version {old!r}; the server "
+                    f"now serves {self.storage.weight_version!r}")  # fmt: skip
             rec(keys[local + 1 :], "earlier_page_missing", f"page {local} of the prefix is not in the store")
         elif why:
             rec(keys[local:], why, detail)
@@ -606,6 +643,24 @@ class StorageController:
             hits.labels(result="hit", reason="loaded").inc(completed)
         for reason, count in self.outcomes.last_counts(keys[completed:]).items():
             hits.labels(result="miss", reason=reason).inc(count)
+
+    def _current_weights(self, result: PrefetchResult) -> PrefetchResult:
+        """``result``, or none of its pages when the weights changed after they were read (their slots freed)."""
+        if not result.tokens or result.epoch == self.storage.weights.epoch:
+            return result
+        self.host_pool.free(result.host_indices)
+        self._count("prefetch_pages_old_weights", result.completed)
+        detail = "read before the weight version changed: not handed over, slots freed"
+        self.outcomes.record(result.keys[: result.completed], OLD_WEIGHT_VERSION, detail)
+        return replace(result, completed=0, host_indices=result.host_indices[:0], error=detail)
+
+    def _old_version(self, key: str) -> str | None:
+        if not self.storage.weights.previous:
+            return None
+        try:
+            return self.storage.old_weight_version_of(key)
+        except Exception:  # noqa: BLE001 - cannot tell: the page stays not_in_store
+            return None
 
 
 def _whole_pages(host_indices: torch.Tensor, pages: int, page_size: int) -> torch.Tensor:

@@ -17,7 +17,8 @@ cluster key does not authenticate the stored page: written without it or with an
 or copied under another key), ``timed_out``,
 ``ranks_disagreed``, ``host_pool_full``, ``queue_full``, ``cancelled``, ``store_unreachable``,
 ``earlier_page_missing`` / ``earlier_page_failed`` (a prefix is only usable up to its first
-missing page), ``error``.
+missing page), ``old_weight_version`` (not under this weight version's key, but stored under the
+key of weights the server replaced: a page of the old weights is never loaded), ``error``.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ from typing import Any
 from .backend import PageStatus
 from .keys import Namespace, fingerprint, geometry_description, page_hashes
 from .page_store import PageStore, check_keys
+from .weights import OLD_WEIGHT_VERSION
 
 LOADED = "loaded"
 REASONS = ("in_host", "in_store", LOADED, "not_in_store", "checksum_failed", "layout_mismatch", "auth_failed",
            "timed_out", "ranks_disagreed", "host_pool_full", "queue_full", "cancelled", "store_unreachable",
-           "earlier_page_missing", "earlier_page_failed", "error")  # fmt: skip
+           "earlier_page_missing", "earlier_page_failed", OLD_WEIGHT_VERSION, "error")  # fmt: skip
 OUTCOMES_FORMAT = "hicache-outcomes-1"
 #: Reasons that leave no trace in the store: only the controller's memory can give them.
 TRANSIENT = frozenset({"timed_out", "ranks_disagreed", "host_pool_full", "queue_full", "cancelled",
@@ -199,7 +201,7 @@ def other_layout_namespaces(storage: PageStore) -> list[tuple[str, Namespace]]:
         desc = dict(base, layout=decl.name, layout_axes=list(decl.axes),
                     layout_decl=[repr(getattr(decl, f, None)) for f in ("split", "split_at", "merge", "merge_slots",
                                                                          "components")])  # fmt: skip
-        out.append((name, Namespace(ns.model_id, fingerprint(desc), ns.share)))
+        out.append((name, Namespace(ns.model_id, fingerprint(desc), ns.share, ns.weight_version)))
     return out
 
 
@@ -265,6 +267,9 @@ def explain_miss(
         elif i in elsewhere:
             reason = "layout_mismatch"
             detail = f"stored for layout {elsewhere[i]!r}, this pool is {pool.spec.layout.name!r}"
+        elif (old := _old_version(storage, key)) is not None:
+            reason = OLD_WEIGHT_VERSION
+            detail = f"stored for weight version {old!r}; the server now serves {storage.weight_version!r}"
         else:
             reason = "not_in_store"
         if first_gap is not None and reason in ("in_store",):
@@ -273,6 +278,13 @@ def explain_miss(
             first_gap = i
         report.pages.append(PageExplanation(i, key, in_host[i], present[i], reason, detail, last_reason))
     return report
+
+
+def _old_version(storage: PageStore, key: str) -> str | None:
+    try:
+        return storage.old_weight_version_of(key)
+    except Exception:  # noqa: BLE001 - best effort: the page stays not_in_store
+        return None
 
 
 def _host_flags(host_pages: int | Sequence[bool] | None, n: int) -> list[bool | None]:

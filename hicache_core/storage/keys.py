@@ -14,6 +14,10 @@ layer shard) is a different namespace, so it is never even found. The model part
 readable, path-safe abbreviation of the model id followed by SHA-256 of the *exact* id, so
 ``run/checkpoint-1000`` and ``run/checkpoint-2000``, or ``acme/llama`` and ``acme_llama``,
 never share a page (the readable part alone would fold them together).
+
+A *weight version* (set by the server, and changed when it updates its weights in place) is part
+of the namespace too: pages computed with other weights are other keys, never found. An empty
+weight version leaves the prefix as it was before versions existed.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import operator
 import re
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 #: Bumped when the namespace description changes meaning; part of every fingerprint and every prefix.
@@ -112,6 +116,12 @@ def model_digest(model_id: str) -> str:
     return f"m{NAMESPACE_VERSION}-" + hashlib.sha256(model_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
 
 
+def weight_part(weight_version: str) -> str:
+    """``w-<readable version, 24 characters at most>-<16 hex digits of SHA-256 of the exact version>``."""
+    readable = _SAFE.sub("_", weight_version).strip("._")[:24] or "v"
+    return f"w-{readable}-" + hashlib.sha256(weight_version.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
 def fingerprint(description: dict[str, Any]) -> str:
     """16 bytes (32 hex digits) of SHA-256 over a canonical JSON of ``description``."""
     canonical = json.dumps(description, sort_keys=True, separators=(",", ":"))
@@ -127,17 +137,33 @@ class Namespace:
     :param fingerprint: :func:`fingerprint` of the pool geometry (32 hex digits).
     :param share: this rank's part of the model, e.g. ``tp1of4`` or ``replicated``, plus a
         layer shard ``-L16-32of61`` where the pool owns only some layers.
+    :param weight_version: which weights the pages were computed with (any string the server
+        names them by; ``""``: unversioned, the prefix has no weight part).
     """
 
     model_id: str
     fingerprint: str
     share: str
+    weight_version: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weight_version, str):
+            raise TypeError(f"weight_version must be a str, got {type(self.weight_version).__name__}")
 
     @property
     def prefix(self) -> str:
-        """``<readable model>.<model digest>.<fingerprint>.<share>``, e.g. ``acme_llama.m2-3f2a....<fp>.tp0of1``."""
+        """``<readable model>.<model digest>[.<weights>].<fingerprint>.<share>``.
+
+        e.g. ``acme_llama.m2-3f2a....<fp>.tp0of1``; with a weight version ``v7``,
+        ``acme_llama.m2-3f2a....w-v7-<16 hex>.<fp>.tp0of1`` (:func:`weight_part`).
+        """
         model = _SAFE.sub("_", self.model_id).strip("._") or "model"
-        return f"{model[:48]}.{model_digest(self.model_id)}.{self.fingerprint}.{self.share}"
+        weights = f".{weight_part(self.weight_version)}" if self.weight_version else ""
+        return f"{model[:48]}.{model_digest(self.model_id)}{weights}.{self.fingerprint}.{self.share}"
+
+    def with_weight_version(self, weight_version: str) -> Namespace:
+        """The same namespace for pages computed with the weights ``weight_version`` names."""
+        return replace(self, weight_version=weight_version)
 
     def key(self, page_hash: str) -> str:
         """The store key of one page hash."""
@@ -167,9 +193,15 @@ def rank_share(
 
 
 def namespace_for(
-    host_pool: Any, model_id: str, *, tp_rank: int = 0, tp_size: int = 1, replicated: bool | None = None
+    host_pool: Any,
+    model_id: str,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    replicated: bool | None = None,
+    weight_version: str = "",
 ) -> Namespace:
-    """The namespace of ``host_pool``'s pages for ``model_id`` on this rank.
+    """The namespace of ``host_pool``'s pages for ``model_id`` (and ``weight_version``) on this rank.
 
     ``replicated`` defaults to the pool kind's ``rank_replicated`` declaration (true for MLA: every
     TP rank holds the whole latent cache).
@@ -185,4 +217,4 @@ def namespace_for(
         replicated=replicated,
         layer_range=(geometry.start_layer, geometry.end_layer, geometry.layer_num),
     )
-    return Namespace(model_id, fingerprint(geometry_description(host_pool)), share)
+    return Namespace(model_id, fingerprint(geometry_description(host_pool)), share, weight_version)

@@ -24,6 +24,7 @@ def make_storage(
     tp_rank: int = 0,
     tp_size: int = 1,
     replicated: bool | None = None,
+    weight_version: str = "",
     registry: Registry | None = None,
     cluster_key: ClusterKey | None | str = FROM_ENVIRONMENT,
     **options: Any,
@@ -38,6 +39,8 @@ def make_storage(
     :param tp_rank: this rank's tensor-parallel rank; ``tp_size`` the TP world size.
     :param replicated: every TP rank holds the same bytes (default: true for MLA pools);
         then all ranks share one copy of each page.
+    :param weight_version: the weights' version, part of every key (``""``: unversioned); a server
+        that updates its weights in place moves to the new one with ``PageStore.set_weight_version``.
     :param cluster_key: the cluster's key: pages are written with its MAC and load only when it
         checks. The default reads ``HICACHE_L3_KEY_FILE`` or ``HICACHE_L3_KEY`` (neither set:
         unauthenticated pages); ``None`` turns authentication off whatever the environment says.
@@ -59,7 +62,8 @@ def make_storage(
     merged = {**parsed.query, **options}
     namespace = None
     if host_pool is not None:
-        namespace = namespace_for(host_pool, model_id, tp_rank=tp_rank, tp_size=tp_size, replicated=replicated)
+        namespace = namespace_for(host_pool, model_id, tp_rank=tp_rank, tp_size=tp_size, replicated=replicated,
+                                  weight_version=weight_version)  # fmt: skip
     try:
         backend = cls(parsed, **merged)
         try:

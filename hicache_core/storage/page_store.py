@@ -50,6 +50,7 @@ from .page_format import (
     unpack_header,
 )
 from .pages import PageMap, Span
+from .weights import WeightVersions
 
 if TYPE_CHECKING:
     from .backend import StorageBackend
@@ -69,6 +70,7 @@ class StorageStats:
     write_seconds: float = 0.0
     write_failed: int = 0
     write_refused_full: int = 0
+    write_held_old_weights: int = 0  # pages not written: the host pool held pages of replaced weights
     pages_read: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0
@@ -128,6 +130,7 @@ class PageStore:
         own["host_pool"] = host_pool
         own["namespace"] = namespace
         own["_pages"] = None
+        own["weights"] = None
         own["_fingerprint"] = b""
         own["_stats"] = StorageStats()
         own["_stats_lock"] = threading.Lock()
@@ -141,6 +144,7 @@ class PageStore:
             return
         pages = PageMap(host_pool)
         own["_pages"] = pages
+        own["weights"] = WeightVersions(host_pool)
         # From the pool itself, not the namespace: a page is checked against the geometry it
         # would land in, even if a caller forced a namespace that does not describe this pool.
         own["_fingerprint"] = bytes.fromhex(fingerprint(geometry_description(host_pool)))
@@ -167,6 +171,56 @@ class PageStore:
     def page_bytes(self) -> int:
         """Payload bytes of one page of the bound host pool."""
         return self.pages.page_bytes
+
+    # ---- weight versions (weights.py) ------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> str:
+        """The weight version of this store's keys (``""``: unversioned)."""
+        if self.namespace is None:
+            raise self._unbound()
+        return self.namespace.weight_version
+
+    def set_weight_version(self, version: str) -> bool:
+        """Serve the pages of the weights ``version`` names from now on; false when it is the current one.
+
+        Every key moves to the new version's namespace, so no page of the old weights is read again
+        (a miss, reason ``old_weight_version``). While the host pool still holds pages it held before
+        (computed with the old weights), nothing is written (each page reports ``skipped``) until the
+        pool is cleared. Call it on every rank, where the server's weights changed.
+        """
+        if not isinstance(version, str):
+            raise TypeError(f"a weight version is a str, got {type(version).__name__}")
+        if self.namespace is None:
+            raise self._unbound()
+        old = self.namespace
+        if version == old.weight_version:
+            return False
+        new = old.with_weight_version(version)
+        self.weights.switch(old, new)
+        self.__dict__["namespace"] = new
+        self.backend.namespace = new
+        return True
+
+    def old_weight_version_of(self, key: str) -> str | None:
+        """The earlier weight version (of the last few this store served) under which page ``key`` is stored."""
+        (h,) = check_keys([key])
+        if self.weights is None:
+            raise self._unbound()
+        for ns in reversed(self.weights.previous):
+            if self.backend.exists_objects([ns.key(h)])[0]:
+                return ns.weight_version
+        return None
+
+    def _held(self, hashes: list[str]) -> list[PageResult] | None:
+        """Every page ``skipped`` while the host pool holds pages of old weights; ``None`` when writes go on."""
+        hold = self.weights.hold if self.weights is not None else ""
+        if not hold:
+            return None
+        _metrics.L3_PAGES.labels(op="write", outcome=PageStatus.SKIPPED.value).inc(len(hashes))
+        with self._stats_lock:
+            self._stats.write_held_old_weights += len(hashes)
+        return [PageResult(h, PageStatus.SKIPPED, hold) for h in hashes]
 
     def _unbound(self) -> RuntimeError:
         return RuntimeError(
@@ -213,6 +267,12 @@ class PageStore:
         """Store pages; one :class:`PageResult` per key. Checks every argument before a byte moves."""
         hashes = check_keys(keys)
         pages = self.page_ids(hashes, host_indices)
+        # The namespace before the hold: a weight-version change sets the hold first, so these pages go
+        # under the keys of the weights they were computed with, or are held.
+        ns = self.namespace
+        held = self._held(hashes)
+        if held is not None:
+            return held
         pm = self.pages
         refused: dict[int, PageResult] = {}
         if pm.verifier is not None:  # a page that failed host-tier verification never reaches the store
@@ -230,7 +290,7 @@ class PageStore:
                 written = iter(self.write_pages([hashes[i] for i in keep], _page_slots(
                     [pages[i] for i in keep], pm.page_size)))  # fmt: skip
                 return [refused[i] if i in refused else next(written) for i in range(len(pages))]
-        work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
+        work = [(hashes[a:b], ns.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
                 for a, b in self._chunks(len(hashes))]  # fmt: skip
         # Two stages in flight: the next chunk's checksums are taken while the store writes this one.
         return self._pipelined(work, lambda w: (w[0], w[1], self._stage_headers(w[1], w[2])), self._stage_put)
@@ -256,7 +316,9 @@ class PageStore:
         pages = self.pages
         flat = _flat_bytes(value, pages.page_bytes)
         (h,) = check_keys([key])
-        full = self.namespace.key(h)
+        full = self.namespace.key(h)  # before the hold (see write_pages)
+        if self._held([h]) is not None:
+            return False
         ptr = flat.data_ptr()
         span = Span(ptr, pages.page_bytes, memoryview(flat.numpy()).cast("B"))
         return self._put([h], [full], [[span]])[0].ok
@@ -296,7 +358,10 @@ class PageStore:
             raise ValueError(f"batch_set got {len(hashes)} keys and {len(values)} values")
         flats = [_flat_bytes(v, pages.page_bytes) for v in values]
         spans = [[Span(f.data_ptr(), pages.page_bytes, memoryview(f.numpy()).cast("B"))] for f in flats]
-        return all(r.ok for r in self._put(hashes, self.namespace.keys(hashes), spans))
+        full = self.namespace.keys(hashes)  # before the hold (see write_pages)
+        if self._held(hashes) is not None:
+            return False
+        return all(r.ok for r in self._put(hashes, full, spans))
 
     def batch_get(self, keys: Sequence[str], target_locations: Sequence[torch.Tensor] | None = None,
                   **_: Any) -> list[torch.Tensor | None]:  # fmt: skip
@@ -652,6 +717,8 @@ class PageStore:
             io, self.__dict__["_io_pool"] = self._io_pool, None
         if io is not None:
             io.shutdown(wait=True)
+        if self.weights is not None:
+            self.weights.close()
         self.backend.close()
 
     def __repr__(self) -> str:

@@ -10,7 +10,9 @@ only: a page's key and namespace do not depend on the pool's size.
 
 What it can say from outside the server: ``in_store``, ``not_in_store``, ``checksum_failed``,
 ``layout_mismatch`` (stored under another layout of the same model), ``earlier_page_missing``,
-and ``in_host`` (``--host-pages``: what the caller knows its host tier holds). ``timed_out``,
+``old_weight_version`` (``--weight-version`` the server's, ``--old-weight-version`` the versions
+it served before: stored only under an old one's key, so never loaded), and ``in_host``
+(``--host-pages``: what the caller knows its host tier holds). ``timed_out``,
 ``ranks_disagreed``, ``host_pool_full``, ``queue_full``, ``cancelled`` and each page's last outcome
 (``loaded``, ``earlier_page_failed``) leave no trace in the store: only the controller's
 memory has them. A server that wrote it (``StorageController.write_outcomes()``, by default
@@ -35,10 +37,10 @@ from .shapes import SHAPES
 from .storage_check import open_store
 
 EPILOG = """reasons from the store: in_store, not_in_store, checksum_failed, layout_mismatch, earlier_page_missing;
-in_host with --host-pages. timed_out, ranks_disagreed, host_pool_full, queue_full and cancelled (and each page's
-last_outcome: loaded, earlier_page_failed, ...) come only from the controller's memory: from the files
-StorageController.write_outcomes() writes (--outcomes, default $HICACHE_METRICS_DIR), or from the live API
-StorageController.explain_miss."""
+in_host with --host-pages; old_weight_version with --old-weight-version. timed_out, ranks_disagreed, host_pool_full,
+queue_full and cancelled (and each page's last_outcome: loaded, earlier_page_failed, ...) come only from the
+controller's memory: from the files StorageController.write_outcomes() writes (--outcomes, default
+$HICACHE_METRICS_DIR), or from the live API StorageController.explain_miss."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default="page_first", help="the host pool layout (hicache plugins lists them)")
     p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--weight-version", default="", help="the server's weight version (SGLang: --weight-version, "
+                   "or the version of its last in-place weight update; default: unversioned)")  # fmt: skip
+    p.add_argument("--old-weight-version", action="append", default=[], metavar="VERSION",
+                   help="a weight version the server served before (repeatable, oldest first): a page stored only "
+                   "under it is reported old_weight_version")  # fmt: skip
     tokens = p.add_mutually_exclusive_group(required=True)
     tokens.add_argument("--tokens", metavar="FILE", help="token ids: a JSON list, or ids separated by spaces, "
                         "commas or newlines ('-': stdin)")  # fmt: skip
@@ -74,10 +81,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicache explain-miss: {exc}")
         return 2
 
-    backend = open_store(args.url, pool, model_id=args.model_id, tp_rank=args.rank, tp_size=args.tp_size)
+    versions = [*args.old_weight_version, args.weight_version]
+    backend = open_store(args.url, pool, model_id=args.model_id, tp_rank=args.rank, tp_size=args.tp_size,
+                         weight_version=versions[0])  # fmt: skip
     if backend is None:
         return 2
     try:
+        for version in versions[1:]:  # the store remembers each earlier version, as the server's did
+            backend.set_weight_version(version)
         memory = outcomes.get(backend.namespace.prefix)
         report = explain_miss(backend, token_ids, host_pages=args.host_pages, outcomes=memory, rank=args.rank,
                               broken=broken.get(backend.namespace.prefix, ""))  # fmt: skip

@@ -95,6 +95,10 @@ def install() -> None:
         from . import layer_loads
 
         layer_loads.install()
+        # In-place weight updates move hicache's L3 and peer keys to the new weights' version.
+        from . import weight_updates
+
+        weight_updates.install()
         _original = original
 
 
@@ -102,8 +106,9 @@ def uninstall() -> None:
     """Give SGLang its own ``build_kv_host_pool`` back (pools already built stay hicache's)."""
     global _original
     with _lock:
-        from . import builders, layer_loads
+        from . import builders, layer_loads, weight_updates
 
+        weight_updates.uninstall()
         layer_loads.uninstall()
         builders.uninstall()
         for module, name in _patched:
@@ -119,4 +124,3 @@ def is_installed() -> bool:
     from .build import build_kv_host_pool
 
     return getattr(sys.modules.get(ASSEMBLER), "build_kv_host_pool", None) is build_kv_host_pool
-

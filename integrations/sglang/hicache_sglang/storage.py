@@ -10,16 +10,24 @@ SGLang 0.5.23 loads third-party storage backends through its ``dynamic`` backend
 ``batch_get_v1`` / ``batch_set_v1`` (``interface_v1``) with its page hashes and host slots; this
 class binds hicache's page store of ``url`` to the hicache pool under SGLang's host pool, so pages
 move straight between the host pool and the store, with hicache's page header, checksum and
-namespace (model, pool geometry, rank share). Pages SGLang's own backends wrote are not read
-here, and the other way round: the formats differ.
+namespace (model, weight version, pool geometry, rank share). Pages SGLang's own backends wrote
+are not read here, and the other way round: the formats differ.
+
+The model id is SGLang's model name (``--served-model-name``, by default the model path); a server
+that passes none is refused, never given a made-up one under which two models would share pages.
+The weight version is SGLang's (``--weight-version``), and follows its in-place weight updates
+(:mod:`hicache_sglang.weight_updates`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from hicache_core import metrics as _metrics
 
 from .errors import NotServedError
 from .variables import STORAGE_URL
@@ -27,6 +35,7 @@ from .variables import STORAGE_URL
 #: The storage URL when the extra config names none.
 URL = STORAGE_URL
 ENV_URL = URL.name
+logger = logging.getLogger("hicache_sglang")
 
 
 def extra_config(url: str, **options: Any) -> str:
@@ -61,6 +70,12 @@ class HicacheStorage(HiCacheStorage):
                 'hicache storage moves pages straight from the host pool: put "interface_v1": 1 in '
                 "--hicache-storage-backend-extra-config (SGLang then calls batch_get_v1/batch_set_v1)"
             )
+        if not isinstance(storage_config.model_name, str) or not storage_config.model_name:
+            raise NotServedError(
+                "hicache storage keys every page on the model's name, and SGLang passed "
+                f"{storage_config.model_name!r}: start the server with --served-model-name NAME (a name that "
+                "identifies the weights; two models under one name would share pages)"
+            )
         for what, size in (("pipeline", storage_config.pp_size), ("attention context", storage_config.attn_cp_size),
                            ("decode context", storage_config.dcp_size)):  # fmt: skip
             if size != 1:
@@ -83,10 +98,24 @@ class HicacheStorage(HiCacheStorage):
         refusal = getattr(mem_pool_host, "l3_refusal", None)
         if refusal:  # the pool's pages carry bytes beside its core pool (scales): storing the core's would drop them
             raise NotServedError(f"hicache storage cannot store the {mem_pool_host.pool_label!r} host pool: {refusal}")
+        from . import weight_updates
+
         cfg = self.config
-        self.store = make_storage(self.url, mem_pool_host.core, model_id=cfg.model_name or "model",
-                                  tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, replicated=cfg.is_mla_model,
-                                  **self.options)  # fmt: skip
+        self.store = make_storage(self.url, mem_pool_host.core, model_id=cfg.model_name, tp_rank=cfg.tp_rank,
+                                  tp_size=cfg.tp_size, replicated=cfg.is_mla_model,
+                                  weight_version=weight_updates.current_version(), **self.options)  # fmt: skip
+        weight_updates.track(self)
+
+    def set_weight_version(self, version: str, *, reason: str = "") -> bool:
+        """Key pages on the weights ``version`` names from now on (:meth:`PageStore.set_weight_version`)."""
+        store = self._bound()
+        old = store.weight_version
+        if not store.set_weight_version(version):
+            return False
+        hold = store.weights.hold
+        logger.info("hicache storage: %s changed the weights: keys move from weight version %r to %r%s", reason or
+                    "an update", old, version, f"; {hold}" if hold else "")  # fmt: skip
+        return True
 
     def _bound(self) -> Any:
         if self.store is None:
@@ -96,10 +125,17 @@ class HicacheStorage(HiCacheStorage):
     # ---- SGLang's zero-copy interface (interface_v1) ---------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        return self._bound().batch_exists(keys)
+        """How many leading pages the store holds; the misses are counted by reason (``hicache_l3_prefetch_pages``)."""
+        store = self._bound()
+        hits = store.batch_exists(keys)
+        if hits < len(keys):
+            _count_misses(store, keys, hits)
+        return hits
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
-        return self._bound().batch_get_into(keys, host_indices)
+        loaded = self._bound().batch_get_into(keys, host_indices)
+        _metrics.L3_PREFETCH.labels(result="hit", reason="loaded").inc(sum(loaded))
+        return loaded
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         return self._bound().batch_set_from(keys, host_indices)
@@ -129,3 +165,19 @@ class HicacheStorage(HiCacheStorage):
         if self.store is not None:
             self.store.close()
             self.store = None
+
+
+def _count_misses(store: Any, keys: list[str], hits: int) -> None:
+    """The first missing page's reason (``old_weight_version`` or ``not_in_store``); the pages after it follow it."""
+    from hicache_core.storage.weights import OLD_WEIGHT_VERSION
+
+    old = None
+    if store.weights.previous:
+        try:
+            old = store.old_weight_version_of(keys[hits])
+        except Exception:  # noqa: BLE001 - cannot tell: counted not_in_store
+            old = None
+    misses = _metrics.L3_PREFETCH
+    misses.labels(result="miss", reason=OLD_WEIGHT_VERSION if old is not None else "not_in_store").inc()
+    if len(keys) > hits + 1:
+        misses.labels(result="miss", reason="earlier_page_missing").inc(len(keys) - hits - 1)

@@ -178,6 +178,9 @@ class BlockMover:
                 storage_url, self.host, model_id=model_id, tp_rank=tp_rank, tp_size=tp_size,
                 **dict(storage_options or {}),
             )  # fmt: skip
+            from . import weight_updates
+
+            weight_updates.track(self)
         self._streams: dict[bool, Any] = {}
         self._io: ThreadPoolExecutor | None = None
         self._jobs: dict[int, Job] = {}
@@ -275,6 +278,13 @@ class BlockMover:
                 log.error("hicache-vllm: %s", finished.error)
             out.append(finished)
         return out
+
+    def set_weight_version(self, version: str) -> bool:
+        """The weights changed: finish the transfers in flight (old pages, old keys), then key pages on ``version``."""
+        if self.storage is None:
+            return False
+        self.wait(list(self._jobs))
+        return self.storage.set_weight_version(version)
 
     def wait(self, job_ids: set[int] | Sequence[int]) -> None:
         """Block until these jobs are finished, failed or not (their results still come from ``get_finished``).

@@ -39,6 +39,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
+from . import weight_updates  # noqa: E402
 from .config import HicacheOptions, parse_extra_config  # noqa: E402
 from .errors import NotServedError  # noqa: E402
 from .mover import BlockMover  # noqa: E402
@@ -84,6 +85,11 @@ class StorageProbe:
         self._host = make_host_pool(self._device, layout=options.layout, io_backend="auto", size=block_size,
                                     pin_memory=False, label="vLLM scheduler's L3 probe")  # fmt: skip
         self.storage = make_storage(options.storage_url, self._host, model_id=model_id, **dict(options.storage_options))
+        weight_updates.track(self)
+
+    def set_weight_version(self, version: str) -> bool:
+        """Look keys up in the namespace of the weights ``version`` names (``weight_updates``)."""
+        return self.storage.set_weight_version(version)
 
     def exists(self, key: OffloadKey) -> bool:
         return self.storage.batch_exists([storage_key(key)]) == 1
@@ -237,6 +243,7 @@ class HicacheOffloadingSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.options = parse_extra_config(self.extra_config)
+        weight_updates.install()  # in-place weight reloads drop the host tier and move L3 keys
         if len(config.groups) != 1:
             raise NotServedError(
                 f"this model has {len(config.groups)} KV cache groups (hybrid or sliding-window layers); "

@@ -117,7 +117,8 @@ _engine_blocks: dict[bool, int] = {}
 
 @pytest.fixture(scope="session")
 def run(model, mla_model, tmp_path_factory, request):
-    """``run(mode, storage_url=None, mla=False)``: engine_driver.py's record of one engine, by step name (once each).
+    """``run(mode, storage_url=None, mla=False, path=None, env=None)``: engine_driver.py's record of one engine, by step
+    name (once each); ``path`` another model than the session's, ``env`` more of the engine's environment.
 
     An s3:// store's engines get its credentials in the standard AWS variables, and count its GETs.
     """
@@ -127,20 +128,20 @@ def run(model, mla_model, tmp_path_factory, request):
 
     cache: dict = {}
 
-    def go(mode: str, storage: str | None = None, mla: bool = False) -> dict:
-        key = (mode, mla)
+    def go(mode: str, storage: str | None = None, mla: bool = False, path=None, env: dict | None = None) -> dict:
+        key = (mode, mla, str(path))
         if key not in cache:
             out = tmp_path_factory.mktemp(mode + ("-mla" if mla else ""))
             log = out / "engine.log"
-            path = mla_model if mla else model
+            path = path or (mla_model if mla else model)
             args = ["-m", "engine_driver", mode, str(out / "result.json"), str(path)] + ([storage] if storage else [])
             from engine_driver import DEVICE_BLOCKS
 
             blocks = _engine_blocks.get(mla, DEVICE_BLOCKS)
             s3_env = request.getfixturevalue("s3_store").env if storage and storage.startswith("s3://") else {}
             for attempt in range(2):
-                env = {**(MLA_ENV if mla else {}), **s3_env, "HICACHE_TEST_DEVICE_BLOCKS": str(blocks)}
-                rc = run_python(args, log, timeout=480, extra_env=env)
+                extra = {**(MLA_ENV if mla else {}), **s3_env, **(env or {}), "HICACHE_TEST_DEVICE_BLOCKS": str(blocks)}
+                rc = run_python(args, log, timeout=480, extra_env=extra)
                 if rc == 0:
                     break
                 fitted = fit_device_blocks(log.read_text(errors="replace"), blocks)

@@ -6,7 +6,10 @@ module): ``python engine_driver.py MODE OUT MODEL [STORAGE_URL]``, MODE one of
 * ``baseline``: no connector;
 * ``hicache``: HicacheOffloadingSpec (with L3 at STORAGE_URL when given);
 * ``corrupt``: the negative control's spec (random bytes on every load);
-* ``restart``: HicacheOffloadingSpec over STORAGE_URL in a fresh engine: the prefix first, from L3.
+* ``restart``: HicacheOffloadingSpec over STORAGE_URL in a fresh engine: the prefix first, from L3;
+* ``reload``: HicacheOffloadingSpec over STORAGE_URL; after "A again", the weights are reloaded in place
+  from ``HICACHE_TEST_RELOAD_TO`` (``collective_rpc("reload_weights")``, then vLLM's own
+  ``reset_prefix_cache()``), and A is sent once more ("A after reload"); no batch.
 
 Scenario: prefix A, twice (the second from vLLM's device prefix cache);
 B, C, D (A leaves the 15-block device cache); A again; then a batch that does
@@ -126,7 +129,12 @@ def main() -> None:
     for s in (2, 3, 4):
         run(f"evict {s}", [prompt_ids(s, PREFIX)])
     run("A again", [a])
-    if not os.environ.get("HICACHE_TEST_NO_BATCH"):  # the MLA run: bf16 MLA decode on a CPU is slow
+    if mode == "reload":
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": os.environ["HICACHE_TEST_RELOAD_TO"]})
+        llm.reset_prefix_cache()  # vLLM's device prefix cache: vLLM asks for this after a weight update
+        record["steps"].append({"name": "reloaded", "tokens": [], "cached": [], "metrics": metrics(llm)})
+        run("A after reload", [a])
+    elif not os.environ.get("HICACHE_TEST_NO_BATCH"):  # the MLA run: bf16 MLA decode on a CPU is slow
         run("batch", BATCH, SamplingParams(temperature=0, max_tokens=BATCH_GEN, ignore_eos=True))
     Path(out_path).write_text(json.dumps(record))
 

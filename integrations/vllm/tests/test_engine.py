@@ -110,3 +110,30 @@ def test_mla_model_reloads_byte_exact(run):
     mla_page = BLOCK * (512 + 64) * 2  # one latent + rope row per token, bf16
     assert delta(hi, "A again", "evict 4", "vllm:kv_offload_load_bytes") == cached // BLOCK * LAYERS * mla_page
     assert hi["A again"]["tokens"] == base["A twice"]["tokens"] == hi["A twice"]["tokens"]
+
+
+def test_after_an_in_place_reload_no_page_of_the_old_weights_is_loaded(run, model, tmp_path_factory):
+    """vLLM's ``reload_weights`` to a second checkpoint of the same architecture (other random weights).
+
+    Before it, the prefix comes back from the host tier (and is in L3, ``file://``); after it, the engine
+    answers as an engine started on the second checkpoint, token for token, loading nothing through the
+    connector: the host tier was dropped and L3's keys moved to a new weight version.
+    """
+    import os
+
+    from tiny_model import make_llama
+
+    second = make_llama(tmp_path_factory.mktemp("model-2") / "tiny-llama-2", seed=1)
+    store = tmp_path_factory.mktemp("reload-l3")
+    reference = run("baseline", path=second, env={"HICACHE_TEST_NO_BATCH": "1"})
+    hi = run("reload", f"file://{store}", env={"HICACHE_TEST_RELOAD_TO": str(second)})
+    assert hi["A again"]["cached"][0] >= 224, "the prefix did not come back from the host tier before the reload"
+    assert reference["A"]["tokens"] != hi["A"]["tokens"], "the two checkpoints give the same tokens: no test"
+    assert hi["A after reload"]["tokens"] == reference["A"]["tokens"]
+    assert hi["A after reload"]["cached"] == [0]
+    for metric in ("vllm:external_prefix_cache_hits", "vllm:kv_offload_load_bytes"):
+        assert delta(hi, "A after reload", "reloaded", metric) == 0, metric
+    # L3: the first weights' pages under one namespace, the second's under another (".w-reload-<token>")
+    namespaces = {d.name: sum(len(f) for _, _, f in os.walk(d)) for d in store.iterdir() if d.is_dir()}
+    assert len(namespaces) == 2 and all(n > 0 for n in namespaces.values()), namespaces
+    assert sum(".w-reload-" in name for name in namespaces) == 1, namespaces

@@ -229,6 +229,24 @@ def test_l3_page_that_fails_its_checksum_is_never_reported_loaded(tmp_path):
     m2.shutdown()
 
 
+def test_a_weight_reload_finishes_old_writes_under_old_keys_then_reads_nothing_old(tmp_path):
+    from hicache_vllm import weight_updates
+
+    cache = vllm_cache(7)
+    m = mover(cache, storage_url=f"file://{tmp_path / 'l3'}", model_id="tiny")
+    assert m in set(weight_updates._followers)  # vLLM's reload reaches it (weight_updates.follow)
+    m.submit_store(1, np.array([4]), np.array([1]), storage_keys=["cc01"])
+    assert weight_updates.follow("reload-1") >= 1  # waits for job 1: written before the keys move
+    assert m.storage.old_weight_version_of("cc01") == "" and m.storage.batch_exists(["cc01"]) == 0
+    before = [t[0].clone() for t in cache]
+    m.submit_load(2, np.array([3]), np.array([0]), fetch=[(0, "cc01")])
+    m.wait({1, 2})
+    done = {f.job_id: f for f in m.get_finished()}
+    assert done[1].ok and not done[2].ok  # the old weights' page is not in the new version's namespace
+    assert all(torch.equal(t[0], b) for t, b in zip(cache, before))
+    m.shutdown()
+
+
 def test_no_vllm_needed():
     """The CUDA path's code imports without vLLM (the GPU machine has none)."""
     import subprocess

@@ -248,3 +248,40 @@ def test_demo_second_instance_serves_the_prefix_from_the_first_ones_host_tier(pe
     assert code == 0, out + captured.err[-2000:]
     assert "found 32 of 32 pages, prefetched 32" in out and "pages_read 32," in out and "read_corrupt 0" in out
     assert "the bytes match what process 1 computed" in out
+
+
+def test_pages_of_replaced_weights_are_never_read_from_a_peer(peer_url):
+    """An owner publishes v1's pages; a reader on v2 never finds them (``old_weight_version``), nor the owner's
+    own v2 pages until its host pool, which held v1's, was cleared; then v2's pages are read byte for byte."""
+    from peer_proc import fill, keys_for
+
+    from hicache_core.storage.explain import explain_miss
+
+    owner_host = make_pool(CASE, pages=2 * N, seed=1)
+    owner = make_storage(peer_url, owner_host, model_id=MODEL, weight_version="v1")
+    host, store, slots = reader_store(peer_url, weight_version="v1")
+    try:
+        keys = keys_for(7, 4)
+        src = owner_host.alloc(4 * CASE.page_size)
+        fill(owner_host, src, keys)
+        assert all(r.ok for r in owner.write_pages(keys, src))
+        assert store.batch_exists(keys) == 4  # the same weights: found
+        store.set_weight_version("v2")
+        assert store.batch_exists(keys) == 0
+        toks = [(7 * 7919 + i) % 50000 for i in range(4 * CASE.page_size)]  # peer_proc.keys_for(7, 4)
+        assert [p.reason for p in explain_miss(store, toks).pages] == ["old_weight_version"] * 4
+        owner.set_weight_version("v2")  # the owner's host pool still holds v1's pages: it publishes nothing
+        held = owner.write_pages(keys, src)
+        assert [r.status for r in held] == [PageStatus.SKIPPED] * 4 and store.batch_exists(keys) == 0
+        owner_host.clear()  # the server's cache reset: v1's pages leave the host tier (and the directory)
+        again = owner_host.alloc(4 * CASE.page_size)
+        fill(owner_host, again, keys)
+        assert all(r.ok for r in owner.write_pages(keys, again))
+        assert store.batch_exists(keys) == 4
+        results = store.read_pages(keys, slots[: 4 * CASE.page_size])
+        assert [r.status for r in results] == [PageStatus.OK] * 4, results
+        for i, key in enumerate(keys):
+            assert torch.equal(page_of(host, slots, i), page_content(host, key))
+    finally:
+        store.close()
+        owner.close()
