@@ -179,3 +179,8 @@ def test_pinned_bytes_are_counted_per_pool_where_cuda_pins():
     host.destroy()
     gc.collect()
     assert "a CUDA pool" not in _pinned_metric()
+
+
+def test_a_node_the_kernel_refuses_is_said_so_before_any_pool():
+    assert numa.placement_refused(numa.online_nodes()[0]) is None
+    assert numa.placement_refused(4095) == "mbind was refused: mbind(node 4095): Invalid argument"

@@ -85,7 +85,22 @@ def plan_host_memory(buffers: Mapping[str, int], *, label: str, pinned: bool,
 
 
 def choose_node(device: torch.device | None) -> tuple[int | None, str]:
-    """The NUMA node for host memory serving ``device``, and why (``HICACHE_HOST_NUMA_NODE``)."""
+    """The NUMA node for host memory serving ``device``, and why (``HICACHE_HOST_NUMA_NODE``).
+
+    A node the kernel will not let this process place pages on (``mbind`` refused: a container's
+    seccomp profile without ``CAP_SYS_NICE``) is no node: the plan says so, and pages go where the
+    kernel's default policy puts them.
+    """
+    node, why = _wanted_node(device)
+    if node is None:
+        return None, why
+    refused = numa.placement_refused(node)
+    if refused:
+        return None, f"not placed on node {node} ({why}): {refused}"
+    return node, why
+
+
+def _wanted_node(device: torch.device | None) -> tuple[int | None, str]:
     asked = NUMA_NODE.read()
     nodes = numa.online_nodes()
     if asked == "none":

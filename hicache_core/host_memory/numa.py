@@ -79,6 +79,23 @@ def prefer_node(address: int, length: int, node: int) -> None:
         raise OSError(err, f"mbind(node {node}): {os.strerror(err)}")
 
 
+def placement_refused(node: int) -> str | None:
+    """Why pages cannot be placed on ``node`` from this process (tried on one page of its own), or ``None``."""
+    import mmap
+
+    probe = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = ctypes.c_char.from_buffer(probe)
+    try:
+        prefer_node(ctypes.addressof(view), mmap.PAGESIZE, node)
+    except OSError as exc:
+        hint = " (a container's seccomp profile refuses mbind without CAP_SYS_NICE)" if exc.errno == 1 else ""
+        return f"mbind was refused: {exc.strerror or exc}{hint}"
+    finally:
+        del view  # the probe's only export: it can be unmapped now
+        probe.close()
+    return None
+
+
 def nodes_of(address: int, length: int, samples: int = 64) -> dict[int, int]:
     """Node -> how many of ``samples`` pages spread over the range live there (touched pages only).
 
