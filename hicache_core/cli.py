@@ -89,7 +89,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     q = storage_sub.add_parser("stats", help="the store's own figures as JSON")
     q.add_argument("url")
 
+    p = sub.add_parser("size", help="what the host tier of a server will hold and pin, from the model's config.json")
+    p.add_argument("--config", required=True, help="the model's config.json, or the folder that holds it")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (figures are per rank)")
+    p.add_argument("--layout", default="page_first", help="host layout (SGLang's --hicache-mem-layout)")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--kv-dtype", default="auto", help="KV cache dtype (auto: the model's torch_dtype)")
+    p.add_argument("--hicache-size", type=float, default=0.0, help="host pool GB (SGLang's --hicache-size)")
+    p.add_argument("--hicache-ratio", type=float, default=2.0, help="host/device ratio when --hicache-size is 0")
+    p.add_argument("--device-tokens", type=int, help="the device pool's tokens (with --hicache-ratio)")
+    p.add_argument("--mamba-slots", type=int, help="a hybrid model's device Mamba slots (with --hicache-ratio)")
+    p.add_argument("--prefix-tokens", type=int, default=4096, help="prefix length for 'prefixes held'")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="pinned (cuda) or not (default: cuda where present)")
+    p.add_argument("--json", action="store_true")
+
     args = parser.parse_args(argv)
+    if args.command == "size":
+        return cmd_size(args)
     if args.command == "plugins":
         return cmd_plugins(get_registry(), args.json)
     if args.command == "matrix":
@@ -145,6 +161,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                      shapes=tuple(_csv(args.shapes)) if args.shapes else None,
                      layouts=tuple(_csv(args.layouts)) if args.layouts else None,
                      anchor_module=args.anchor_module)  # fmt: skip
+
+
+def cmd_size(args) -> int:
+    from .tools.sizing import load_config, size_host_tier
+
+    try:
+        report = size_host_tier(load_config(args.config), tp_size=args.tp, layout=args.layout,
+                                page_size=args.page_size, kv_dtype=args.kv_dtype, hicache_size_gb=args.hicache_size,
+                                hicache_ratio=args.hicache_ratio, device_tokens=args.device_tokens,
+                                mamba_slots=args.mamba_slots, prefix_tokens=args.prefix_tokens,
+                                device=_device(args))  # fmt: skip
+    except (OSError, ValueError) as exc:
+        print(f"hicache size: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.as_json(), indent=2) if args.json else report.text())
+    return 0 if report.refusal is None else 1
 
 
 def _csv(text: str) -> list[str]:

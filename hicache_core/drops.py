@@ -17,14 +17,21 @@ the faulty transfer has run on the GPU, or at once by
 :meth:`hicache_core.HostPool.check_dropped` (which synchronises). Implementations
 that check bounds on the host (``direct``, the reference) raise in the call itself
 and never need the word.
+
+Calls on one pool come from more than one thread (the caller's, and the layer
+loader's, :mod:`hicache_core.layer_loads`), so call numbers come from one atomic
+counter, and the number of the call in progress is the calling thread's own.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
+import threading
 
 import torch
 
+from .host_memory import host_tensor
 from .metrics import record_dropped_indices
 
 #: Calls remembered for naming the one that dropped indices (older ones are named by number only).
@@ -48,32 +55,50 @@ class DroppedIndicesError(IndexError):
         self.layer_id = layer_id
 
 
+class CallInProgress(threading.local):
+    """The number of the call the current thread is making on a pool (0 before its first call)."""
+
+    seq: int = 0
+
+
 class DropReport:
     """One host pool's drop word: where implementations report masked indices (see the module doc).
 
     For implementations: before every call the pool sets :attr:`seq` to the call's number
-    (always >= 1). A kernel that masks an index stores ``seq`` as an ``int64`` at
-    :attr:`address` (a host address, reachable from the GPU through UVA where the host pool is
-    pinned, and plain process memory on the CPU). Storing from many threads is fine: they all
-    store the same value. Never store anything else there.
+    (always >= 1, never given to two calls). A kernel that masks an index stores ``seq`` as an
+    ``int64`` at :attr:`address` (a host address, reachable from the GPU through UVA where the
+    host pool is pinned, and plain process memory on the CPU). Storing from many threads is
+    fine: they all store the same value. Never store anything else there.
+
+    :attr:`seq` is per thread: calls made at once from two threads (the caller's, the layer
+    loader's) each read their own number.
     """
 
-    def __init__(self, pinned: bool) -> None:
+    def __init__(self, pinned: bool, label: str = "host pool") -> None:
         # Word 0: calls whose indices a kernel masked. Word 1: calls whose page-item indices on the
         # GPU were not whole pages (the core checks those on the GPU, asynchronously, and writes here).
-        self.word = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
+        self.word = host_tensor((2,), torch.int64, label=label, name="drop word", pinned=pinned)
         #: Host address of the drop word (int64).
         self.address: int = self.word.data_ptr()
         self._value = ctypes.c_int64.from_address(self.address)
         self._malformed = ctypes.c_int64.from_address(self.address + 8)
-        #: Number of the call in progress (set by the pool before it calls an implementation).
-        self.seq: int = 0
-        self._calls: list[tuple[str, int | None, int] | None] = [None] * HISTORY
+        # next() of an itertools.count is one C call, so two threads never get the same number (a
+        # read-add-store on an attribute can interleave and repeat or lose one).
+        self.numbers = itertools.count(1)
+        #: The calling thread's call in progress; the pool's hot path reads ``current.seq`` directly.
+        self.current = CallInProgress()
+        # Slot seq & HISTORY_MASK: (operation, layer_id, items, seq) of the latest call with that slot.
+        self._calls: list[tuple[str, int | None, int, int] | None] = [None] * HISTORY
+
+    @property
+    def seq(self) -> int:
+        """Number of the call in progress on this thread (set by the pool before it calls an implementation)."""
+        return self.current.seq
 
     def begin(self, operation: str, layer_id: int | None, items: int) -> int:
         """Number a new call (the pool calls this; implementations read :attr:`seq`)."""
-        seq = self.seq = self.seq + 1
-        self._calls[seq & HISTORY_MASK] = (operation, layer_id, items)
+        seq = self.current.seq = next(self.numbers)
+        self._calls[seq & HISTORY_MASK] = (operation, layer_id, items, seq)
         return seq
 
     def dropped(self) -> int:
@@ -113,8 +138,10 @@ class DropReport:
         )
 
     def _call(self, seq: int) -> tuple[str | None, int | None, int]:
-        remembered = self._calls[seq & HISTORY_MASK] if 0 <= self.seq - seq < HISTORY else None
-        return remembered if remembered is not None else (None, None, 0)
+        remembered = self._calls[seq & HISTORY_MASK]
+        if remembered is None or remembered[3] != seq:  # never made, or a later call took its slot
+            return None, None, 0
+        return remembered[:3]
 
     def _describe(self, seq: int) -> str:
         operation, layer_id, items = self._call(seq)

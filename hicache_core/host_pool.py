@@ -9,10 +9,13 @@ cheaply, map layers, put indices where the implementation declared it wants them
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import itertools
 import logging
+import math
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from numbers import Real
 from time import perf_counter
 from typing import Any
@@ -26,7 +29,8 @@ from .allocator import SlotAllocator
 from .dispatch import UnsupportedCombinationError, resolve
 from .drops import HISTORY_MASK, DropReport
 from .geometry import PoolGeometry, pages_for
-from .host_layout import HostLayoutSpec, host_layout_spec
+from .host_layout import HostBufferSpec, HostLayoutSpec, host_layout_spec
+from .host_memory import HostMemoryPlan, allocate, check_fits, plan_host_memory
 from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
 from .indices import IndexCache, check_bounds, check_whole_pages, reject_indices, whole_pages_mask
 from .layer_loads import LayerLoad, layer_loader
@@ -43,6 +47,7 @@ _log = logging.getLogger("hicache")
 ENV_VALIDATE = "HICACHE_VALIDATE"
 VALIDATE = flag(ENV_VALIDATE, doc="1 checks indices, page structure and layer ownership on every host-pool call")
 DEFAULT_HOST_TO_DEVICE_RATIO = 2.0
+_POOL_NUMBERS = itertools.count(1)
 
 
 def make_host_pool(
@@ -60,6 +65,8 @@ def make_host_pool(
     validate: bool | None = None,
     verify: bool | None = None,
     registry: Registry | None = None,
+    label: str | None = None,
+    host_memory_check: Callable[[HostMemoryPlan], None] | None = None,
 ) -> HostPool:
     """Build a host pool mirroring ``device_pool`` and resolve its transfers.
 
@@ -78,7 +85,12 @@ def make_host_pool(
         backup and checked on the device after every load. ``True``: a pool it cannot verify is refused
         here. Default: ``HICACHE_VERIFY``, and where that is unset, on for CUDA pools that can be verified
         and off for CPU pools (``host.verify_reason`` says which and why). ``HICACHE_VALIDATE`` does not imply it.
+    :param label: names the pool in logs, errors and the ``hicache_host_pinned_bytes`` metric.
+    :param host_memory_check: called with the pool's :class:`~hicache_core.host_memory.HostMemoryPlan`
+        before any byte is taken (a server's own budget: the SGLang adapter passes SGLang's); raise to refuse.
     :raises UnsupportedCombinationError: no installed implementation claims an operation.
+    :raises hicache_core.host_memory.HostMemoryError: the host buffers would not fit in this machine's
+        available memory or this process's cgroup (checked before anything is allocated).
     :raises ValueError, TypeError: an argument that would otherwise be coerced silently.
     """
     registry = registry or get_registry()
@@ -141,18 +153,25 @@ def make_host_pool(
         }
 
     spec = host_layout_spec(geometry, layout_decl, pages_for(size, geometry.page_size))
-    buffers = {
-        b.attr: torch.empty(b.shape, dtype=geometry.dtype, device="cpu", pin_memory=pinned) for b in spec.buffers
-    }
     device_layers = _device_layers(device_pool, tuple(draft_pools), geometry)
-    plan = TransferPlan(geometry, spec, buffers, device_layers, DropReport(pinned))
+    device = next(iter(device_layers.values()))[0].device
+    label = label or f"host pool {next(_POOL_NUMBERS)} ({geometry.kind}, layout {spec.layout.name})"
+    memory = plan_pool_memory(geometry, spec, label=label, pinned=pinned, device=device)
+    check_fits(memory)
+    if host_memory_check is not None:
+        host_memory_check(memory)
+    buffers = allocate(memory, {b.attr: (b.shape, geometry.dtype) for b in spec.buffers},
+                       granules={b.attr: _page_bytes(b, geometry.dtype) for b in spec.buffers})  # fmt: skip
+    drops = DropReport(pinned, label=label)
+    plan = TransferPlan(geometry, spec, buffers, device_layers, drops)
     if validate is None:
         validate = VALIDATE.read()
     if verify is not None and not isinstance(verify, bool):
         raise TypeError(f"verify must be True, False or None (HICACHE_VERIFY), got {verify!r}")
     asked, source = (verify, "verify") if verify is not None else (verify_default(), ENV_VERIFY)
     pool = HostPool(
-        device_pool, tuple(draft_pools), geometry, spec, plan, resolved, deferred, io_backend, bool(validate), registry
+        device_pool, tuple(draft_pools), geometry, spec, plan, resolved, deferred, io_backend, bool(validate), registry,
+        label,
     )
     if asked:
         pool._enable_verify()
@@ -168,7 +187,24 @@ def make_host_pool(
         except ValueError as exc:
             pool.verify_reason = f"off: {exc}"
     pool._verify_asked = bool(asked)
+    pool.host_memory = memory
+    _log.info("%s; %d tokens, %d bytes per token; %s", memory.summary(), pool.size, pool.get_size_per_token(),
+              pool.verify_reason)  # fmt: skip
     return pool
+
+
+def plan_pool_memory(geometry: PoolGeometry, spec: HostLayoutSpec, *, label: str, pinned: bool,
+                     device: torch.device | None) -> HostMemoryPlan:  # fmt: skip
+    """The host memory a pool of ``spec`` will take: its buffers (what :func:`make_host_pool` allocates)."""
+    size = torch.empty((), dtype=geometry.dtype).element_size()
+    return plan_host_memory({b.attr: math.prod(b.shape) * size for b in spec.buffers}, label=label, pinned=pinned,
+                            device=device)  # fmt: skip
+
+
+def _page_bytes(buffer: HostBufferSpec, dtype: torch.dtype) -> int:
+    """Bytes from one host page of ``buffer`` to the next: no copy of one page crosses such a boundary."""
+    inner = buffer.full_shape[buffer.axes.index("page") + 1 :] if "page" in buffer.axes else ()
+    return math.prod(inner) * torch.empty((), dtype=dtype).element_size()
 
 
 def geometry_of(
@@ -247,8 +283,13 @@ class HostPool(PageAccess):
         io_backend: str,
         validate: bool,
         registry: Registry,
+        label: str = "host pool",
     ) -> None:
         self.device_pool = device_pool
+        #: Names the pool in logs, errors and the ``hicache_host_pinned_bytes`` metric.
+        self.label = label
+        #: What the host buffers took (:class:`~hicache_core.host_memory.HostMemoryPlan`), set by make_host_pool.
+        self.host_memory: HostMemoryPlan | None = None
         self.registry = registry
         self.draft_pools = draft_pools
         self.geometry = geometry
@@ -303,6 +344,7 @@ class HostPool(PageAccess):
         self._rows = plan.device_rows_per_layer
         self._drops = plan.drop_report
         self._drop_word, self._drop_calls = plan.drop_report._value, plan.drop_report._calls
+        self._drop_numbers, self._call_now = plan.drop_report.numbers, plan.drop_report.current
         self._cache = IndexCache()
         self._malformed_on_device: torch.Tensor | None = None
         host_bytes = sum(t.numel() * t.element_size() for t in plan.host_buffers.values())
@@ -318,7 +360,7 @@ class HostPool(PageAccess):
     def _enable_verify(self) -> None:
         try:
             self.verifier = PageVerifier(self.plan, self.page_size, self._drops._call, self._verify_indices,
-                                         last_layers=(self._owned - 1,))  # fmt: skip
+                                         last_layers=(self._owned - 1,), label=self.label)  # fmt: skip
         except ValueError as exc:
             raise ValueError(f"host pool ({self.geometry.kind}, layout {self.layout}): {exc}") from None
         self.verify = True
@@ -498,7 +540,7 @@ class HostPool(PageAccess):
                 verifier.before_backup()
             self._call(entry[0], BACKUP_ALL, h, d)
             if verifier is not None:
-                verifier.backup(h, d, None, self._drops.seq)
+                verifier.backup(h, d, None, self._call_now.seq)
 
     def submit_load(
         self,
@@ -596,11 +638,11 @@ class HostPool(PageAccess):
             if verifier is not None:
                 if op == LOAD:
                     if batch is not None:
-                        batch.add(h, d, layer, self._drops.seq)
+                        batch.add(h, d, layer, self._call_now.seq)
                     else:
-                        verifier.check(h, d, layer, self._drops.seq)
+                        verifier.check(h, d, layer, self._call_now.seq)
                 else:
-                    verifier.backup(h, d, layer, self._drops.seq)
+                    verifier.backup(h, d, layer, self._call_now.seq)
         except BaseException:
             if self.verifier is not None:  # the caller may reuse the rows of a load it abandons on this error
                 self.verifier.close_run(wait_host=True)
@@ -706,8 +748,8 @@ class HostPool(PageAccess):
             drops.raise_if_dropped()
         if self.verifier is not None and self.verifier.flagged():
             self.verifier.raise_if_failed()
-        seq = drops.seq = drops.seq + 1  # DropReport.begin, inline: this is the hot path
-        self._drop_calls[seq & HISTORY_MASK] = (op, layer_id, n)
+        seq = self._call_now.seq = next(self._drop_numbers)  # DropReport.begin, inline: this is the hot path
+        self._drop_calls[seq & HISTORY_MASK] = (op, layer_id, n, seq)
         if self._items_are_pages:
             host_indices = self._page_items(host_indices, "host_indices")
             device_indices = self._page_items(device_indices, "device_indices")
@@ -750,7 +792,7 @@ class HostPool(PageAccess):
         flag = self._malformed_on_device
         if flag is None or flag.device != slots.device:
             flag = self._malformed_on_device = torch.zeros(1, dtype=torch.int64, device=slots.device)
-        bad = whole_pages_mask(slots, self.page_size).to(torch.int64) * self._drops.seq
+        bad = whole_pages_mask(slots, self.page_size).to(torch.int64) * self._call_now.seq
         # A running maximum, so that a later good call can never overwrite an earlier bad one.
         torch.maximum(flag, bad.reshape(1), out=flag)
         self._drops.word[1:2].copy_(flag, non_blocking=True)
@@ -759,9 +801,9 @@ class HostPool(PageAccess):
         """Release the host buffers and everything bound to them; every later call raises "destroyed".
 
         Implementations, the transfer plan, the page views and cached indices all hold views of
-        the buffers, so all of them are dropped; pinned memory goes back to the system (torch's
-        pinned-memory cache is emptied). Views of the buffers that the caller kept stay valid and
-        keep their memory alive.
+        the buffers, so all of them are dropped; the host memory (:mod:`hicache_core.host_memory`) is
+        unpinned and unmapped when its last view goes. Views of the buffers that the caller kept stay
+        valid and keep their memory alive (and pinned) until they go.
         """
         if self._destroyed:
             return
@@ -769,6 +811,9 @@ class HostPool(PageAccess):
         self._impls.clear()
         self._cache.clear()
         self._malformed_on_device = None
+        # The drop word's memory goes with the pool: nothing may read its address after this.
+        self._drops = None  # type: ignore[assignment]
+        self._drop_word = ctypes.c_int64(0)
         self.verifier = None
         self.implementations = {}
         for attr in [b.attr for b in self.spec.buffers] + [a.attr for a in self.spec.aliases]:

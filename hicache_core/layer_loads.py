@@ -19,16 +19,32 @@ work enqueued earlier, so no cycle can form, whatever the number of hardware que
 error that names the layer, never a hang. Nothing here uses stream memory operations.
 
 An error raised while a layer is submitted is kept by the job and raised by every wait on
-that layer or a later one (and by :meth:`LayerLoad.result`); the layers before it are
-complete. The next job runs as usual.
+that layer or a later one (and by :meth:`LayerLoad.result`) as soon as the thread met it;
+the thread submits nothing more of that job, and the next job runs as usual. The layers
+before the failing one were *submitted*, and their waits return; on CUDA their copies, and
+whatever part of the failing layer was enqueued before it raised, may still be running when
+the error is raised. So is a load whose wait timed out: its thread goes on submitting it.
+Before freeing or reusing a failed or abandoned load's rows, wait until it *settled*:
+:meth:`LayerLoad.wait_settled` (a host wait that returns whether it settled and never raises
+the load's error) or :attr:`LayerLoad.settled_event` (an event that completes once every copy
+the load enqueued has finished, error or not). The thread records that event on its stream
+after the last copy it enqueued for the job, so waiting on it never waits on work not yet
+submitted. :meth:`LayerLoad.cancel` stops the submission of layers not yet submitted (after a
+timeout, say), so that the load settles soon. The finish event (and ``synchronize()``) raise
+a failed load's error only once it settled.
 
 On the CPU (device pools in host memory: tests, demos, CPU servers) the same thread runs the
 copies themselves, so "submitted" means "done" and a wait is a host wait only: the schedule
 is the same, which is what the CPU tests check.
+
+After ``os.fork()`` the child has no loader thread: the child's :func:`layer_loader` makes a
+new loader (a CUDA one raises torch's error about CUDA in a forked child at once), and a
+loader or a load made before the fork raises at once in the child, saying so.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -54,6 +70,14 @@ class LayerLoadTimeout(TimeoutError):
     """A consumer waited longer than the loader's bound for a layer to be submitted."""
 
 
+class LayerLoadCancelled(RuntimeError):
+    """The cause of a cancelled load's :class:`LayerLoadError`: layers not submitted before :meth:`LayerLoad.cancel`."""
+
+
+class ForkedLoaderError(RuntimeError):
+    """A loader or load made before ``os.fork()`` was used in the child, where its thread does not exist."""
+
+
 def timeout_from_env() -> float:
     """``HICACHE_LOAD_TIMEOUT_S`` (seconds, > 0), or the default; a bad value names the variable."""
     return TIMEOUT.read()
@@ -65,7 +89,8 @@ class LayerLoad:
     ``layers`` steps; ``wait(l)`` orders a stream after layer ``l`` (host wait until it was
     submitted, then an event wait); ``result()`` waits until every layer was submitted.
     ``finish_event`` and ``start_event`` stand in for CUDA events recorded by the submitting
-    thread (see :class:`PendingEvent`).
+    thread (see :class:`PendingEvent`). After an error or a timeout, ``wait_settled()`` and
+    ``settled_event`` wait until every copy the load enqueued has finished (see the module's text).
     """
 
     def __init__(self, loader: LayerLoader, layers: int, what: str, timing: bool) -> None:
@@ -81,6 +106,8 @@ class LayerLoad:
         self._done = False  # the thread is through with this job (finished or failed)
         self._start: Any = None
         self._finish: Any = None
+        self._settle: Any = None  # recorded after the job's last enqueued copy (None on the CPU)
+        self._cancel: str | None = None  # why the consumer cancelled the layers not yet submitted
         self.submitted_at: float | None = None  # perf_counter() when the thread took the job
         self.finish_event = PendingEvent(self, "finish")
         self.start_event = PendingEvent(self, "start")
@@ -98,9 +125,9 @@ class LayerLoad:
             self._error, self._failed_layer = exc, layer
             self._cond.notify_all()
 
-    def _close(self, start: Any, finish: Any) -> None:
+    def _close(self, start: Any, finish: Any, settle: Any) -> None:
         with self._cond:
-            self._start, self._finish, self._done = start, finish, True
+            self._start, self._finish, self._settle, self._done = start, finish, settle, True
             self._cond.notify_all()
 
     # ---- the consumer's side ----------------------------------------------------------------
@@ -115,6 +142,7 @@ class LayerLoad:
         return self._error
 
     def _await(self, ready: Callable[[], bool], what: str, timeout: float | None = None) -> None:
+        self.loader._check_process(self)
         bound = self.loader.timeout_s if timeout is None else timeout
         deadline = None
         with self._cond:
@@ -177,10 +205,74 @@ class LayerLoad:
             self._raise_for(self._failed_layer or 0)
 
     def synchronize(self) -> None:
-        """Wait until every layer's copies are done (submitted, then the last event completed)."""
-        self.result()
+        """Wait until every layer's copies are done (submitted, then the last event completed).
+
+        A failed load's error is raised once the load settled (every copy it enqueued finished)."""
+        try:
+            self.result()
+        except LayerLoadError:
+            _settle_then_raise(self)
         if self._finish is not None:
             self._finish.synchronize()
+
+    # ---- after an error or a timeout --------------------------------------------------------
+
+    def cancel(self, reason: str = "cancelled by its consumer") -> None:
+        """Submit no layer of this load that is not submitted yet; they fail with :class:`LayerLoadCancelled`.
+
+        A layer being submitted when this is called completes (its wait returns); the next one fails.
+        Use it when the load is abandoned (after a timeout, say), then :meth:`wait_settled`. No effect on
+        a load that is through."""
+        self._cancel = str(reason)
+
+    def settled(self) -> bool:
+        """Whether every copy this load enqueued has finished, error or not (a host-side question; no wait).
+
+        True once the loader's thread is through with the load and, on CUDA, the event it recorded
+        after the load's last enqueued copy completed."""
+        if not self._done:
+            return self.loader._forked()  # a load of the parent's: no copy of it runs in this process
+        return _complete(self._settle)
+
+    def wait_settled(self, timeout: float | None = None) -> bool:
+        """Wait until :meth:`settled`; ``True`` once it is, ``False`` if ``timeout`` passed first.
+
+        ``timeout``: seconds (default: the loader's bound, ``HICACHE_LOAD_TIMEOUT_S``). Never raises the
+        load's error: this is the wait before freeing or reusing a failed or abandoned load's rows. After
+        ``False`` the copies may still run: keep the rows out of use (or wait again)."""
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        deadline = time.monotonic() + (self.loader.timeout_s if timeout is None else timeout)
+        if not self._through(deadline):
+            return False
+        event = self._settle
+        if event is None:
+            return True
+        pause = 2e-5
+        while not _complete(event):  # polled rather than event.synchronize(), which has no bound
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 1e-3)
+        return True
+
+    def _through(self, deadline: float) -> bool:
+        """Host wait until the thread is through with this load (or the load is the parent's); False at ``deadline``."""
+        if self._done or self.loader._forked():
+            return True
+        with self._cond:
+            while not self._done:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    @property
+    def settled_event(self) -> SettledEvent:
+        """An event that completes once every copy this load enqueued has finished; never raises the load's error."""
+        return SettledEvent(self)
 
     def __repr__(self) -> str:
         state = "failed" if self._error is not None else "done" if self._done else "in flight"
@@ -192,7 +284,10 @@ class PendingEvent:
 
     ``query()`` is ``False`` until the event is recorded and complete; ``wait(stream)`` and
     ``synchronize()`` first wait on the host until it is recorded (bounded), so that no stream
-    ever waits on an event not yet recorded. Each raises the load's error, if it met one.
+    ever waits on an event not yet recorded. Each raises the load's error, if it met one, once
+    the load settled (every copy it enqueued finished): ``query()`` answers ``False`` until then,
+    ``wait`` and ``synchronize`` wait for it (bounded), so whoever frees the rows on that error
+    frees them after the copies.
     """
 
     def __init__(self, load: LayerLoad, which: str) -> None:
@@ -206,11 +301,12 @@ class PendingEvent:
                 return None
             load._await(lambda: load._done, f"the {self._which} of the load")
         if load._error is not None:
-            load._raise_for(load._failed_layer or 0)
+            _settle_then_raise(load)
         return load._start if self._which == "start" else load._finish
 
     def query(self) -> bool:
-        if not self._load._done:
+        load = self._load
+        if not load._done or (load._error is not None and not load.settled()):
             return False
         event = self._event(False)
         return True if event is None else bool(event.query())
@@ -238,6 +334,73 @@ class PendingEvent:
 
     def __repr__(self) -> str:
         return f"PendingEvent({self._which} of {self._load!r})"
+
+
+class SettledEvent:
+    """Completes once every copy a load enqueued has finished, whether the load succeeded, failed or timed out.
+
+    Usable where a ``torch.cuda.Event`` is waited on: ``query()`` (never raises); ``wait(stream)``
+    and ``synchronize()`` first wait on the host until the loader's thread is through with the load
+    (bounded: :class:`LayerLoadTimeout` if the thread does not get through it in time, the one
+    thing they raise), then on the event the thread recorded after the load's last copy. None of
+    them raises the load's error (see :meth:`LayerLoad.wait_settled`).
+    """
+
+    def __init__(self, load: LayerLoad) -> None:
+        self._load = load
+
+    def query(self) -> bool:
+        return self._load.settled()
+
+    def _late(self, what: str) -> LayerLoadTimeout:
+        load = self._load
+        return LayerLoadTimeout(f"{load.what}: {what} within {load.loader.timeout_s:g} s ({load._submitted} of "
+                                f"{load.layers} layers submitted; {load.loader.describe_state()}); its copies may "
+                                "still run: keep its rows out of use")  # fmt: skip
+
+    def wait(self, stream: Any = None) -> None:
+        """Order ``stream`` (default: the current stream) after every copy of the load (host wait until recorded)."""
+        load = self._load
+        if not load._through(time.monotonic() + load.loader.timeout_s):
+            raise self._late("the loader's thread was not through with it")
+        if load._settle is not None:
+            (stream if stream is not None else torch.cuda.current_stream(load.loader.device)).wait_event(load._settle)
+
+    def synchronize(self) -> None:
+        """Wait on the host until every copy of the load finished."""
+        if not self._load.wait_settled():
+            raise self._late("its copies did not all finish")
+
+    def record(self, stream: Any = None) -> None:
+        raise RuntimeError("a SettledEvent is recorded by the layer loader's thread, not by its users")
+
+    def __repr__(self) -> str:
+        return f"SettledEvent({'settled' if self.query() else 'not settled'}, {self._load!r})"
+
+
+def _complete(event: Any) -> bool:
+    """Whether a recorded event completed (``None``: nothing to wait for)."""
+    if event is None:
+        return True
+    try:
+        return bool(event.query())
+    except RuntimeError:
+        # A sticky CUDA error (the context is lost): no work of this process runs on the device any more.
+        return True
+
+
+def _settle_then_raise(load: LayerLoad) -> None:
+    """Raise ``load``'s error once it settled (bounded by the loader's timeout; the message says if it did not)."""
+    settled = load.wait_settled()
+    try:
+        load._raise_for(load._failed_layer or 0)
+    except LayerLoadError as exc:
+        if settled:
+            raise
+        raise LayerLoadError(
+            f"{exc}; its copies had not all finished after {load.loader.timeout_s:g} s, keep its rows out of use "
+            "until settled_event completes"
+        ) from load._error
 
 
 class _Job:
@@ -272,6 +435,7 @@ class LayerLoader:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._current: tuple[LayerLoad, int, float] | None = None
         self._closed = False
+        self._pid = os.getpid()  # the process whose thread this is (see _after_fork_in_child)
         self._thread = threading.Thread(target=self._run, name=f"hicache-layer-loader-{device}", daemon=True)
         self._thread.start()
 
@@ -289,7 +453,8 @@ class LayerLoader:
         loader's stream, before the finish event: work that follows the whole load (its checks, say).
         Layer events do not wait for it; an error it raises is the last layer's.
         """
-        if self._closed:
+        if self._closed or self._pid != _this_process:
+            self._check_process(None)
             raise RuntimeError(f"this layer loader ({self.device}) is closed")
         if type(layers) is not int or layers < 0:
             raise ValueError(f"layers must be an int >= 0, got {layers!r}")
@@ -299,6 +464,19 @@ class LayerLoader:
         load = LayerLoad(self, layers, what, timing)
         self._queue.put(_Job(load, step, start_event, tuple(keep), finish))
         return load
+
+    def _forked(self) -> bool:
+        """Whether this loader was made in a parent process (its thread is not in this one)."""
+        return self._pid != _this_process
+
+    def _check_process(self, load: LayerLoad | None) -> None:
+        """Raise :class:`ForkedLoaderError` at once where this loader belongs to the process this one forked from."""
+        if self._pid != _this_process:
+            what = f"{load.what!r} was submitted" if load is not None else f"this layer loader ({self.device}) was made"
+            raise ForkedLoaderError(
+                f"{what} in process {self._pid}, which forked this one ({_this_process}); its thread and copies "
+                "stay in that process. Take this process's loader with layer_loader(device) and submit again"
+            )
 
     def describe_state(self) -> str:
         """What the thread is doing now, in words (for timeouts)."""
@@ -333,7 +511,7 @@ class LayerLoader:
                 load = job.load
                 if load._error is None:
                     load._fail(load._submitted, exc)
-                load._close(None, None)
+                load._close(None, None, self._settle_marker())
             finally:
                 self._current = None
 
@@ -348,6 +526,9 @@ class LayerLoader:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
         for layer in range(load.layers):
+            if load._cancel is not None:
+                load._fail(layer, LayerLoadCancelled(f"{load._cancel} before layer {layer} was submitted"))
+                break
             self._current = (load, layer, time.monotonic())
             try:
                 job.step(layer)
@@ -372,9 +553,24 @@ class LayerLoader:
                 if isinstance(t, torch.Tensor) and t.is_cuda:
                     t.record_stream(stream)
             finish = torch.cuda.Event(enable_timing=load.timing)
-            finish.record(stream)
+            finish.record(stream)  # after every copy the job enqueued, failed or not: it is also the settle event
         job.keep = ()
-        load._close(start, finish)
+        load._close(start, finish, finish)
+
+    def _settle_marker(self) -> Any:
+        """After a job failed outside its steps: an event after whatever it enqueued, or a host wait for it."""
+        if self.stream is None:
+            return None
+        try:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            return event
+        except BaseException:  # noqa: BLE001 - no event to give: wait here instead, before the consumers learn
+            try:
+                self.stream.synchronize()
+            except BaseException:  # noqa: BLE001 - a lost context: nothing of this process runs on the device
+                pass
+            return None
 
 
 def _own_stream(device: torch.device) -> torch.cuda.Stream:
@@ -410,6 +606,19 @@ def _create_stream() -> int | None:
 
 _loaders: dict[str, LayerLoader] = {}
 _loaders_lock = threading.Lock()
+_this_process = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's threads: its first layer_loader() call makes its own loader."""
+    global _loaders_lock, _this_process
+    _this_process = os.getpid()
+    _loaders_lock = threading.Lock()  # a parent thread may have held it at the fork
+    _loaders.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def layer_loader(device: torch.device | str) -> LayerLoader:
@@ -430,10 +639,13 @@ def layer_loader(device: torch.device | str) -> LayerLoader:
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ENV_TIMEOUT",
+    "ForkedLoaderError",
     "LayerLoad",
+    "LayerLoadCancelled",
     "LayerLoadError",
     "LayerLoadTimeout",
     "LayerLoader",
     "PendingEvent",
+    "SettledEvent",
     "layer_loader",
 ]

@@ -20,6 +20,8 @@ What is measured:
   never do; a server that wants it records CUDA events around its own calls.
 * ``hicache_host_pool_pages`` {state}: host pool occupancy (``used``, ``capacity``), summed over the
   live host pools of this process, read when a snapshot is taken.
+* ``hicache_host_pinned_bytes`` {pool}: host memory pinned by the live host pools of this process (their
+  buffers, checksum tables and drop words) and by staging buffers, per pool label, read when a snapshot is taken.
 * ``hicache_l3_pages_total`` {op, outcome}: every L3 page read or written, by its outcome
   (``ok``, ``missing``, ``corrupt``, ``mismatch``, ``auth_failed``, ``full``, ``error``, ``timeout``, ...).
 * ``hicache_l3_bytes_total`` {op}: bytes of L3 pages moved (header included).
@@ -242,6 +244,8 @@ TRANSFER_BYTES = Counter("hicache_transfer_bytes_total", "Host pool transfer byt
 TRANSFER_SUBMIT = Histogram("hicache_transfer_submit_seconds", "Host time to submit one host pool transfer call "
                             "(not GPU time)", ("op", "impl"))  # fmt: skip
 HOST_POOL_PAGES = Gauge("hicache_host_pool_pages", "Host pool pages of this process's live pools", ("state",))
+HOST_PINNED_BYTES = Gauge("hicache_host_pinned_bytes", "Host memory pinned by this process's live host pools, tables "
+                          "and staging buffers, per pool", ("pool",))  # fmt: skip
 L3_PAGES = Counter("hicache_l3_pages_total", "L3 pages read or written, by outcome", ("op", "outcome"))
 L3_BYTES = Counter("hicache_l3_bytes_total", "L3 bytes moved (pages read or written ok, header included)", ("op",))
 L3_PREFETCH = Counter("hicache_l3_prefetch_pages_total", "Pages L3 prefetches asked for: hit, or miss by reason",
@@ -251,8 +255,9 @@ L3_AUTH_FAILURES = Counter("hicache_l3_auth_failures_total", "L3 pages read that
                            "by why", ("why",))  # fmt: skip
 DROPPED_INDICES = Counter("hicache_dropped_indices_total", "Transfer calls whose indices a kernel masked")
 
-METRICS: tuple[_Metric, ...] = (TRANSFER_PAGES, TRANSFER_BYTES, TRANSFER_SUBMIT, HOST_POOL_PAGES, L3_PAGES, L3_BYTES,
-                                L3_PREFETCH, CHECKSUM_FAILURES, L3_AUTH_FAILURES, DROPPED_INDICES)  # fmt: skip
+METRICS: tuple[_Metric, ...] = (TRANSFER_PAGES, TRANSFER_BYTES, TRANSFER_SUBMIT, HOST_POOL_PAGES, HOST_PINNED_BYTES,
+                                L3_PAGES, L3_BYTES, L3_PREFETCH, CHECKSUM_FAILURES, L3_AUTH_FAILURES,
+                                DROPPED_INDICES)  # fmt: skip
 
 _POOLS: weakref.WeakSet = weakref.WeakSet()
 
@@ -274,6 +279,15 @@ def _pool_pages() -> dict[tuple, float]:
 
 
 HOST_POOL_PAGES.set_function(_pool_pages)
+
+
+def _pinned_bytes() -> dict[tuple, float]:
+    from .host_memory import pinned_bytes_by_label
+
+    return {(label,): n for label, n in pinned_bytes_by_label().items() if n}
+
+
+HOST_PINNED_BYTES.set_function(_pinned_bytes)
 
 
 _TRANSFER_CHILDREN: dict[tuple[str, str], tuple[Any, Any, Any]] = {}

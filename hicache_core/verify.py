@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from . import metrics as _metrics
+from .host_memory import host_tensor
 from .page_checksum import ENTRY_COLUMNS, NO_CHECKSUM, checksum_rows, groups_per_page, row_words, seed, tile_shape
 from .settings import flag
 
@@ -103,7 +104,8 @@ class PageVerifier:
 
     def __init__(self, plan: Any, page_size: int, describe: Callable[[int], tuple],
                  move: Callable[[torch.Tensor, torch.device], torch.Tensor], *,
-                 kernel: bool | None = None, last_layers: tuple[int, ...] = ()) -> None:  # fmt: skip
+                 kernel: bool | None = None, last_layers: tuple[int, ...] = (),
+                 label: str = "host pool") -> None:  # fmt: skip
         geometry = plan.geometry
         self.tokens = plan.tokens_per_page
         self.page_size = page_size
@@ -155,12 +157,10 @@ class PageVerifier:
                 raise ValueError("verify=True needs device layers aligned to 4 bytes")
             pinned = True
         #: ``(pages, layers, components, groups)`` int64: the checksum words, indexed by host page.
-        self.table = torch.full(
-            (self.num_pages, self.num_layers, len(self.components), self.groups), NO_CHECKSUM, dtype=torch.int64,
-            pin_memory=pinned,
-        )  # fmt: skip
+        self.table = host_tensor((self.num_pages, self.num_layers, len(self.components), self.groups), torch.int64,
+                                 label=label, name="checksum table", pinned=pinned, fill=NO_CHECKSUM)  # fmt: skip
         # Word 0: a call whose check failed; then one word per host page (the number of the call that failed it).
-        self._words = torch.zeros(1 + self.num_pages, dtype=torch.int64, pin_memory=pinned)
+        self._words = host_tensor((1 + self.num_pages,), torch.int64, label=label, name="failure words", pinned=pinned)
         self._flag = ctypes.c_int64.from_address(self._words.data_ptr())
         self._failed = self._words[1:]
         self._describe = describe

@@ -343,8 +343,11 @@ def main() -> int:
                                      "--name", "quick-h200"], 100, bench_env))  # fmt: skip
     steps.append(run("overlap", [py, "-m", "hicache_core.cli", "bench", "--overlap", "--quick", "--out", str(RESULTS),
                                  "--name", "overlap-h200"], 60))  # fmt: skip
+    # Host memory: a 4 GiB pool three ways, hicache's held to the bars (pinned bytes, copy speed, release).
+    steps.append(run("host-memory", [py, "benchmarks/host_memory.py", "--gib", "4", "--check", "--out",
+                                     str(RESULTS / "host-memory-gate-h200.json")], 180))  # fmt: skip
     order = ["suite", "direct-batched", "direct-batch-2d", "stress-kernel", "stress-jit", "layer-loads",
-             "memcheck", "bench-quick", "overlap", "sglang"]  # fmt: skip
+             "memcheck", "bench-quick", "overlap", "host-memory", "sglang"]  # fmt: skip
     steps.sort(key=lambda x: order.index(x["name"]) if x["name"] in order else len(order))
 
     record["passed"] = _ONLY is None and all(s.get("passed") is not False for s in steps)

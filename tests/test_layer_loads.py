@@ -19,6 +19,7 @@ import torch
 from hicache_core import MHADevicePool, make_host_pool
 from hicache_core.layer_loads import (
     ENV_TIMEOUT,
+    LayerLoadCancelled,
     LayerLoader,
     LayerLoadError,
     LayerLoadTimeout,
@@ -368,3 +369,272 @@ def test_model_the_retired_protocol_deadlocks_where_queues_are_shared(queues):
     gpu = Gpu(queues)
     _retired_schedule(gpu, layers=8, consumers=32, rng=random.Random(0))
     assert gpu.drain() is False
+
+
+# ---- after an error or a timeout: waiting out the copies a load enqueued --------------------------------------
+
+
+def test_a_failed_loads_error_comes_at_once_and_wait_settled_waits_out_what_it_enqueued():
+    """Layer 2 fails while work the load enqueued is still running (its finish step, as a verifying pool's
+    checks are; on CUDA, the earlier layers' copies): the layer wait raises at once, the settle waits do not
+    raise, and they return only after that work wrote its last byte."""
+    loader = LayerLoader("cpu", timeout_s=5)
+    rows = torch.zeros(8, dtype=torch.int64)
+    gate, finished = threading.Event(), []
+
+    def step(layer):
+        if layer == 2:
+            raise RuntimeError("planted copy failure")
+        rows[layer] = layer + 1
+
+    def finish():  # work of the load that runs after the failing layer
+        assert gate.wait(10)
+        time.sleep(0.05)
+        rows[7] = 99
+        finished.append(time.monotonic())
+
+    load = loader.submit(4, step, what="planted", finish=finish)
+    with pytest.raises(LayerLoadError, match=r"^planted: layer 2 failed to load \(RuntimeError: planted copy failure"):
+        load.wait(3)
+    assert not load.settled() and not load.settled_event.query() and not finished
+    assert load.finish_event.query() is False  # not yet: it raises the error only once the load settled
+    assert load.wait_settled(timeout=0.05) is False
+    threading.Timer(0.05, gate.set).start()
+    assert load.wait_settled() is True
+    assert finished and rows.tolist() == [1, 2, 0, 0, 0, 0, 0, 99]  # nothing wrote after the wait returned
+    assert load.settled() and load.settled_event.query() and "settled" in repr(load.settled_event)
+    load.settled_event.synchronize()  # never raises the load's error
+    load.settled_event.wait()
+    with pytest.raises(LayerLoadError, match="planted copy failure"):
+        load.finish_event.query()
+    loader.close()
+
+
+def test_synchronize_and_the_finish_event_raise_a_failure_only_once_the_load_settled():
+    loader = LayerLoader("cpu", timeout_s=5)
+    gate, finished, raised = threading.Event(), [], []
+
+    def step(layer):
+        raise RuntimeError("planted at layer 0")
+
+    def finish():
+        assert gate.wait(10)
+        finished.append(time.monotonic())
+
+    def consume(wait):
+        try:
+            wait()
+        except LayerLoadError as exc:
+            raised.append((time.monotonic(), str(exc)))
+
+    for wait_on in ("load", "finish_event"):
+        gate.clear()
+        finished.clear()
+        raised.clear()
+        load = loader.submit(3, step, what="planted", finish=finish)
+        wait = load.synchronize if wait_on == "load" else load.finish_event.synchronize
+        consumer = threading.Thread(target=consume, args=(wait,))
+        consumer.start()
+        consumer.join(0.2)
+        assert consumer.is_alive() and not raised, f"{wait_on}: raised before the load settled"
+        gate.set()
+        consumer.join(10)
+        assert len(raised) == 1 and raised[0][0] >= finished[0], wait_on
+        assert "layer 0 failed to load (RuntimeError: planted at layer 0)" in raised[0][1]
+    loader.close()
+
+
+def test_a_timed_out_load_is_cancelled_and_settles_before_its_rows_are_reused():
+    """A consumer that gives up on a slow load (its wait timed out) cancels it: the layer being submitted
+    completes, no later layer is submitted, and wait_settled returns once the thread is through with it."""
+    loader = LayerLoader("cpu", timeout_s=0.2)
+    release, stepped = threading.Event(), []
+
+    def step(layer):
+        stepped.append(layer)
+        if layer == 1:
+            assert release.wait(10)
+
+    load = loader.submit(4, step, what="slow")
+    load.wait(0)
+    with pytest.raises(LayerLoadTimeout, match="^slow: layer 3 was not submitted within 0.2 s"):
+        load.wait(3)
+    load.cancel("the request was aborted")
+    assert load.wait_settled(timeout=0.05) is False  # layer 1 is still being submitted
+    with pytest.raises(LayerLoadTimeout, match=r"the loader's thread was not through with it within 0.2 s .*keep "
+                                               r"its rows out of use"):  # fmt: skip
+        load.settled_event.wait()
+    release.set()
+    assert load.wait_settled() is True and stepped == [0, 1]
+    load.wait(1)  # the layer being submitted when it was cancelled completed
+    with pytest.raises(LayerLoadError, match=r"layer 2 failed to load \(LayerLoadCancelled: the request was "
+                                             r"aborted before layer 2 was submitted\)") as caught:  # fmt: skip
+        load.wait(3)
+    assert isinstance(caught.value.__cause__, LayerLoadCancelled)
+    after = loader.submit(2, stepped.append)
+    after.result()
+    assert stepped == [0, 1, 0, 1]
+    load.cancel()  # no effect on a load that is through
+    loader.close()
+
+
+def test_a_successful_load_settles_with_its_last_layer():
+    dev, host = _pools()
+    h = host.alloc(16)
+    host.backup_from_device_all_layer(dev, h, torch.arange(16), "direct")
+    written = _written(dev, torch.arange(16))
+    dst = torch.arange(32, 48)
+    load = host.submit_load(dev, h, dst, "direct")
+    load.settled_event.synchronize()
+    assert load.settled() and load.wait_settled() and load.finish_event.query()
+    assert all(_equal(dev, dst, written, layer) for layer in range(LAYERS))
+    with pytest.raises(ValueError, match="timeout must be > 0 seconds, got -1"):
+        load.wait_settled(timeout=-1)
+    with pytest.raises(RuntimeError, match="recorded by the layer loader's thread"):
+        load.settled_event.record()
+
+
+# ---- os.fork(): the child gets a loader of its own --------------------------------------------------------------
+
+
+def _in_forked_child(run, timeout_s: float = 30.0) -> dict:
+    """``run()`` in a child made by os.fork() (multiprocessing's fork start method); its dict of answers, or the
+    traceback it raised. Bounded: a child still running after ``timeout_s`` is killed and reported."""
+    import multiprocessing
+    import traceback
+
+    ctx = multiprocessing.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            writer.send(run())
+        except BaseException:  # noqa: BLE001 - the parent reports it
+            writer.send({"raised": traceback.format_exc()})
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    writer.close()
+    try:
+        if not reader.poll(timeout_s):
+            pytest.fail(f"the forked child gave no answer within {timeout_s:g} s (a loader wait hung?)")
+        answer = reader.recv()
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+    assert "raised" not in answer, answer["raised"]
+    return answer
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # Python 3.12+ warns of fork beside threads
+def test_a_forked_child_gets_a_working_loader_and_a_clear_error_for_the_parents():
+    dev, host = _pools()
+    h = host.alloc(16)
+    host.backup_from_device_all_layer(dev, h, torch.arange(16), "direct")
+    written = _written(dev, torch.arange(16))
+    parents = layer_loader("cpu")
+    parents.submit(1, lambda layer: None).result()  # the parent's loader thread is running
+    gate = threading.Event()
+    held = parents.submit(2, lambda layer: gate.wait(10), what="held in the parent")  # in flight at the fork
+
+    def run() -> dict:
+        import os
+
+        from hicache_core.layer_loads import ForkedLoaderError
+
+        answers: dict = {"pid": os.getpid()}
+        mine = layer_loader("cpu")
+        answers["new loader"] = mine is not parents and mine._thread.is_alive()
+        dst = torch.arange(64, 80)
+        t0 = time.monotonic()
+        load = host.submit_load(dev, h, dst, "direct")  # through layer_loader(): the child's own loader
+        for layer in range(LAYERS):
+            load.wait(layer)
+        answers["loaded in"] = time.monotonic() - t0
+        answers["bytes"] = all(_equal(dev, dst, written, layer) for layer in range(LAYERS))
+        answers["settled"] = load.wait_settled()
+        for name, call in (("submit", lambda: parents.submit(1, lambda layer: None)), ("wait", lambda: held.wait(1))):
+            t0 = time.monotonic()
+            try:
+                call()
+                answers[name] = "no error"
+            except ForkedLoaderError as exc:
+                answers[name] = str(exc)
+            answers[name + " in"] = time.monotonic() - t0
+        answers["held settles"] = held.wait_settled(timeout=1) and held.settled_event.query()
+        return answers
+
+    try:
+        got = _in_forked_child(run)
+    finally:
+        gate.set()
+    assert got["new loader"] and got["bytes"] and got["settled"], got
+    assert got["loaded in"] < 10 and got["submit in"] < 1 and got["wait in"] < 1, got
+    assert got["submit"].startswith("this layer loader (cpu) was made in process ")
+    assert f"which forked this one ({got['pid']}); its thread and copies stay in that process. Take this " \
+           "process's loader with layer_loader(device) and submit again" in got["submit"]  # fmt: skip
+    assert got["wait"].startswith("'held in the parent' was submitted in process "), got["wait"]
+    assert got["held settles"], "a load of the parent's has no copy running in the child"
+    held.result()  # the parent's loader is untouched by the child
+    assert layer_loader("cpu") is parents
+
+
+# ---- on CUDA: a failed load's copies run on after the error, and the settle waits wait them out -------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the loader's stream")
+
+
+@needs_cuda
+def test_on_cuda_a_failed_loads_earlier_copies_run_on_and_the_settle_waits_wait_them_out():
+    loader = LayerLoader("cuda", timeout_s=30)
+    src = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    dst = [torch.zeros_like(src) for _ in range(3)]
+
+    def step(layer):  # on the loader's stream; layer 1's copy queued behind about half a second of GPU time
+        if layer == 2:
+            raise RuntimeError("planted copy failure")
+        if layer == 1:
+            torch.cuda._sleep(1_000_000_000)
+        dst[layer].copy_(src, non_blocking=True)
+
+    for wait_on in ("host", "stream"):
+        for t in dst:
+            t.zero_()
+        torch.cuda.synchronize()
+        load = loader.submit(3, step, what="planted")
+        with pytest.raises(LayerLoadError, match=r"^planted: layer 2 failed to load \(RuntimeError: planted copy"):
+            load.wait(2)
+        assert not load.settled() and not load.settled_event.query()  # layer 1's copy has not run yet
+        assert load.finish_event.query() is False
+        if wait_on == "host":
+            assert load.wait_settled() is True
+            got = [t.clone() for t in dst]
+        else:
+            consumer = torch.cuda.Stream()
+            load.settled_event.wait(consumer)  # enqueued after the event was recorded: no wait on unsubmitted work
+            with torch.cuda.stream(consumer):
+                got = [t.clone() for t in dst]
+            consumer.synchronize()
+        assert torch.equal(got[0], src) and torch.equal(got[1], src) and not got[2].any(), wait_on
+        assert load.settled() and load.settled_event.query()
+        with pytest.raises(LayerLoadError, match="planted copy failure"):
+            load.finish_event.synchronize()
+    loader.close()
+
+
+@needs_cuda
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")
+def test_on_cuda_a_forked_child_gets_torchs_error_at_once_not_a_timeout():
+    layer_loader("cuda").submit(1, lambda layer: None).result()  # CUDA is initialised in the parent
+
+    def run() -> dict:
+        t0 = time.monotonic()
+        try:
+            layer_loader("cuda")
+            return {"error": None, "in": time.monotonic() - t0}
+        except RuntimeError as exc:
+            return {"error": str(exc), "in": time.monotonic() - t0}
+
+    got = _in_forked_child(run)
+    assert got["error"] and "forked subprocess" in got["error"] and got["in"] < 5, got

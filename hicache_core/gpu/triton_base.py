@@ -252,6 +252,7 @@ class TritonImplementation(SMBudget, Implementation):
             raise RuntimeError(f"the anchor tensor is not {self.word_bytes}-byte aligned")
         self.uva_parts = tuple(uva.uva_part(p, self.word_bytes, merge_heads=self.merge_heads) for p in plan.parts)
         self._drops = plan.drop_report
+        self._call_now = plan.drop_report.current  # the calling thread's call number (DropReport.seq)
         self._drop = self._offset(self._drops.address, "the drop word")
         self._get_device = self._get_stream = None
         if self._cuda:
@@ -358,7 +359,7 @@ class TritonImplementation(SMBudget, Implementation):
         if not self._fast_launch or self._get_device() != self._dev_index or not hooks_idle():
             return None
         return self._get_stream(self._dev_index), (self._anchor_ptr, h.data_ptr(), d.data_ptr(), h.stride()[0],
-                                                   d.stride()[0], n, self._drops.seq)  # fmt: skip
+                                                   d.stride()[0], n, self._call_now.seq)  # fmt: skip
 
     def _launch(self, group: LaunchGroup, grid: int, h: torch.Tensor, d: torch.Tensor, n: int, to_device: bool,
                 args: tuple, ready: tuple[int, tuple] | None = None) -> None:  # fmt: skip
@@ -387,7 +388,7 @@ class TritonImplementation(SMBudget, Implementation):
                 call, head = group.fast[fast_key]
                 call(grid, 1, 1, ready[0], *head, *ready[1], *args)
                 return
-        call = (self._anchor, h, d, h.stride()[0], d.stride()[0], n, self._drops.seq, *args)
+        call = (self._anchor, h, d, h.stride()[0], d.stride()[0], n, self._call_now.seq, *args)
         start = time.perf_counter()
         if self._cuda:
             with torch.cuda.device(self._dev_index), _ScratchAllocator(self._dev_index):

@@ -6,12 +6,13 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from ..lazy import Moved, lazy_face
 
 #: Options (URL query or keyword) whose values are secrets: never printed (see :func:`redact_text`).
-SECRET_OPTIONS = frozenset({"password", "passwd", "pass", "token", "secret", "auth"})
+#: ``key_id`` (an S3 access key id) names the account a secret signs for: shown nowhere either.
+SECRET_OPTIONS = frozenset({"password", "passwd", "pass", "token", "secret", "auth", "key_id"})
 
 _OPTION_NAMES = "|".join(sorted(SECRET_OPTIONS, key=len, reverse=True))
 #: ``password=value``, ``password: value``, ``'password': 'value'`` (a dict's repr), ``?token=value&``.
@@ -93,6 +94,21 @@ def scrub_exception(exc: BaseException, secrets: Iterable[str] = ()) -> BaseExce
     return exc
 
 
+def parse_query(query: str) -> dict[str, str]:
+    """A URL's ``name=value&...`` options, each percent-decoded; a literal ``+`` stays a ``+``.
+
+    A storage URL is not a submitted form: a secret such as an S3 secret key holds ``+`` and ``/``
+    as they are, and reading ``+`` as a space (``parse_qsl``) would silently change it. ``%2B``,
+    ``%2F`` and ``%20`` decode to ``+``, ``/`` and a space.
+    """
+    out: dict[str, str] = {}
+    for item in query.split("&"):
+        if item:
+            name, _, value = item.partition("=")
+            out[unquote(name)] = unquote(value)
+    return out
+
+
 @dataclass(frozen=True)
 class StorageURL:
     """A parsed storage URL: ``scheme://[user[:password]@][host[:port]]/path?option=value&...``.
@@ -136,7 +152,7 @@ class StorageURL:
             port = parts.port
         except ValueError as exc:
             raise ValueError(f"bad port in storage URL {redact_url(url)!r}: {redact_url(str(exc))}") from None
-        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        query = parse_query(parts.query)
         user = unquote(parts.username) if parts.username else None
         password = unquote(parts.password) if parts.password is not None else None
         return cls(url, parts.scheme.lower(), parts.hostname, port, unquote(parts.path), query, user, password)

@@ -198,6 +198,10 @@ def stress(rounds: int, seed: int = 1) -> dict:
             box[0].synchronize()
         except LayerLoadError:
             counts["failed_rounds"] += fail_at is not None
+            # synchronize() raises a failed load's error only once its copies finished: the next round zeroes
+            # these rows on another stream.
+            if not box[0].settled():
+                problems.append(f"round {round_}: synchronize() raised before the failed load settled")
         counts["rounds"] += 1
         counts["slow_rounds"] += slow
         if len(problems) > 20:

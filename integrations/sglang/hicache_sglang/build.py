@@ -23,7 +23,7 @@ from hicache_core.host_pool import ENV_VALIDATE as ENV_VALIDATE
 
 from . import metrics, scales
 from .errors import NotServedError
-from .host_memory import check_host_memory
+from .host_memory import sglang_budget
 from .identity import log_pool
 from .pool import DeviceView, SGLangHostPool, SGLangMHAHostPool, SGLangMLAHostPool
 
@@ -158,12 +158,11 @@ def build_kv_host_pool(
         tokens = _host_tokens(memory, host_size, capacity, page_size, bytes_per_token)
     else:  # a sidecar on another pool's slots (SGLang's non-packed drafts): exactly that many, no padding page
         tokens = _exact_tokens(host_token_capacity, page_size, label)
-    check_host_memory(tokens * bytes_per_token, label)
     if scaled is not None:  # first: its layout and io backend are the narrower ones
         scale_view, scale_core = scales.make_scale_core(scaled, layout=layout, io_backend=io_backend, tokens=tokens,
                                                         label=label)  # fmt: skip
     core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size, size=tokens,
-                             draft_pools=draft_views)  # fmt: skip
+                             draft_pools=draft_views, label=label, host_memory_check=sglang_budget(label))  # fmt: skip
     metrics.start()  # hicache's figures beside SGLang's /metrics, when SGLang's metrics are on
     common = dict(
         view=view,

@@ -1,13 +1,18 @@
 """SGLang's host-memory budget, checked before any host pool allocates, and the reserve it keeps free.
 
 SGLang refuses a host pool unless free memory (within cgroup limits) exceeds the pool plus a fixed
-10 GiB reserve (``host_memory_budget_bytes``). Every pool the adapter builds, and the launcher's
-``--hicache-size`` check, go through :func:`check_host_memory`; :data:`RESERVE` lets a small server
+10 GiB reserve (``host_memory_budget_bytes``). Every pool the adapter builds hands
+:func:`sglang_budget` to ``make_host_pool``, which calls it with the bytes that will be mapped and pinned
+(hicache's exact sizes, ``hicache_core.host_memory``) before it takes any; the launcher's ``--hicache-size``
+check goes through :func:`check_host_memory` too; :data:`RESERVE` lets a small server
 (or a CI machine with 7 GB) keep a smaller reserve, in every process the launcher starts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from hicache_core.host_memory import HostMemoryPlan
 from hicache_core.settings import number
 
 from .errors import NotServedError
@@ -32,6 +37,16 @@ def check_host_memory(requested: int, label: str, *, asking: str = "requesting")
             f"{available / 1e9:.2f} GB are free (SGLang's host-memory budget). Reduce --hicache-size or "
             "--hicache-ratio."
         )
+
+
+def sglang_budget(label: str) -> Callable[[HostMemoryPlan], None]:
+    """``make_host_pool``'s ``host_memory_check``: SGLang's budget, applied to the bytes the pool will map and pin
+    (not the bytes asked), before any of them is taken."""
+
+    def check(plan: HostMemoryPlan) -> None:
+        check_host_memory(plan.mapped, label)
+
+    return check
 
 
 def apply_host_reserve() -> None:

@@ -17,15 +17,21 @@ The completion SGLang keeps (its ack, the allocator's transfer-done event, the c
 ``query``, ``wait``, ``synchronize`` and ``elapsed_time`` as CUDA events do. A load whose pools
 are not all hicache's, or whose per-layer callback is not SGLang's counter, runs SGLang's own code.
 ``HICACHE_SGLANG_LAYER_LOADS=sglang`` keeps SGLang's own submission for every load.
+
+A failed or timed-out load never leaves copies running behind SGLang's back: before the forward's
+wait raises, the rest of the load is cancelled and the wait returns only once every copy the load
+enqueued has finished (``LayerLoad.wait_settled``), so SGLang may free or reuse the rows when it
+handles the error; the completion's ``finish_event`` raises the error only once the load settled.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-from hicache_core.layer_loads import LayerLoad, layer_loader
+from hicache_core.layer_loads import LayerLoad, LayerLoadError, LayerLoadTimeout, layer_loader
 from hicache_core.settings import choice
 
 from .pool_api import CoreSlots
@@ -35,6 +41,7 @@ MODE = choice("HICACHE_SGLANG_LAYER_LOADS", CHOICES, default="hicache",
               doc="who submits hicache pools' layer-wise loads: hicache (its layer loader, off the scheduler thread; "
                   "the default) or sglang (SGLang's own loop)")  # fmt: skip
 ENV = MODE.name
+log = logging.getLogger("hicache_sglang")
 _installed: list[tuple[type, str, Any]] = []
 
 
@@ -117,7 +124,22 @@ def _wait(self: Any, layer_index: int, _original: Any = None) -> None:
     load: LayerLoad | None = getattr(self, "_hicache_load", None)
     if load is None:
         return _original(self, layer_index)
-    load.wait(layer_index)
+    try:
+        load.wait(layer_index)
+    except (LayerLoadError, LayerLoadTimeout):
+        settle(load)
+        raise
+
+
+def settle(load: LayerLoad) -> bool:
+    """Before SGLang handles a load's error (and may free or reuse its rows): cancel what is not submitted
+    yet, and wait (bounded) until every copy the load enqueued has finished. False, logged, past the bound."""
+    load.cancel("abandoned by SGLang's forward")
+    if load.wait_settled():
+        return True
+    log.error("hicache: %s did not settle within %g s after it failed (%s); its copies may still write its rows",
+              load.what, load.loader.timeout_s, load.loader.describe_state())  # fmt: skip
+    return False
 
 
 def _finish_event(self: Any) -> Any:
@@ -166,4 +188,4 @@ def uninstall() -> None:
         setattr(owner, name, old)
 
 
-__all__ = ["CHOICES", "ENV", "install", "mode", "submit_host_to_device", "uninstall"]
+__all__ = ["CHOICES", "ENV", "install", "mode", "settle", "submit_host_to_device", "uninstall"]

@@ -26,6 +26,7 @@ import torch
 import hicache_core as hc
 
 from .errors import NotServedError
+from .host_memory import sglang_budget
 from .pool import SGLangMHAHostPool
 
 #: What hicache serves for scale-carrying MHA KV, named in every refusal.
@@ -88,7 +89,8 @@ def make_scale_core(info: Any, *, layout: str, io_backend: str, tokens: int, lab
     view = ScaleView(list(info.scales.k), list(info.scales.v), page_size=info.page_size)
     try:
         core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=info.page_size,
-                                 size=tokens)  # fmt: skip
+                                 size=tokens, label=f"{label}: scales",
+                                 host_memory_check=sglang_budget(f"scale sidecar of the {label}"))  # fmt: skip
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(the scale sidecar of the {label}; hicache-sglang serves {SERVED})")
         raise

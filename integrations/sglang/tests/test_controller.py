@@ -10,6 +10,7 @@ passes layer ids local to its device pool there.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -212,13 +213,48 @@ def test_a_failed_layer_raises_in_the_forwards_wait(monkeypatch):
     monkeypatch.setattr(type(host), "load_to_device_per_layer_physical", failing_physical)
     producer = controller.start_loading()
     controller.layer_done_counter.set_consumer(producer)
+    load = controller.layer_done_counter.events[producer]._hicache_load
     buffer = dev.get_key_buffer(PP_START)
     got = buffer[load_indices.to(buffer.device)].view(torch.uint8).cpu().reshape(len(load_indices), -1)
     assert torch.equal(got, written[0][0])
     for layer in (1, 2):
         with pytest.raises(LayerLoadError, match=r"layer 1 failed to load \(RuntimeError: planted copy failure\)"):
             dev.get_key_buffer(PP_START + layer)
+        assert load.settled()  # SGLang learns of the error once every copy of the load finished
     with pytest.raises(LayerLoadError, match="planted copy failure"):
+        controller.ack_load_queue.pop().finish_event.synchronize()
+
+
+def test_a_timed_out_layer_wait_cancels_the_load_and_raises_once_it_settled(monkeypatch):
+    """The forward gives up on a layer (a timeout): the adapter cancels the rest of the load and raises only once
+    the layer being copied is through, so SGLang never frees rows a copy still writes; no later layer is copied."""
+    from hicache_core.layer_loads import LayerLoadError, LayerLoadTimeout, layer_loader
+
+    dev, host, controller, written, load_indices = _loaded_into("mha", "page_first_direct", "direct", seed=41)
+    physical = type(host).load_to_device_per_layer_physical
+    gate, copied = threading.Event(), []
+
+    def held_physical(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw):
+        if layer_id == 1:
+            assert gate.wait(10)
+        physical(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw)
+        copied.append((layer_id, time.monotonic()))
+
+    monkeypatch.setattr(type(host), "load_to_device_per_layer_physical", held_physical)
+    monkeypatch.setattr(layer_loader(dev.device), "timeout_s", 0.2)
+    producer = controller.start_loading()
+    controller.layer_done_counter.set_consumer(producer)
+    load = controller.layer_done_counter.events[producer]._hicache_load
+    dev.get_key_buffer(PP_START)
+    threading.Timer(0.4, gate.set).start()
+    with pytest.raises(LayerLoadTimeout, match="layer 2 was not submitted within 0.2 s"):
+        dev.get_key_buffer(PP_START + 2)
+    raised_at = time.monotonic()
+    assert [layer for layer, _ in copied] == [0, 1] and raised_at >= copied[-1][1]
+    assert load.settled()
+    assert all(torch.equal(a, b) for a, b in zip(device_rows(dev, "mha", 1, load_indices), written[1]))
+    with pytest.raises(LayerLoadError, match=r"layer 2 failed to load \(LayerLoadCancelled: abandoned by SGLang's "
+                                             r"forward before layer 2 was submitted\)"):  # fmt: skip
         controller.ack_load_queue.pop().finish_event.synchronize()
 
 

@@ -13,8 +13,12 @@ vLLM's CUDA wheel cannot go. Semantics are vLLM's ``OffloadingWorker``'s:
   the store still reads it);
 * ``wait(jobs)`` returns once those jobs are finished in that sense;
 * a job that cannot deliver its bytes (a page the store no longer holds or that fails its
-  checksum) raises, in ``get_finished`` or ``wait``: vLLM 0.32's connector has no path for a failed
-  load, and a request must never run on KV that did not arrive.
+  checksum, a layer whose copies failed) is reported by ``get_finished`` as failed, once, with a
+  :class:`TransferFailed` that says why (``Finished.error``), and only once every copy it enqueued
+  has finished (the layer loader's settle wait), so that vLLM may free or reuse its blocks; the
+  other jobs go on being reported. vLLM 0.32's connector asserts that every job succeeded (it has
+  no path for a failed load): there the engine stops, with the reason logged, rather than run a
+  request on KV that did not arrive.
 
 Host pages: chunk ``c`` of ``blocks_per_chunk`` device blocks is host pages
 ``c * blocks_per_chunk .. + blocks_per_chunk - 1`` (hicache pages are one device block).
@@ -34,6 +38,7 @@ import numpy as np
 import torch
 
 from hicache_core import BACKUP_ALL, LOAD, make_host_pool
+from hicache_core.layer_loads import LayerLoad, LayerLoadError
 
 from .errors import NotServedError
 from .pool_kind import VllmPagePool
@@ -70,13 +75,17 @@ class Job:
     started: float
     event: Any = None  # torch.cuda.Event recorded after the device copies
     start_event: Any = None
+    load: LayerLoad | None = None  # a load's layer-wise copies (event is its finish event)
     future: Future | None = None
     seconds: float | None = None
     error: BaseException | None = field(default=None, repr=False)
 
     def done(self) -> bool:
+        """Whether every copy of the job has finished, failed or not (never raises)."""
         if self.future is not None and not self.future.done():
             return False
+        if self.load is not None:
+            return self.load.settled()
         if self.event is not None and not self.event.query():
             return False
         return True
@@ -84,12 +93,21 @@ class Job:
 
 @dataclass(frozen=True)
 class Finished:
-    """A finished job, for vLLM's ``TransferResult``: bytes over the device link and the seconds it took."""
+    """A finished job, for vLLM's ``TransferResult``: bytes over the device link and the seconds it took.
+
+    ``error`` is set where the job failed (its bytes did not all land; every copy it made has finished).
+    """
 
     job_id: int
     is_load: bool
     num_bytes: int
     seconds: float
+    error: TransferFailed | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the job delivered its bytes."""
+        return self.error is None
 
 
 class BlockMover:
@@ -147,6 +165,7 @@ class BlockMover:
             size=self.num_chunks * self.blocks_per_chunk * self.block_size,
             pin_memory=pin_memory,
             operations=[LOAD, BACKUP_ALL],
+            label=f"vLLM offload host tier (rank {tp_rank} of {tp_size})",
         )
         self.cuda = self.device_pool.device.type == "cuda"
         self.storage = None
@@ -158,7 +177,7 @@ class BlockMover:
             self.storage = make_storage(
                 storage_url, self.host, model_id=model_id, tp_rank=tp_rank, tp_size=tp_size,
                 **dict(storage_options or {}),
-            )
+            )  # fmt: skip
         self._streams: dict[bool, Any] = {}
         self._io: ThreadPoolExecutor | None = None
         self._jobs: dict[int, Job] = {}
@@ -246,30 +265,45 @@ class BlockMover:
         self._jobs[job_id] = job
 
     def get_finished(self) -> list[Finished]:
-        """Jobs whose bytes have all landed, since the last call; raises for a job that failed."""
+        """Jobs finished since the last call: those whose bytes all landed, and those that failed (each once,
+        with ``error`` set, after every copy it made finished). Never raises for a job's failure."""
         out = []
         for job_id in [j for j, job in self._jobs.items() if job.done()]:
             job = self._jobs.pop(job_id)
-            out.append(self._result(job))
+            finished = self._result(job)
+            if finished.error is not None:
+                log.error("hicache-vllm: %s", finished.error)
+            out.append(finished)
         return out
 
     def wait(self, job_ids: set[int] | Sequence[int]) -> None:
-        """Block until these jobs are finished (their results still come from ``get_finished``)."""
+        """Block until these jobs are finished, failed or not (their results still come from ``get_finished``).
+
+        Bounded for loads (``HICACHE_LOAD_TIMEOUT_S``): a load whose copies do not finish in time raises
+        :class:`~hicache_core.layer_loads.LayerLoadTimeout` (its blocks must not be reused)."""
         for job_id in job_ids:
             job = self._jobs.get(job_id)
             if job is None:
                 continue
             if job.future is not None:
                 job.future.exception()
-            if job.event is not None:
+            if job.load is not None:
+                job.load.settled_event.synchronize()
+            elif job.event is not None:
                 job.event.synchronize()
 
     def shutdown(self) -> None:
-        """Finish every job in flight, then release the store and the host pool."""
+        """Finish every job in flight, then release the store and the host pool.
+
+        Raises the first error met: a wait that timed out, or a job that failed and was never reported."""
         errors = []
         for job in list(self._jobs.values()):
             try:
                 self.wait([job.job_id])
+                if job.done():
+                    failed = self._result(job).error
+                    if failed is not None:
+                        errors.append(failed)
             except Exception as exc:  # noqa: BLE001 - every job is drained before the first error is raised
                 errors.append(exc)
         self._jobs.clear()
@@ -329,6 +363,7 @@ class BlockMover:
                                      timing=self.cuda)  # fmt: skip
         job.event = load.finish_event
         job.start_event = load.start_event if self.cuda else None
+        job.load = load
 
     def _write_through(self, event, keys: list[str], host_slots: torch.Tensor) -> None:
         if event is not None:
@@ -356,15 +391,27 @@ class BlockMover:
         if count:
             self._load(job, host_slots, dev_slots, after)
         if job.event is not None:
-            job.event.synchronize()
+            job.event.synchronize()  # a failed load raises here once every copy it made finished
+
+    def _error(self, job: Job) -> TransferFailed | None:
+        """Why a finished job did not deliver its bytes, or ``None``."""
+        exc = job.future.exception() if job.future is not None else None
+        if exc is None and job.load is not None and job.load.error is not None:
+            try:
+                job.load.result()
+            except LayerLoadError as failed:
+                exc = failed
+        if exc is None or isinstance(exc, TransferFailed):
+            return exc
+        error = TransferFailed(f"job {job.job_id} failed: {type(exc).__name__}: {exc}; the request it serves cannot "
+                               "run on KV that did not arrive")  # fmt: skip
+        error.__cause__ = exc
+        return error
 
     def _result(self, job: Job) -> Finished:
-        if job.future is not None:
-            exc = job.future.exception()
-            if exc is not None:
-                if isinstance(exc, TransferFailed):
-                    raise exc
-                raise TransferFailed(f"job {job.job_id} failed: {type(exc).__name__}: {exc}") from exc
+        error = self._error(job)
+        if error is not None:
+            return Finished(job.job_id, job.is_load, job.num_bytes, time.perf_counter() - job.started, error)
         seconds = job.seconds
         if job.event is not None and job.start_event is not None:
             seconds = job.start_event.elapsed_time(job.event) * 1e-3

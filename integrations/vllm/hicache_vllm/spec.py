@@ -82,7 +82,7 @@ class StorageProbe:
         pages = [torch.zeros(1, page_bytes, dtype=torch.int8) for _ in range(num_layers)]
         self._device = VllmPagePool(pages, block_size)
         self._host = make_host_pool(self._device, layout=options.layout, io_backend="auto", size=block_size,
-                                    pin_memory=False)  # fmt: skip
+                                    pin_memory=False, label="vLLM scheduler's L3 probe")  # fmt: skip
         self.storage = make_storage(options.storage_url, self._host, model_id=model_id, **dict(options.storage_options))
 
     def exists(self, key: OffloadKey) -> bool:
@@ -207,7 +207,11 @@ class HicacheOffloadingWorker(OffloadingWorker):
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        return [TransferResult(f.job_id, True, f.num_bytes, f.seconds) for f in self.mover.get_finished()]
+        """Finished jobs as vLLM's results: a failed job (its copies all finished) once, with ``success=False``,
+        after the healthy ones; the mover logs its :class:`~hicache_vllm.mover.TransferFailed`. vLLM 0.32's
+        connector asserts success, so a failure stops the engine there, never a request on missing KV."""
+        finished = sorted(self.mover.get_finished(), key=lambda f: not f.ok)
+        return [TransferResult(f.job_id, f.ok, f.num_bytes, f.seconds) for f in finished]
 
     def wait(self, job_ids: set[int]) -> None:
         self.mover.wait(job_ids)

@@ -217,10 +217,13 @@ def test_l3_page_that_fails_its_checksum_is_never_reported_loaded(tmp_path):
         data[-1] ^= 0xFF
         f.write_bytes(bytes(data))
     m2 = mover(cache, storage_url=url, model_id="tiny")
+    before = [t[0].clone() for t in cache]
     m2.submit_load(2, np.array([3]), np.array([0]), fetch=[(0, "bb01")])
     m2.wait({2})
-    with pytest.raises(TransferFailed, match="could not be read back"):
-        m2.get_finished()
+    (failed,) = m2.get_finished()  # reported failed, once; the device block untouched
+    assert failed.job_id == 2 and not failed.ok and isinstance(failed.error, TransferFailed)
+    assert "1 of 1 pages could not be read back" in str(failed.error)
+    assert all(torch.equal(t[0], b) for t, b in zip(cache, before)) and m2.get_finished() == []
     with pytest.raises(ValueError, match="no store"):
         mover(cache).submit_load(3, np.array([0]), np.array([0]), fetch=[(0, "x")])
     m2.shutdown()

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from hicache_core.host_memory import host_tensor
 from hicache_core.storage.backend import (
     Capabilities,
     ObjectMissing,
@@ -214,7 +215,8 @@ class MooncakeStorage(StorageBackend):
         """This thread's registered scratch for page headers (one slot per page of a batch)."""
         arena = getattr(self._local, "arena", None)
         if arena is None:
-            arena = torch.zeros(ARENA_SLOTS * HEADER_SIZE, dtype=torch.uint8)
+            arena = host_tensor((ARENA_SLOTS * HEADER_SIZE,), torch.uint8, pinned=False, label="mooncake:// headers",
+                                name=f"arena {threading.get_ident()}")  # fmt: skip
             self._register(arena.data_ptr(), arena.numel())
             with self._lock:
                 self._arenas.append(arena)

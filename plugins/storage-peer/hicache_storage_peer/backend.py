@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from hicache_core import slot_events
+from hicache_core.host_memory import host_tensor
 from hicache_core.storage.backend import Capabilities, ObjectMissing, SizeMismatch, StorageBackend, StorageError
 from hicache_core.storage.pages import PageMap, Span
 from hicache_core.storage.url import StorageURL, option_bool, option_float
@@ -365,7 +366,8 @@ class PeerStorage(StorageBackend):
 
     def _staging_for(self, page_bytes: int) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < page_bytes:
-            self._staging = torch.empty(max(self.io_chunk_bytes, page_bytes), dtype=torch.uint8)
+            self._staging = host_tensor((max(self.io_chunk_bytes, page_bytes),), torch.uint8, pinned=False,
+                                        label=f"peer:// reads of {self.owner_id}", name="staging")  # fmt: skip
             self._staging_descs = self._agent.register([(self._staging.data_ptr(), self._staging.numel())])
         return self._staging
 

@@ -11,10 +11,18 @@
   it arrives (the one copy, made while the batch's other requests are in flight), then checked there
   by the core. An object of the wrong size is never copied; a page that fails its check is a miss
   whose slots (reserved for it) hold unspecified bytes, as with every zero-copy backend.
-* Every request is bounded by ``timeout`` (connect by ``connect_timeout``), retried at most
-  ``retries`` times within that time, and every batch by ``timeout`` times its waves of requests:
-  a paused or dead server makes the pages ``timeout`` or ``error``, never a hang.
-* Credentials come from the URL, the environment or a profile (:mod:`.credentials`); no message,
+* Every request is bounded by ``timeout`` (connect by ``connect_timeout``), a failed one retried at
+  most ``retries`` times, and every batch by ``timeout`` times its waves of requests: a paused or
+  dead server makes the pages ``timeout`` or ``error``, never a hang.
+* A throttled request (503 SlowDown, 429) makes the whole batch back off (:mod:`.throttle`): no
+  request starts before the server's ``Retry-After`` (else an exponential backoff), with jitter, and
+  the batch makes at most ``throttle_retries`` more requests in all; past that the pages fail with
+  an error that says the server throttled them.
+* An object above ``part_size`` goes up as a multipart upload (:mod:`.multipart`) that is completed,
+  or aborted: a failure or the batch's deadline never leaves its parts behind.
+* A missing bucket is an error naming it, on the first request that meets it (a ``HEAD`` of a missing
+  bucket answers like a missing key: the first miss checks the bucket once).
+* Credentials come from the URL or AWS's provider chain, refreshed (:mod:`.credentials`); no message,
   ``repr``, statistic or metric label of this backend contains any part of them.
 """
 
@@ -23,7 +31,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
+import random
+import ssl
 import threading
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -40,6 +53,8 @@ from hicache_core.storage.pages import Span
 from hicache_core.storage.url import StorageURL, option_bool, option_bytes, option_float
 
 from .credentials import Settings, resolve
+from .multipart import MultipartUploader
+from .throttle import THROTTLE_RETRIES, Throttle, Throttled, is_throttled, parse_retry_after
 
 #: Requests in flight per batch, and the size above which a page goes up in parts: measured on the
 #: SeaweedFS server of the tests (benchmarks/results/s3-clients.json, docs/storage-s3.md).
@@ -59,16 +74,20 @@ class S3Storage(StorageBackend):
     description: ClassVar[str] = "S3 objects via obstore: one PUT/GET per page, a batch's requests concurrent"
     options_help: ClassVar[dict[str, str]] = {
         "endpoint": "the S3 endpoint URL, http:// or https:// (default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, "
-                    "the profile's endpoint_url, else AWS)",
+        "the profile's endpoint_url, else AWS)",
         "region": "the region (default: AWS_REGION, AWS_DEFAULT_REGION, the profile's, else us-east-1)",
         "profile": "an AWS profile in ~/.aws/credentials and ~/.aws/config (default: AWS_PROFILE, else default)",
-        "key_id": "access key id (prefer the environment or a profile; with secret=)",
+        "key_id": "access key id (never printed; prefer the environment or a profile; with secret=)",
         "secret": "secret access key (never printed)",
         "token": "session token (never printed)",
         "anonymous": "send unsigned requests, for a public bucket (default 0)",
-        "timeout": "seconds any one request may take, retries included (default 10)",
+        "refresh": "seconds between asks of AWS's credential chain for temporary credentials (default 60)",
+        "timeout": "seconds any one request may take; a batch, its retries included, that times its waves + 1 "
+        "(default 10)",
         "connect_timeout": "seconds to connect (default 3)",
-        "retries": "retries of a failed request within its timeout (default 2)",
+        "retries": "retries of a request that failed to connect, lost its connection or got HTTP 5xx (default 2)",
+        "throttle_retries": f"requests a batch may add in all when the server throttles it (503 SlowDown, 429; "
+        f"default {THROTTLE_RETRIES})",
         "concurrency": f"requests in flight per batch (default {CONCURRENCY})",
         "part_size": f"objects above this size go up as multipart uploads of such parts (default {PART_SIZE >> 20}MiB)",
         "ca": "https only: a PEM file of the CA the endpoint's certificate is checked against",
@@ -102,14 +121,10 @@ class S3Storage(StorageBackend):
         self.part_size = option_bytes(options.get("part_size", PART_SIZE), "part_size")
         if self.part_size < 5 << 20:
             raise ValueError(f"option part_size={options.get('part_size')!r}: S3 parts are at least 5MiB")
+        self.throttle_retries = _count(options.get("throttle_retries", THROTTLE_RETRIES), "throttle_retries", 0)
         anonymous = option_bool(options.get("anonymous", False), "anonymous")
-        self.settings: Settings = resolve(options)
-        if anonymous:
-            self.settings = Settings(self.settings.endpoint, self.settings.region, None, self.settings.profile)
-        elif self.settings.credentials is None:
-            raise ValueError("s3:// found no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, use a "
-                             "profile (AWS_PROFILE, ~/.aws/credentials), pass key_id= and secret=, or anonymous=1 "
-                             "for a public bucket")  # fmt: skip
+        refresh = _seconds(options.get("refresh", 60.0), "refresh")
+        self.settings: Settings = resolve(options, anonymous=anonymous, refresh_s=refresh)
         endpoint = self.settings.endpoint
         if "ca" in options and not (endpoint or "https").startswith("https"):
             raise ValueError("option ca= needs an https:// endpoint")
@@ -132,9 +147,9 @@ class S3Storage(StorageBackend):
             client["allow_http"] = True
         if ca_pem is not None:
             client["root_certificate"] = ca_pem
-        retry = {"max_retries": self.retries, "retry_timeout": timedelta(seconds=self.timeout),
-                 "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1),
-                             "base": 2}}  # fmt: skip
+        # obstore retries nothing itself: it would retry a throttled request blind (50 ms apart, ignoring
+        # Retry-After, each of 32 requests on its own); this backend's loop retries, throttled or not.
+        retry = {"max_retries": 0, "retry_timeout": timedelta(seconds=self.timeout)}
         config: dict[str, Any] = {"region": self.settings.region}
         if endpoint is not None:
             config["endpoint"] = endpoint
@@ -146,15 +161,24 @@ class S3Storage(StorageBackend):
                                      retry_config=retry)  # fmt: skip
             else:
                 self.store = S3Store(self.bucket, config=config, client_options=client, retry_config=retry,
-                                     credential_provider=creds.as_obstore)  # fmt: skip
+                                     credential_provider=creds)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - obstore's configuration errors, with no credential in them
             raise ValueError(f"s3://{self.bucket}: {self._scrub(exc)}") from None
+        self._multipart = MultipartUploader(self.settings, self.bucket, timeout=self.timeout,
+                                            connect_timeout=self.connect_timeout,
+                                            ca=str(options["ca"]) if "ca" in options else None)  # fmt: skip
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"hicache-s3-{self.bucket}", daemon=True)
         self._thread.start()
         self._closed = False
-        self._counts = {"requests": 0, "timeouts": 0, "refused_full": 0, "errors": 0}
+        self._bucket_seen = False  # a request found the bucket: a missing key is then a missing key
+        self._counts = {"requests": 0, "timeouts": 0, "refused_full": 0, "errors": 0, "throttled": 0,
+                        "multipart_aborted": 0}  # fmt: skip
         self._counts_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        bound = f" namespace={self.namespace.prefix}" if self.namespace else " (unbound)"
+        return f"<S3Storage {self.where}{bound}>"
 
     # ---- what is shown ---------------------------------------------------------------------------
 
@@ -175,41 +199,116 @@ class S3Storage(StorageBackend):
 
     # ---- running requests on the loop --------------------------------------------------------------
 
-    def _run(self, make: Sequence[Any], what: str) -> list[Any]:
+    def _run(self, make: Sequence[Any], what: str, paths: Sequence[str] | None = None) -> list[Any]:
         """Run one coroutine per item (``make[i]()``), ``concurrency`` at once; each result or its exception.
 
-        The batch as a whole is bounded by the requests' timeout times its waves (plus one): past
-        that every unfinished item is a :class:`TimeoutError` and its request is cancelled.
+        A request that could not connect or got HTTP 5xx is retried up to ``retries`` times; a
+        throttled one as the batch's :class:`~.throttle.Throttle` allows (``paths[i]`` is the object the
+        ``Retry-After`` is asked about). The batch is bounded by the requests' timeout times its waves
+        (plus one): past that every unfinished item is a :class:`TimeoutError` and is cancelled, and the
+        cancelled ones are given up to one more request timeout to clean up (a multipart upload's abort).
         """
         if self._closed:
             raise StorageError(f"s3 backend on {self.where} is closed")
         if not make:
             return []
-        sem_holder: dict[str, asyncio.Semaphore] = {}
-
-        async def one(fn):
-            async with sem_holder["sem"]:
-                return await fn()
-
-        async def batch():
-            sem_holder["sem"] = asyncio.Semaphore(self.concurrency)
-            return await asyncio.gather(*[one(fn) for fn in make], return_exceptions=True)
-
         waves = math.ceil(len(make) / self.concurrency)
         limit = self.timeout * (waves + 1) + self.connect_timeout
-        future = asyncio.run_coroutine_threadsafe(batch(), self._loop)
-        with self._counts_lock:
-            self._counts["requests"] += len(make)
-        try:
-            return list(future.result(limit))
-        except concurrent.futures.TimeoutError:
-            future.cancel()
+        cleanup = self.timeout + self.connect_timeout
+        where = paths if paths is not None else [self.prefix] * len(make)
+        sent = [0]
+
+        async def one(fn, path, sem, throttle):
+            failures = 0
+            async with sem:
+                while True:
+                    await throttle.admit()
+                    sent[0] += 1
+                    try:
+                        return await fn()
+                    except Exception as exc:  # noqa: BLE001 - returned to the caller, classified there
+                        kind = _classify(exc)[0]
+                        if kind == "throttled":
+                            if await throttle.retry_after_throttled(path):
+                                continue
+                            return Throttled(f"{_short(self._scrub(_classify(exc)[1]))} [{throttle.reason()}]")
+                        if kind in ("server", "unreachable", "dropped") and failures < self.retries:
+                            failures += 1
+                            await asyncio.sleep(random.uniform(0, min(1.0, 0.05 * 2**failures)))
+                            continue
+                        return exc
+
+        async def batch():
+            loop = asyncio.get_running_loop()
+            sem = asyncio.Semaphore(self.concurrency)
+            ask = self._ask_retry_after if self.throttle_retries > 0 else None
+            throttle = Throttle(self.throttle_retries, loop.time() + limit, self.timeout, ask)
+            tasks = [asyncio.ensure_future(one(fn, p, sem, throttle)) for fn, p in zip(make, where)]
+            done, pending = await asyncio.wait(tasks, timeout=limit)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=cleanup)
+            out = []
+            for t in tasks:
+                if t in done:
+                    out.append(t.result())
+                else:
+                    out.append(TimeoutError(f"s3 {what} on {self.where} not done within {limit:.0f} s"))
             with self._counts_lock:
-                self._counts["timeouts"] += len(make)
+                self._counts["throttled"] += throttle.throttled
+                self._counts["requests"] += sent[0]
+            return out
+
+        future = asyncio.run_coroutine_threadsafe(batch(), self._loop)
+        try:
+            return list(future.result(limit + cleanup + 1))
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # counted as timeouts where the callers explain each result (_error)
             return [TimeoutError(f"s3 {what} on {self.where} not done within {limit:.0f} s")] * len(make)
+
+    async def _ask_retry_after(self, path: str) -> float | None:
+        """The server's ``Retry-After`` for a ``HEAD`` of ``path`` (one request), or ``None``.
+
+        obstore's errors carry no response headers: the question goes through a presigned URL (no
+        credential leaves obstore's signer in text) with the standard library's HTTP client.
+        """
+        loop = asyncio.get_running_loop()
+        with self._counts_lock:
+            self._counts["requests"] += 1
+        try:
+            if self.settings.credentials is None:
+                base = self.settings.endpoint or f"https://s3.{self.settings.region}.amazonaws.com"
+                url = f"{base}/{self.bucket}/{urllib.parse.quote(path)}"
+            else:
+                url = await self._obs.sign_async(self.store, "HEAD", path, timedelta(seconds=60))
+        except Exception:  # noqa: BLE001 - no URL to ask with: the batch backs off without the server's figure
+            return None
+
+        def head() -> str | None:
+            request = urllib.request.Request(url, method="HEAD")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout, context=self._ssl_context()):
+                    return None
+            except urllib.error.HTTPError as exc:
+                return exc.headers.get("Retry-After")
+            except OSError:
+                return None
+
+        return parse_retry_after(await loop.run_in_executor(None, head))
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if not (self.settings.endpoint or "https").startswith("https"):
+            return None
+        return ssl.create_default_context(cafile=self.options.get("ca"))
 
     def _error(self, exc: BaseException, what: str) -> BaseException:
         """A failed request as an exception that says what went wrong and names no credential."""
+        if isinstance(exc, Throttled):
+            with self._counts_lock:
+                self._counts["errors"] += 1
+            return Throttled(f"s3 {what} on {self.where} was throttled by the server (HTTP 503 SlowDown or 429), "
+                             f"not stored or read: {_short(self._scrub(str(exc)), 600)}")  # fmt: skip
         kind, summary = _classify(exc)
         summary = _short(self._scrub(summary))
         with self._counts_lock:
@@ -232,15 +331,37 @@ class S3Storage(StorageBackend):
         def head(path):
             return lambda: obs.head_async(self.store, path)
 
+        paths = [self._path(k) for k in keys]
         out = []
-        for got in self._run([head(self._path(k)) for k in keys], "HEAD"):
+        for got in self._run([head(p) for p in paths], "HEAD", paths):
             if _is_not_found(got):
                 out.append(False)
             elif isinstance(got, BaseException):
                 raise self._error(got, "HEAD") from None  # the core fails the whole query with the reason
             else:
                 out.append(True)
+        if all(out):
+            self._bucket_seen = self._bucket_seen or bool(out)
+        elif not self._bucket_seen:
+            self._check_bucket("HEAD")
         return out
+
+    def _check_bucket(self, what: str) -> None:
+        """Raise, naming the bucket, when it does not exist (S3 answers a ``HEAD`` in it as for a missing key)."""
+        obs = self._obs
+
+        async def first_page():
+            async for _ in obs.list(self.store, prefix=self.prefix or None, chunk_size=1):
+                break
+
+        (got,) = self._run([first_page], "LIST")
+        if isinstance(got, BaseException):
+            err = self._error(got, "LIST")
+            if _classify(got)[0] == "no_bucket":
+                raise StorageError(f"s3 {what} on {self.where}: bucket {self.bucket!r} does not exist (create it "
+                                   "first; this backend never creates one)") from None  # fmt: skip
+            raise err from None
+        self._bucket_seen = True
 
     def put_objects(self, keys: Sequence[str], values: Sequence[Sequence[Span]]) -> list[BaseException | None]:
         obs, part = self._obs, self.part_size
@@ -261,16 +382,18 @@ class S3Storage(StorageBackend):
                         offset += s.nbytes
                 if total <= part:
                     return await obs.put_async(self.store, path, body, use_multipart=False)
-                return await obs.put_async(self.store, path, body, use_multipart=True, chunk_size=part,
-                                           max_concurrency=self.concurrency)  # fmt: skip
+                return await self._multipart.upload(path, memoryview(body), part, self.concurrency)
 
             return send
 
+        paths = [self._path(k) for k in keys]
         try:
-            results = self._run([put(self._path(k), v) for k, v in zip(keys, values)], "PUT")
+            results = self._run([put(p, v) for p, v in zip(paths, values)], "PUT", paths)
         finally:
             with gate:
                 state["open"] = False
+        if any(not isinstance(r, BaseException) for r in results):
+            self._bucket_seen = True  # a stored object proves the bucket: a later miss is a miss
         return [None if not isinstance(r, BaseException) else self._error(r, "PUT") for r in results]
 
     def get_objects_into(self, keys: Sequence[str], targets: Sequence[Sequence[Span]]) -> list[BaseException | None]:
@@ -300,8 +423,9 @@ class S3Storage(StorageBackend):
 
             return fetch
 
+        paths = [self._path(k) for k in keys]
         try:
-            outcome = self._run([get(self._path(k), t) for k, t in zip(keys, targets)], "GET")
+            outcome = self._run([get(p, t) for p, t in zip(paths, targets)], "GET", paths)
         finally:
             with gate:
                 state["open"] = False
@@ -311,6 +435,8 @@ class S3Storage(StorageBackend):
                 out.append(ObjectMissing(got) if _is_not_found(got) else self._error(got, "GET"))
             else:
                 out.append(got)
+        if any(r is None or isinstance(r, (ObjectMissing, SizeMismatch)) for r in out):
+            self._bucket_seen = True  # a GET's answer tells a missing key (NoSuchKey) from a missing bucket
         return out
 
     def ping(self) -> None:
@@ -327,6 +453,7 @@ class S3Storage(StorageBackend):
             err = self._error(got, "LIST")
             unreachable = isinstance(err, TimeoutError) or "not reachable" in str(err)
             raise StorageError(f"{err}; {self.server_hint}" if unreachable else str(err)) from None
+        self._bucket_seen = True
 
     def remove_objects(self, keys: Sequence[str]) -> None:
         if not keys:
@@ -369,6 +496,7 @@ class S3Storage(StorageBackend):
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        self._multipart.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         if not self._thread.is_alive():
@@ -378,6 +506,7 @@ class S3Storage(StorageBackend):
         creds = self.settings.credentials
         with self._counts_lock:
             counts = dict(self._counts)
+        counts["multipart_aborted"] = self._multipart.aborted
         return {"endpoint": self.settings.endpoint or "AWS", "bucket": self.bucket, "prefix": self.prefix,
                 "region": self.settings.region, "credentials_from": creds.source if creds else "anonymous",
                 "concurrency": self.concurrency, "part_size": self.part_size, "timeout_s": self.timeout,
@@ -391,8 +520,7 @@ class S3Storage(StorageBackend):
         def put(path, span):
             if span.nbytes <= part:
                 return lambda: obs.put_async(self.store, path, span.view, use_multipart=False)
-            return lambda: obs.put_async(self.store, path, span.view, use_multipart=True, chunk_size=part,
-                                         max_concurrency=self.concurrency)  # fmt: skip
+            return lambda: self._multipart.upload(path, span.view, part, self.concurrency)
 
         for got in self._run([put(self._path(k), s) for k, s in zip(keys, spans)], "PUT"):
             if isinstance(got, BaseException):
@@ -417,13 +545,14 @@ _MEANING = {
     "no_bucket": "the bucket does not exist (create it first); ",
     "denied": "the credentials were refused (wrong key or secret, or no permission on the bucket); ",
     "unreachable": "the server is not reachable; ",
+    "dropped": "the connection dropped before the answer was whole; ",
     "tls": "the server's TLS certificate was not accepted (give the CA that signed it with ca=); ",
     "server": "the server failed the request (HTTP 5xx; SeaweedFS also answers so when no volume has room); ",
 }
 
 
 def _classify(exc: BaseException) -> tuple[str, str]:
-    """What kind of failure ``exc`` is (missing, no_bucket, timeout, unreachable, denied, full, other), and its summary.
+    """What kind of failure ``exc`` is (missing, no_bucket, timeout, denied, full, throttled, ...), and its summary.
 
     obstore's message is a summary, then ``Debug source:`` and the request's inner error: the kind is
     read from both, the summary alone is shown.
@@ -431,7 +560,9 @@ def _classify(exc: BaseException) -> tuple[str, str]:
     text = str(exc)
     summary, _, debug = text.partition("\n\nDebug source:")
     low, name = text.lower(), type(exc).__name__
-    if isinstance(exc, TimeoutError) or "kind: timeout" in low or "timedout" in low:
+    if isinstance(exc, TimeoutError) or any(
+        w in low for w in ("kind: timeout", "timedout", "read timeout on endpoint", "connect timeout on endpoint")
+    ):
         return "timeout", summary
     if "nosuchbucket" in low:
         return "no_bucket", summary
@@ -443,10 +574,18 @@ def _classify(exc: BaseException) -> tuple[str, str]:
         return "denied", summary
     if any(w in low for w in _FULL_WORDS):
         return "full", summary
+    if is_throttled(text):
+        return "throttled", summary
     if "certificate" in low or "unknownissuer" in low or "tls handshake" in low:
         return "tls", summary
-    if "kind: connect" in low or "connectionrefused" in low or "error sending request" in low:
+    if any(
+        w in low
+        for w in ("kind: connect", "connectionrefused", "error sending request", "could not connect to the endpoint")
+    ):
         return "unreachable", summary
+    if any(w in low for w in ("connection reset", "broken pipe", "error decoding response body", "incompletemessage",
+                              "connection was closed before", "connection closed before")):  # fmt: skip
+        return "dropped", summary
     if "status: 5" in low or "500 internal server error" in low or "503 service unavailable" in low:
         return "server", summary
     return "other", summary

@@ -27,6 +27,9 @@ from hicache_core.testing.servers import ServerProcess, free_port
 
 ACCESS_KEY = "HICACHETESTKEY"
 SECRET_KEY = "hicache-test-secret-0123456789"  # planted: the tests assert it is never printed
+#: A second key of the same identity whose secret has what AWS secrets have: ``+`` and ``/``.
+PLUS_KEY = "HICACHEPLUSKEY"
+PLUS_SECRET = "hicache+test/secret+with/slashes"
 REGION = "us-east-1"
 
 
@@ -64,7 +67,8 @@ class SeaweedFS(ServerProcess):
         pytest.importorskip("obstore", reason="the s3:// client is not installed: pip install obstore==0.12.1")
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "data").mkdir(exist_ok=True)
-        identity = {"name": "hicache", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+        identity = {"name": "hicache", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY},
+                                                       {"accessKey": PLUS_KEY, "secretKey": PLUS_SECRET}],
                     "actions": ["Admin", "Read", "Write", "List", "Tagging"]}  # fmt: skip
         config = {"identities": [identity]}
         (workdir / "s3.json").write_text(json.dumps(config))
@@ -161,8 +165,9 @@ def s3_request(endpoint: str, method: str, path: str, *, key: str = ACCESS_KEY, 
     for part in (day, REGION, "s3", "aws4_request"):
         k = hmac.new(k, part.encode(), hashlib.sha256).digest()
     signature = hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest()
-    headers["authorization"] = (f"AWS4-HMAC-SHA256 Credential={key}/{scope}, SignedHeaders={signed}, "
-                                f"Signature={signature}")
+    headers["authorization"] = (
+        f"AWS4-HMAC-SHA256 Credential={key}/{scope}, SignedHeaders={signed}, Signature={signature}"
+    )
     request = urllib.request.Request(endpoint + path, data=body or None, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:

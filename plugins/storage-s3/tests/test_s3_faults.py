@@ -16,7 +16,7 @@ from s3_objects import read_object, write_object
 from seaweedfs_server import start_seaweedfs
 
 from hicache_core.storage import StorageController, make_storage, page_hashes
-from hicache_core.storage.backend import PageStatus
+from hicache_core.storage.backend import PageStatus, StorageError
 from hicache_core.testing import storage_faults as F
 from hicache_core.testing.storage_kit import make_pool, page_bytes, pool_image, slots_of
 
@@ -164,12 +164,19 @@ def test_missing_bucket_and_wrong_credentials_are_clear_errors(weed, capsys):
     (r,) = backend.read_pages(keys[:1], slots_of([2], 64))
     assert w.status is PageStatus.ERROR and r.status is PageStatus.ERROR
     assert "the bucket does not exist" in w.detail and "the bucket does not exist" in r.detail
+    assert "'no-such-bucket'" in w.detail and "'no-such-bucket'" in r.detail
+    # S3 answers a HEAD in a missing bucket as for a missing key: the first miss checks the bucket, and a
+    # prefix lookup is an error naming it, never 0 pages forever.
+    for _ in range(2):
+        with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist"):
+            backend.batch_exists(keys)
     backend.close()
     wrong = weed.url("faults", "p", timeout=2, key_id="HICACHETESTKEY", secret="not-the-secret")
     assert main(["storage", "check", wrong]) == 2
     out = capsys.readouterr().out
     assert "credentials were refused" in out and "not-the-secret" not in out and "Traceback" not in out
     backend = make_storage(wrong, host, model_id="m")
+    assert "key_id=***" in repr(backend) and "HICACHETESTKEY" not in repr(backend) + repr(backend.backend)
     (r,) = backend.read_pages(keys[:1], slots_of([2], 64))
     assert r.status is PageStatus.ERROR and "credentials were refused" in r.detail
     with pytest.raises(Exception, match="credentials were refused"):
@@ -228,3 +235,47 @@ def test_backup_and_prefetch_run_concurrently_without_mixing(seaweedfs, s3_bucke
     assert not errors and all(r.ok for r in got)
     for i in range(8):
         assert (page_bytes(host, int(dst[i * 64]) // 64) == page_bytes(host, int(src[i * 64]) // 64)).all()
+
+
+def test_a_missing_key_in_a_bucket_that_exists_checks_the_bucket_once(weed):
+    host = make_pool(F.BIG, pages=8)
+    store = make_storage(_url(weed), host, model_id="m")
+    keys = page_hashes(list(range(4 * 64)), 64, prior_hash="cd" * 32)
+    assert store.batch_exists(keys) == 0
+    assert store.batch_exists(keys) == 0
+    # A batch's HEADs go at once (4 each time); one LIST, the first time only, found the bucket.
+    assert store.backend.backend_stats()["requests"] == 2 * 4 + 1
+    assert all(r.ok for r in store.write_pages(keys[:1], slots_of([1], 64)))
+    assert store.batch_exists(keys) == 1
+    store.close()
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_dropped_connection_is_retried_as_retries_allow(seaweedfs, s3_bucket, s3_env, retries):
+    from http_stubs import Relay
+
+    from hicache_core.storage.pages import Span
+
+    cut: list[str] = []
+
+    def drop(line: str) -> bool:  # the first PUT's connection is cut before any answer
+        if line.startswith("PUT") and not cut:
+            cut.append(line)
+            return True
+        return False
+
+    relay = Relay(seaweedfs.port, drop=drop)
+    try:
+        url = f"s3://{s3_bucket}/drop{uuid.uuid4().hex[:6]}?endpoint={relay.endpoint}&timeout=5&retries={retries}"
+        backend = make_storage(url).backend
+        (result,) = backend.put_objects(["k"], [[Span(0, 5, memoryview(bytearray(b"hello")))]])
+        found = backend.exists_objects(["k"])
+        backend.close()
+    finally:
+        relay.close()
+    puts = [h for h in relay.heads if h.startswith("PUT")]
+    if retries:
+        assert result is None and found == [True] and len(puts) == 2
+    else:
+        assert isinstance(result, Exception) and found == [False] and len(puts) == 1
+        assert "dropped" in str(result) or "not reachable" in str(result), result

@@ -17,7 +17,7 @@ from typing import Any
 import hicache_core as hc
 
 from ..errors import NotServedError
-from ..host_memory import check_host_memory
+from ..host_memory import sglang_budget
 from ..sidecar import SGLangSidecarHostPool, SidecarView, sidecar_operations
 
 _ATTR = "index_k_with_scale_buffer"
@@ -92,11 +92,10 @@ def build_dsa_indexer_host_pool(
                        size=anchor_host.size)  # fmt: skip
     draft_views = [SidecarView(kind="page_rows", attr=_ATTR, buffers=b, page_size=page_size, size=anchor_host.size)
                    for b in draft_buffers]  # fmt: skip
-    row_bytes = target_buffers[0][0].nbytes
-    check_host_memory(page_rows * row_bytes * (len(target_buffers) + len(draft_buffers)), label)
     core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size,
                              size=page_rows * page_size, draft_pools=draft_views, pin_memory=pin_memory,
-                             operations=sidecar_operations(layer_shard))  # fmt: skip
+                             operations=sidecar_operations(layer_shard), label=label,
+                             host_memory_check=sglang_budget(label))  # fmt: skip
     return SGLangDSAIndexerHostPool(
         core,
         decl=decl,

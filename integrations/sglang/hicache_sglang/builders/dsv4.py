@@ -29,7 +29,7 @@ import hicache_core as hc
 from hicache_core.host_pool import SlotAllocator
 
 from ..errors import NotServedError
-from ..host_memory import check_host_memory
+from ..host_memory import sglang_budget
 from ..sidecar import SGLangSidecarHostPool, SidecarView
 
 
@@ -146,11 +146,11 @@ def _make_core(kind: str, attr: str, buffers: list[torch.Tensor], *, pages: int,
     from sglang.srt.runtime_context import get_memory
 
     io_backend = get_memory().hicache_io_backend
-    check_host_memory(len(buffers) * pages * buffers[0][0].nbytes, label)
     view = SidecarView(kind=kind, attr=attr, buffers=buffers, page_size=page_size, size=pages * page_size)
     try:
         core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size,
-                                 size=pages * page_size, pin_memory=pin_memory)  # fmt: skip
+                                 size=pages * page_size, pin_memory=pin_memory, label=label,
+                                 host_memory_check=sglang_budget(label))  # fmt: skip
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(SGLang asked for the {label} with --hicache-mem-layout {layout} "
                      f"--hicache-io-backend {io_backend})")  # fmt: skip

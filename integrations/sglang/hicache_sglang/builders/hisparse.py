@@ -40,7 +40,7 @@ from hicache_core.allocator import SlotAllocator
 from hicache_core.settings import choice
 
 from ..errors import NotServedError
-from ..host_memory import check_host_memory
+from ..host_memory import sglang_budget
 from ..identity import describe, logger
 from ..pool import DeviceView, SGLangMHAHostPool, SGLangMLAHostPool
 
@@ -166,10 +166,10 @@ def _core(view: DeviceView, tokens: int, bytes_per_token: int, label: str, pin_m
             f"{label}: {ENV_VERIFY} is set, but SGLang's HiSparse swap-in kernels read the host pool directly, so no "
             f"load could be verified. Unset {ENV_VERIFY} for HiSparse."
         )
-    check_host_memory(tokens * bytes_per_token, label)
     try:
         return hc.make_host_pool(view, layout="layer_first", io_backend=IO_BACKEND, page_size=1, size=tokens,
-                                 pin_memory=pin_memory, verify=False)  # fmt: skip
+                                 pin_memory=pin_memory, verify=False, label=label,
+                                 host_memory_check=sglang_budget(label))  # fmt: skip
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(SGLang's HiSparse coordinator asked for the {label}: layout layer_first, io backend kernel)")
         raise

@@ -29,7 +29,7 @@ import hicache_core as hc
 from hicache_core.allocator import SlotAllocator
 
 from ..errors import NotServedError
-from ..host_memory import check_host_memory
+from ..host_memory import sglang_budget
 from ..identity import describe, logger
 from ..sidecar import SidecarView
 from .hisparse import ENV_SWAP_IN, IO_BACKEND, _HiSparseSlots, check_swap_in
@@ -78,7 +78,6 @@ class SGLangHiSparseDSV4HostPool(_HiSparseSlots):
         self.row_words = item_bytes // WORD
         words = [t.view(-1, WORD) for t in buffers]
         host_words = num_host_pages * self.row_words
-        check_host_memory(len(buffers) * num_host_pages * item_bytes, label)
         from hicache_core.verify import ENV_VERIFY, verify_default
 
         if verify_default():
@@ -92,8 +91,8 @@ class SGLangHiSparseDSV4HostPool(_HiSparseSlots):
                                  size=min(words[0].shape[0], host_words))  # fmt: skip
         try:
             self.core = hc.make_host_pool(self._view, layout="layer_first", io_backend=IO_BACKEND, page_size=1,
-                                          size=host_words, pin_memory=pin_memory,
-                                          verify=False)  # fmt: skip
+                                          size=host_words, pin_memory=pin_memory, verify=False, label=label,
+                                          host_memory_check=sglang_budget(label))  # fmt: skip
         except hc.UnsupportedCombinationError as exc:
             exc.add_note(f"(SGLang's HiSparse coordinator asked for the {label}: layout layer_first, io backend "
                          "kernel)")

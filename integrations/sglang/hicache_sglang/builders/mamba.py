@@ -23,7 +23,7 @@ import torch
 import hicache_core as hc
 
 from ..errors import NotServedError
-from ..host_memory import check_host_memory
+from ..host_memory import sglang_budget
 from ..sidecar import SGLangSidecarHostPool, SidecarView
 
 
@@ -147,7 +147,7 @@ def build_mamba_host_pool(mamba_pool: Any, pool_info: Any, *, host_size: float, 
     else:
         size = int(capacity * get_memory().hicache_ratio)
     size += 1  # SGLang's padding slot (page size 1)
-    check_host_memory(size * per_slot, label)
     view = _MambaView(temporal, conv, size)
-    core = hc.make_host_pool(view, layout=layout, io_backend=get_memory().hicache_io_backend, page_size=1, size=size)
+    core = hc.make_host_pool(view, layout=layout, io_backend=get_memory().hicache_io_backend, page_size=1, size=size,
+                             label=label, host_memory_check=sglang_budget(label))  # fmt: skip
     return SGLangMambaHostPool(core, buffer_info=info, drafts=tuple(drafts), view=view, size=size)

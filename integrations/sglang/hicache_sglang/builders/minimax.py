@@ -30,7 +30,7 @@ import hicache_core as hc
 
 from ..build import check_layout_io
 from ..errors import NotServedError
-from ..host_memory import check_host_memory
+from ..host_memory import sglang_budget
 from ..sidecar import SGLangSidecarHostPool, SidecarView
 
 _LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -43,7 +43,8 @@ def _core(view: SidecarView, *, layout: str, page_size: int, size: int, pin_memo
     check_layout_io(layout, io_backend, label)
     try:
         return hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size, size=size,
-                                 pin_memory=pin_memory)  # fmt: skip
+                                 pin_memory=pin_memory, label=label,
+                                 host_memory_check=sglang_budget(label))  # fmt: skip
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(SGLang asked for the {label} with --hicache-mem-layout {layout} "
                      f"--hicache-io-backend {io_backend})")  # fmt: skip
@@ -107,7 +108,6 @@ class SGLangMiniMaxM3Nvfp4IndexKPoolHost(_HostLayerPool):
         self.device_slab = buffer_info.slab
         self.device_num_pages = buffer_info.num_pages
         self.device_slots = buffer_info.num_pages * buffer_info.page_size
-        check_host_memory(page_num * len(rows) * self.row_bytes, label)
         view = SidecarView(kind="nvfp4_page_rows", attr="rows", buffers=rows, page_size=page_size,
                            size=self.device_slots)  # fmt: skip
         core = _core(view, layout=layout, page_size=page_size, size=size, pin_memory=pin_memory, label=label)
@@ -220,7 +220,6 @@ class SGLangKOnlyHostPool(_HostLayerPool):
         self.element_dim = self.head_num * self.head_dim
         self.token_stride_size = self.element_dim * k[0].element_size()
         self.layout_dim = self.token_stride_size * self.layer_num
-        check_host_memory(anchor_host.size * self.layout_dim, label)
         view = SidecarView(kind="mha_k_only", attr="k_buffer", buffers=k, page_size=anchor_host.page_size,
                            size=k[0].shape[0])  # fmt: skip
         core = _core(view, layout=layout, page_size=anchor_host.page_size, size=anchor_host.size,

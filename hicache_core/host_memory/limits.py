@@ -1,0 +1,114 @@
+"""How much host memory this process may take: the system's, its cgroup's, and the locked-memory limit.
+
+Read from Linux's own files (``/proc/meminfo``, the process's cgroup, ``getrlimit``) each time they are
+asked for: a pool is checked against what is free when it is built, after the pools built before it.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """What bounds a new host allocation, in bytes (``None``: no such bound here).
+
+    :param available: the system's ``MemAvailable`` (what can be had without swapping).
+    :param total: the system's ``MemTotal``.
+    :param cgroup_limit: the process's cgroup memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``).
+    :param cgroup_usage: what the cgroup already uses (``memory.current`` / ``memory.usage_in_bytes``).
+    :param cgroup_path: the cgroup's folder, for the error that names it.
+    :param memlock: ``RLIMIT_MEMLOCK`` (soft), the cap on memory an RDMA registration may lock.
+    """
+
+    available: int
+    total: int
+    cgroup_limit: int | None
+    cgroup_usage: int | None
+    cgroup_path: str | None
+    memlock: int | None
+
+    @property
+    def cgroup_free(self) -> int | None:
+        """What the cgroup can still take (``None``: no cgroup limit)."""
+        if self.cgroup_limit is None:
+            return None
+        return max(0, self.cgroup_limit - (self.cgroup_usage or 0))
+
+    def bound(self) -> tuple[int, str]:
+        """The tighter of the system's available memory and the cgroup's room, and which it is."""
+        free = self.cgroup_free
+        if free is not None and free < self.available:
+            return free, f"the cgroup's limit ({self.cgroup_path}: {self.cgroup_limit} bytes, {self.cgroup_usage} used)"
+        return self.available, "the system's available memory (MemAvailable in /proc/meminfo)"
+
+
+def read_limits() -> MemoryLimits:
+    """The limits now in force for this process."""
+    info = _meminfo()
+    limit, usage, path = _cgroup()
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return MemoryLimits(
+        available=info.get("MemAvailable", info.get("MemFree", 0)),
+        total=info.get("MemTotal", 0),
+        cgroup_limit=limit,
+        cgroup_usage=usage,
+        cgroup_path=path,
+        memlock=None if soft == resource.RLIM_INFINITY else soft,
+    )
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        fields = rest.split()
+        if fields and fields[0].isdigit():
+            out[name] = int(fields[0]) * (1024 if fields[1:2] == ["kB"] else 1)
+    return out
+
+
+def _cgroup() -> tuple[int | None, int | None, str | None]:
+    """(limit, usage, folder) of the tightest memory limit on this process's cgroup path, v2 or v1."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None, None, None
+    best: tuple[int | None, int | None, str | None] = (None, None, None)
+    for line in lines:
+        _id, controllers, rel = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy; a limit may sit on any ancestor
+            candidates = [(_CGROUP_ROOT / rel.lstrip("/"), "memory.max", "memory.current")]
+        elif "memory" in controllers.split(","):
+            base = _CGROUP_ROOT / "memory"
+            candidates = [(base / rel.lstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes"),
+                          (base, "memory.limit_in_bytes", "memory.usage_in_bytes")]  # fmt: skip
+        else:
+            continue
+        for folder, limit_file, usage_file in candidates:
+            for d in (folder, *folder.parents):
+                if not str(d).startswith(str(_CGROUP_ROOT)):
+                    break
+                limit = _read_int(d / limit_file)
+                if limit is None or limit >= (1 << 60):  # "max", or v1's "no limit" (a page-rounded LONG_MAX)
+                    continue
+                if best[0] is None or limit < best[0]:
+                    best = (limit, _read_int(d / usage_file), str(d))
+    return best
+
+
+def _read_int(path: os.PathLike) -> int | None:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None

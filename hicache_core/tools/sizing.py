@@ -1,0 +1,238 @@
+"""``hicache size``: what a server's host tier will hold and pin, from the model's config, before it starts.
+
+From a Hugging Face ``config.json``, the TP size, the layout, the page size and SGLang's host sizing
+arguments (``--hicache-size`` GB, or ``--hicache-ratio`` times the device pool), it computes each
+host pool a server builds (the KV pool; for a hybrid model also the Mamba state pool) through the
+same code :func:`hicache_core.make_host_pool` uses: bytes per token on the device, the host and L3;
+tokens and prefixes held; the bytes that will be mapped and pinned, on which NUMA node; and whether
+this machine can give them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..geometry import example_geometry, pages_for
+from ..host_layout import host_layout_spec
+from ..host_memory import HostMemoryError, HostMemoryPlan, check_fits, read_limits
+from ..host_pool import plan_pool_memory
+from ..page_checksum import groups_per_page
+from ..registry import get_registry
+from ..storage.page_format import HEADER_SIZE
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+           "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """One host pool's figures (``unit``: what one slot holds, ``token`` or ``request``)."""
+
+    name: str
+    kind: str
+    layout: str
+    page_size: int
+    unit: str
+    device_bytes_per_unit: int
+    host_bytes_per_unit: int
+    l3_bytes_per_page: int
+    slots: int
+    memory: HostMemoryPlan
+    checksum_table_bytes: int
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.memory.pinned_bytes + (self.checksum_table_bytes if self.memory.pinned else 0)
+
+
+@dataclass(frozen=True)
+class SizingReport:
+    """Every host pool of the server, what it holds, and whether this machine can give it."""
+
+    model: str
+    tp_size: int
+    pools: tuple[PoolSize, ...]
+    prefix_tokens: int
+    available: int
+    limit_name: str
+    refusal: str | None
+
+    def as_json(self) -> dict[str, Any]:
+        pools = []
+        for p in self.pools:
+            pools.append({
+                "name": p.name, "kind": p.kind, "layout": p.layout, "page_size": p.page_size, "unit": p.unit,
+                "device_bytes_per_unit": p.device_bytes_per_unit, "host_bytes_per_unit": p.host_bytes_per_unit,
+                "l3_bytes_per_page": p.l3_bytes_per_page, "slots": p.slots, "asked_bytes": p.memory.asked,
+                "mapped_bytes": p.memory.mapped, "checksum_table_bytes": p.checksum_table_bytes,
+                "pinned_bytes": p.pinned_bytes, "numa_node": p.memory.node, "numa": p.memory.node_reason,
+                "buffers": [{"name": n, "asked": a, "mapped": m} for n, a, m in p.memory.buffers],
+                "prefixes_held": _prefixes(p, self.prefix_tokens),
+            })  # fmt: skip
+        return {"model": self.model, "tp_size": self.tp_size, "prefix_tokens": self.prefix_tokens, "pools": pools,
+                "available_bytes": self.available, "limit": self.limit_name, "fits": self.refusal is None,
+                "refusal": self.refusal}  # fmt: skip
+
+    def text(self) -> str:
+        lines = [f"{self.model}, TP {self.tp_size} (figures per TP rank)"]
+        for p in self.pools:
+            per = f"per {p.unit}"
+            lines += [
+                f"{p.name}: {p.kind}, layout {p.layout}, page size {p.page_size}",
+                f"  bytes {per}: device {p.device_bytes_per_unit}, host {p.host_bytes_per_unit}, "
+                f"L3 {p.l3_bytes_per_page / p.page_size:.1f} ({p.l3_bytes_per_page} a page with its "
+                f"{HEADER_SIZE}-byte header)",
+                f"  holds {p.slots} {p.unit}s" + (f", {_prefixes(p, self.prefix_tokens)} prefixes of "
+                                                  f"{self.prefix_tokens} tokens" if p.unit == "token" else ""),
+                f"  maps {p.memory.mapped} bytes for {p.memory.asked} asked; checksum table {p.checksum_table_bytes}; "
+                f"pins {p.pinned_bytes} bytes ({p.pinned_bytes / (1 << 30):.2f} GiB)",
+                f"  NUMA: {p.memory.node_reason}",
+            ]  # fmt: skip
+        total = sum(p.pinned_bytes if p.memory.pinned else p.memory.mapped for p in self.pools)
+        lines.append(f"total: {total} bytes ({total / (1 << 30):.2f} GiB); {self.limit_name}: {self.available} bytes")
+        lines.append(f"does not fit: {self.refusal}" if self.refusal else "fits")
+        return "\n".join(lines)
+
+
+def _prefixes(p: PoolSize, prefix_tokens: int) -> int | None:
+    if p.unit != "token":
+        return None
+    return p.slots // (math.ceil(prefix_tokens / p.page_size) * p.page_size)
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` (or a folder holding one); a multimodal model's ``text_config`` inside."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    config = json.loads(path.read_text())
+    return {**config, **config.get("text_config", {})} if "text_config" in config else config
+
+
+def size_host_tier(config: dict[str, Any], *, tp_size: int = 1, layout: str = "page_first", page_size: int = 64,
+                   kv_dtype: str = "auto", hicache_size_gb: float = 0.0, hicache_ratio: float = 2.0,
+                   device_tokens: int | None = None, mamba_slots: int | None = None, prefix_tokens: int = 4096,
+                   device: str = "cuda", verify: bool | None = None) -> SizingReport:  # fmt: skip
+    """The report for one TP rank of a server of ``config`` (see the module docstring).
+
+    Host tokens follow SGLang: ``hicache_size_gb * 1e9 // bytes per token`` where it is > 0, else
+    ``device_tokens * hicache_ratio``; then one padding page. Mamba slots likewise, plus one padding slot.
+
+    :raises ValueError: a config this does not know how to size, or a missing host size.
+    """
+    if tp_size < 1 or page_size < 1 or prefix_tokens < 1:
+        raise ValueError("tp_size, page_size and prefix_tokens must be >= 1")
+    if hicache_size_gb <= 0 and device_tokens is None:
+        raise ValueError("give the host size: --hicache-size GB, or --device-tokens N with --hicache-ratio")
+    dtype = _dtype(config, kv_dtype)
+    registry = get_registry()
+    if layout not in registry.layouts:
+        raise ValueError(f"unknown layout {layout!r}; registered layouts: {', '.join(sorted(registry.layouts))}")
+    pinned = device == "cuda"
+    verifying = pinned if verify is None else verify
+    pools = []
+    attention_layers, mamba = _layers(config)
+    kv = _kv_geometry(config, tp_size, attention_layers, dtype, page_size, device)
+    pools.append(_pool("KV host pool", kv, registry.layouts[layout], "token", hicache_size_gb, hicache_ratio,
+                       device_tokens, pinned, verifying, device))  # fmt: skip
+    if mamba:
+        geometry = _mamba_geometry(config, tp_size, mamba, dtype, device)
+        slots = mamba_slots if mamba_slots is not None else device_tokens
+        if hicache_size_gb <= 0 and slots is None:
+            raise ValueError("a hybrid model's Mamba pool needs --hicache-size GB, or --mamba-slots N")
+        mamba_layout = layout if layout in ("page_first", "page_first_direct") else "page_first"
+        pools.append(_pool("Mamba state host pool", geometry, registry.layouts[mamba_layout], "request",
+                           hicache_size_gb, hicache_ratio, slots, pinned, verifying, device))  # fmt: skip
+    limits = read_limits()
+    available, which = limits.bound()
+    refusal = None
+    for p in pools:
+        try:
+            check_fits(p.memory, limits)
+        except HostMemoryError as exc:
+            refusal = str(exc)
+            break
+    total = sum(p.memory.mapped + p.checksum_table_bytes for p in pools)
+    if refusal is None and total > available:
+        refusal = f"the pools together need {total} bytes, {which} leaves {available}"
+    name = config.get("_name_or_path") or ",".join(config.get("architectures", [])) or config.get("model_type", "?")
+    return SizingReport(name, tp_size, tuple(pools), prefix_tokens, available, which, refusal)
+
+
+def _pool(name, geometry, layout, unit, size_gb, ratio, device_units, pinned, verifying, device) -> PoolSize:
+    per_unit = sum(geometry.item_bytes) * geometry.host_layers  # one token (or one request's state), every layer
+    page = geometry.page_size
+    units = int(size_gb * 1e9 // per_unit) if size_gb > 0 else int(device_units * ratio)
+    slots = (units // page + 1) * page if unit == "token" else units + 1  # SGLang's padding page (slot)
+    spec = host_layout_spec(geometry, layout, pages_for(slots, page))
+    memory = plan_pool_memory(geometry, spec, label=name, pinned=pinned, device=torch.device(device))
+    table = 0
+    if verifying:  # what hicache_core.verify pins beside the buffers: checksums, then one failure word a page
+        tokens_per_page = 1 if geometry.items_are_pages else page
+        table = spec.num_pages * geometry.host_layers * len(geometry.components) * groups_per_page(tokens_per_page) * 8
+        table += (1 + spec.num_pages) * 8
+    device_bytes = sum(geometry.item_bytes) * geometry.layer_num
+    return PoolSize(name, geometry.kind, spec.layout.name, page, unit, device_bytes, memory.asked // slots,
+                    memory.asked // spec.num_pages + HEADER_SIZE, slots, memory, table)  # fmt: skip
+
+
+def _dtype(config: dict[str, Any], kv_dtype: str) -> torch.dtype:
+    name = (config.get("torch_dtype") or config.get("dtype") or "bfloat16") if kv_dtype == "auto" else kv_dtype
+    if name not in _DTYPES:
+        raise ValueError(f"KV cache dtype {name!r} is not one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _layers(config: dict[str, Any]) -> tuple[int, int]:
+    """(attention layers, linear-attention (Mamba) layers)."""
+    n = _need(config, "num_hidden_layers")
+    types = config.get("layer_types")
+    if types:
+        mamba = sum(1 for t in types if t in ("linear_attention", "mamba"))
+        return len(types) - mamba, mamba
+    interval = config.get("full_attention_interval")
+    if interval and "linear_num_value_heads" in config:
+        attention = n // interval
+        return attention, n - attention
+    return n, 0
+
+
+def _kv_geometry(config, tp, layers, dtype, page_size, device):
+    kinds = get_registry().pool_kinds
+    if config.get("kv_lora_rank"):
+        latent, rope = config["kv_lora_rank"], _need(config, "qk_rope_head_dim")
+        return example_geometry(kinds["mla"], page_size=page_size, layer_num=layers, device_type=device, dtype=dtype,
+                                rows={"kv": (1, latent + rope)},
+                                extras={"kv_lora_rank": latent, "qk_rope_head_dim": rope})  # fmt: skip
+    heads = config.get("num_key_value_heads") or _need(config, "num_attention_heads")
+    head_dim = config.get("head_dim") or _need(config, "hidden_size") // _need(config, "num_attention_heads")
+    per_rank = max(1, heads // tp)  # SGLang replicates KV heads when TP exceeds them
+    return example_geometry(kinds["mha"], page_size=page_size, layer_num=layers, device_type=device, dtype=dtype,
+                            rows={"k": (per_rank, head_dim), "v": (per_rank, head_dim)})  # fmt: skip
+
+
+def _mamba_geometry(config, tp, layers, dtype, device):
+    """Qwen3-Next's gated delta net state, as SGLang holds it: SSM state fp32, conv state in the model dtype."""
+    k_heads, k_dim = _need(config, "linear_num_key_heads"), _need(config, "linear_key_head_dim")
+    v_heads, v_dim = _need(config, "linear_num_value_heads"), _need(config, "linear_value_head_dim")
+    kernel = _need(config, "linear_conv_kernel_dim")
+    if k_heads % tp or v_heads % tp:
+        raise ValueError(f"{k_heads} key and {v_heads} value heads of linear attention do not divide by TP {tp} "
+                         "(SGLang then extends the key groups per rank; hicache size does not model that)")  # fmt: skip
+    temporal = v_heads // tp * k_dim * v_dim * 4
+    conv = (2 * k_heads * k_dim + v_heads * v_dim) // tp * (kernel - 1) * torch.empty((), dtype=dtype).element_size()
+    return example_geometry(get_registry().pool_kinds["mamba"], page_size=1, layer_num=layers, device_type=device,
+                            rows={"temporal": (temporal,), "conv": (conv,)})  # fmt: skip
+
+
+def _need(config: dict[str, Any], key: str) -> Any:
+    if key not in config:
+        raise ValueError(f"the model config has no {key!r}: hicache size knows MHA/GQA, MLA (kv_lora_rank) and "
+                         "Qwen3-Next-style hybrid (linear_* keys) models")  # fmt: skip
+    return config[key]

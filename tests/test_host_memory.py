@@ -1,0 +1,181 @@
+"""Host memory: exact sizes, release, refusals before any byte, NUMA placement, the metric.
+
+Sizes are held to an oracle written from SGLang's host pool shapes (``2 * size * layers * heads * dim`` for
+MHA, ``size * layers * 576`` for MLA...), and to the kernel's own view of the process's mappings
+(``/proc/self/maps``), not to the declarations under test.
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+
+import pytest
+import torch
+
+import hicache_core as hc
+from hicache_core import host_memory as hm
+from hicache_core import metrics
+from hicache_core.host_memory import numa
+from hicache_core.host_memory.limits import MemoryLimits
+from hicache_core.settings import SettingError
+
+PAGE = mmap.PAGESIZE
+
+
+def _maps() -> dict[int, int]:
+    """Start address -> length of every mapping of this process, as the kernel lists them."""
+    out = {}
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        out[lo] = hi - lo
+    return out
+
+
+def _pinned_metric() -> dict[str, float]:
+    return {v["labels"]["pool"]: v["value"] for v in metrics.snapshot()["hicache_host_pinned_bytes"]["values"]}
+
+
+def _mha(tokens=1024, page=16, layers=4, heads=8, dim=64):
+    return hc.MHADevicePool(size=tokens, page_size=page, dtype=torch.bfloat16, head_num=heads, head_dim=dim,
+                            layer_num=layers, device="cpu")  # fmt: skip
+
+
+def _mla(tokens=1024, page=16, layers=3):
+    return hc.MLADevicePool(size=tokens, page_size=page, dtype=torch.bfloat16, kv_lora_rank=512, qk_rope_head_dim=64,
+                            layer_num=layers, device="cpu")  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_an_mha_pool_maps_exactly_the_bytes_sglang_shapes_hold(layout):
+    host = hc.make_host_pool(_mha(), layout=layout, io_backend="auto", size=3000)
+    size = 3008  # whole pages of 16
+    asked = 2 * size * 4 * 8 * 64 * 2  # K and V, tokens, layers, heads, head_dim, bf16
+    assert host.size == size and host.host_memory.asked == asked
+    assert host.host_memory.mapped == -(-asked // PAGE) * PAGE
+    start = host.kv_buffer.data_ptr()
+    assert _maps().get(start, 0) >= host.host_memory.mapped  # the kernel's mapping starts at the buffer
+    assert host.kv_buffer.untyped_storage().nbytes() == host.host_memory.mapped
+    assert torch.count_nonzero(host.kv_buffer) == 0  # first-touched with zeros
+
+
+def test_an_mla_split_pool_maps_each_part_at_its_size():
+    host = hc.make_host_pool(_mla(), layout="page_first_kv_split", io_backend="auto", size=2048)
+    sizes = {name: asked for name, asked, _ in host.host_memory.buffers}
+    assert sizes == {"k_buffer": 2048 * 3 * 512 * 2, "v_buffer": 2048 * 3 * 64 * 2}
+    assert host.k_buffer.shape == (128, 3, 16, 1, 512) and host.v_buffer.shape == (128, 3, 16, 1, 64)
+
+
+def test_a_destroyed_pool_leaves_no_mapping_behind():
+    before = set(_maps())
+    host = hc.make_host_pool(_mha(), layout="page_first", io_backend="auto")
+    label = host.label
+    made = set(_maps()) - before
+    assert host.kv_buffer.data_ptr() in made
+    assert any(r.label.startswith(label) for r in hm.live_records())
+    host.destroy()
+    gc.collect()
+    assert not made & set(_maps())
+    assert not any(r.label.startswith(label) for r in hm.live_records())
+
+
+def test_a_view_the_caller_kept_keeps_its_memory_until_it_goes():
+    host = hc.make_host_pool(_mha(), layout="page_first", io_backend="auto")
+    start = host.kv_buffer.data_ptr()
+    kept = host.kv_buffer[0, :16]
+    kept.fill_(7)
+    host.destroy()
+    gc.collect()
+    assert start in _maps() and float(kept[0, 0, 0, 0]) == 7.0
+    del kept
+    gc.collect()
+    assert start not in _maps()
+
+
+def test_a_pool_over_the_reserve_is_refused_before_any_byte(monkeypatch):
+    monkeypatch.setenv("HICACHE_HOST_RESERVE_GIB", "100000")
+    before, records = set(_maps()), len(hm.live_records())
+    with pytest.raises(hm.HostMemoryError) as err:
+        hc.make_host_pool(_mha(), layout="page_first", io_backend="auto", label="the test's pool")
+    text = str(err.value)
+    assert "the test's pool would not fit: it needs 16777216 bytes" in text
+    assert "HICACHE_HOST_RESERVE_GIB" in text and "MemAvailable" in text and "Nothing was allocated" in text
+    assert err.value.needed == 2 * 2048 * 4 * 8 * 64 * 2 + 100000 * (1 << 30)
+    assert set(_maps()) <= before and len(hm.live_records()) == records
+
+
+def test_a_pool_larger_than_the_machine_is_refused_naming_its_bytes():
+    tokens = (hm.read_limits().available // (2 * 4 * 8 * 64 * 2)) + 4096
+    with pytest.raises(hm.HostMemoryError) as err:
+        hc.make_host_pool(_mha(), layout="layer_first", io_backend="auto", size=tokens)
+    assert "would not fit" in str(err.value) and "--hicache-size" in str(err.value)
+    assert err.value.needed > err.value.limit
+
+
+def test_the_cgroup_limit_binds_when_it_is_tighter():
+    plan = hm.plan_host_memory({"kv": 3 << 30}, label="pool", pinned=True)
+    limits = MemoryLimits(available=64 << 30, total=128 << 30, cgroup_limit=8 << 30, cgroup_usage=6 << 30,
+                          cgroup_path="/sys/fs/cgroup/server", memlock=None)  # fmt: skip
+    with pytest.raises(hm.HostMemoryError) as err:
+        hm.check_fits(plan, limits)
+    assert err.value.limit == 2 << 30
+    assert "the cgroup's limit (/sys/fs/cgroup/server: 8589934592 bytes, 6442450944 used)" in str(err.value)
+    assert "3221225472 bytes (3.00 GiB, pinned)" in str(err.value)
+    hm.check_fits(plan, MemoryLimits(64 << 30, 128 << 30, None, None, None, None))
+
+
+def test_rdma_registration_is_held_to_the_locked_memory_limit():
+    limits = MemoryLimits(64 << 30, 128 << 30, None, None, None, memlock=64 << 10)
+    with pytest.raises(hm.HostMemoryError) as err:
+        hm.check_lockable(1 << 20, "peer:// staging", limits)
+    assert "RLIMIT_MEMLOCK, 65536 bytes" in str(err.value) and "ulimit -l unlimited" in str(err.value)
+    hm.check_lockable(1 << 20, "peer:// staging", MemoryLimits(64 << 30, 128 << 30, None, None, None, None))
+
+
+def test_pages_are_placed_on_the_node_asked(monkeypatch):
+    node = numa.online_nodes()[0]
+    monkeypatch.setenv("HICACHE_HOST_NUMA_NODE", str(node))
+    host = hc.make_host_pool(_mha(), layout="page_first", io_backend="auto")
+    assert host.host_memory.node == node
+    assert f"node {node} (HICACHE_HOST_NUMA_NODE={node})" in host.host_memory.node_reason
+    buffer = host.kv_buffer
+    assert numa.nodes_of(buffer.data_ptr(), buffer.numel() * buffer.element_size()) == {node: 64}
+
+
+def test_a_node_the_machine_lacks_and_a_bad_setting_are_refused(monkeypatch):
+    monkeypatch.setenv("HICACHE_HOST_NUMA_NODE", "4095")
+    with pytest.raises(ValueError, match="HICACHE_HOST_NUMA_NODE=4095: this machine's nodes with memory are"):
+        hc.make_host_pool(_mha(), layout="page_first", io_backend="auto")
+    monkeypatch.setenv("HICACHE_HOST_NUMA_NODE", "near")
+    with pytest.raises(SettingError, match="HICACHE_HOST_NUMA_NODE='near' is not 'auto', 'none' or a node number"):
+        hc.make_host_pool(_mha(), layout="page_first", io_backend="auto")
+
+
+def test_one_node_is_said_to_need_no_placement(monkeypatch):
+    monkeypatch.delenv("HICACHE_HOST_NUMA_NODE", raising=False)
+    if len(numa.online_nodes()) != 1:
+        pytest.skip("this machine has several NUMA nodes")
+    node, why = hm.choose_node(torch.device("cpu"))
+    assert node is None and why == f"one node ({numa.online_nodes()[0]}) on this machine: nothing to place"
+
+
+def test_touch_threads_fill_every_page(monkeypatch):
+    monkeypatch.setenv("HICACHE_HOST_TOUCH_THREADS", "3")
+    t = hm.host_tensor((5 * PAGE + 8,), torch.uint8, label="t", name="staging", pinned=False, fill=9)
+    assert t.shape == (5 * PAGE + 8,) and int(t.min()) == 9 == int(t.max())
+
+
+def test_pinned_bytes_are_counted_per_pool_where_cuda_pins():
+    if not torch.cuda.is_available():
+        host = hc.make_host_pool(_mha(), layout="page_first", io_backend="auto", label="a CPU pool")
+        assert "a CPU pool" not in _pinned_metric()
+        assert not host.host_memory.pinned and host.host_memory.pinned_bytes == 0
+        return
+    dev = hc.MHADevicePool(size=1024, page_size=16, dtype=torch.bfloat16, head_num=8, head_dim=64, layer_num=4,
+                           device="cuda")  # fmt: skip
+    host = hc.make_host_pool(dev, layout="page_first", io_backend="auto", label="a CUDA pool")
+    assert host.kv_buffer.is_pinned() and host.host_memory.pinned_bytes == host.host_memory.mapped
+    assert _pinned_metric()["a CUDA pool"] >= host.host_memory.mapped
+    host.destroy()
+    gc.collect()
+    assert "a CUDA pool" not in _pinned_metric()
