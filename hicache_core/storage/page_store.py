@@ -149,6 +149,7 @@ class PageStore:
                                  and os.environ.get("HICACHE_L3_HOST_CHECK", "") in ("", "0"))  # fmt: skip
         backend.namespace = namespace
         backend.page_bytes = pages.page_bytes
+        backend.cluster_key = key
         backend.register_memory(pages.buffer_spans())
 
     @property

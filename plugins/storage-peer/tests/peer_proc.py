@@ -21,6 +21,8 @@ from hicache_core.storage.keys import page_hashes
 from hicache_core.testing.storage_kit import StorageCase, make_pool
 
 CASE = StorageCase("mha", "page_first", "plain", 4)
+#: The test directories have no password (a trusted test setup); publication areas sized for the test pools.
+TEST_OPTIONS = "&insecure_directory=1&publish_bytes=4MiB"
 MODEL = "peer-test"
 
 
