@@ -48,6 +48,8 @@ FROM_ENVIRONMENT: Literal["environment"] = "environment"
 _MAC_CONTEXT = "hicache 2026-12 L3 page MAC v1"
 _ID_CONTEXT = "hicache 2026-12 L3 key id v1"
 _RECORD_CONTEXT = "hicache 2026-12 directory record MAC v1"
+_SEAL_CONTEXT = "hicache 2026-12 directory record cipher v1"
+_NONCE_BYTES = 12
 
 
 class ClusterKeyError(ValueError):
@@ -71,11 +73,11 @@ class ClusterKey:
         not part of it, so a file written by ``echo`` works).
     :param source: where it came from, for messages (a variable's name or a file's path; never the key).
 
-    Only three values derived one-way from the secret are kept: the page MAC key, the record MAC key
-    (directory entries, :meth:`record_tag`) and the key id.
+    Only four values derived one-way from the secret are kept: the page MAC key, the record MAC key
+    (directory entries, :meth:`record_tag`), the record cipher key (:meth:`seal`) and the key id.
     """
 
-    __slots__ = ("_mac_key", "_record_key", "_hasher", "key_id", "source")
+    __slots__ = ("_mac_key", "_record_key", "_seal_key", "_hasher", "key_id", "source")
 
     def __init__(self, material: bytes, source: str = "the caller") -> None:
         if not isinstance(material, (bytes, bytearray)):
@@ -89,6 +91,7 @@ class ClusterKey:
         blake3 = _blake3()
         self._mac_key = blake3.blake3(material, derive_key_context=_MAC_CONTEXT).digest()
         self._record_key = blake3.blake3(material, derive_key_context=_RECORD_CONTEXT).digest()
+        self._seal_key = blake3.blake3(material, derive_key_context=_SEAL_CONTEXT).digest()
         self._hasher = blake3.blake3
         #: 8 bytes that name the key (in every keyed page's header); they tell nothing of the key.
         self.key_id: bytes = blake3.blake3(material, derive_key_context=_ID_CONTEXT).digest(8)
@@ -160,6 +163,26 @@ class ClusterKey:
             h.update(raw)
         return h.digest()
 
+    def seal(self, kind: str, secret: bytes, *bound: bytes | str) -> bytes:
+        """``secret`` encrypted and authenticated (ChaCha20-Poly1305, a random nonce) for the cluster only.
+
+        ``kind`` and ``bound`` (e.g. the record's owner and directory prefix) are authenticated, not
+        encrypted: the sealed bytes open only with the same ones. Needs the ``cryptography`` package.
+        """
+        nonce = os.urandom(_NONCE_BYTES)
+        return nonce + _aead(self._seal_key).encrypt(nonce, bytes(secret), _bound(kind, bound))
+
+    def open(self, kind: str, sealed: bytes, *bound: bytes | str) -> bytes | None:
+        """What :meth:`seal` sealed, or ``None``: another key, other ``kind``/``bound``, or changed bytes."""
+        if len(sealed) < _NONCE_BYTES + 16:
+            return None
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            return _aead(self._seal_key).decrypt(sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:], _bound(kind, bound))
+        except InvalidTag:
+            return None
+
     def verify(self, tag: bytes, expected: bytes) -> bool:
         """Whether two tags are equal, in time that does not depend on where they differ."""
         return hmac.compare_digest(tag, expected)
@@ -177,6 +200,24 @@ class ClusterKey:
 
     def __hash__(self) -> int:
         return hash(self.key_id)
+
+
+def _aead(key: bytes):
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+    except ImportError:
+        raise ImportError(
+            "sealing a directory record needs the cryptography package: pip install cryptography"
+        ) from None
+    return ChaCha20Poly1305(key)
+
+
+def _bound(kind: str, bound: Sequence[bytes | str]) -> bytes:
+    out = bytearray()
+    for part in (kind, *bound):
+        raw = part.encode("utf-8", "surrogatepass") if isinstance(part, str) else bytes(part)
+        out += struct.pack("<I", len(raw)) + raw
+    return bytes(out)
 
 
 def resolve_key(cluster_key: ClusterKey | None | str) -> ClusterKey | None:

@@ -1,6 +1,8 @@
 """The directory of who holds which page, in Redis: owners under a lease, page entries per owner.
 
-* ``<prefix>owner:<owner id>``: a hash (``meta``: the owner's NIXL agent metadata; ``area``: where its
+* ``<prefix>owner:<owner id>``: a hash (``meta``: the owner's NIXL agent metadata, sealed with the
+  cluster key where there is one, because over UCX/TCP whoever holds it can reach any address of the
+  owner's process, registered or not (see docs/storage-peer.md); ``area``: where its
   publication area lies, how many page slots it has and how large each is; ``gens``: the address of
   the area's generation words; ``tag``: the record's MAC under the cluster key), with a TTL of one
   lease that the owner's heartbeat renews. A dead or paused owner's lease lapses, and readers then
@@ -165,7 +167,10 @@ class Directory:
     # ---- owners ----------------------------------------------------------------------------------
 
     def register_owner(self, owner: Owner, lease_ms: int) -> None:
+        """Record the owner under a lease; with the key, its NIXL metadata sealed (only the cluster may load it)."""
         meta, area = owner.fields()
+        if self.key is not None:
+            meta = self.key.seal("peer owner metadata", meta, self.prefix, owner.owner_id, area)
         record = {"meta": meta, "area": area}
         if self.key is not None:
             record["tag"] = self._owner_tag(owner.owner_id, meta, area)
@@ -216,6 +221,11 @@ class Directory:
             raise BadRecord(f"owner record of {owner_id} is malformed")
         addr, slots, slot_bytes = _AREA.unpack_from(area, 0)
         (gens,) = struct.unpack_from("<Q", area, _AREA.size)
+        if self.key is not None:
+            opened = self.key.open("peer owner metadata", meta, self.prefix, owner_id, area)
+            if opened is None:
+                raise BadRecord(f"owner record of {owner_id}: its NIXL metadata does not open under the cluster key")
+            meta = opened
         return Owner(owner_id, meta, addr, slots, slot_bytes, gens)
 
     def drop_owner(self, owner_id: str) -> None:

@@ -91,6 +91,7 @@ def guarded(url: str, workdir: Path, n_pages: int) -> None:
     half = n_pages // 2
     assert all(r.ok for r in store.write_pages(keys[:half], slots[: half * CASE.page_size]))
     buffers = [(s.ptr, s.nbytes) for s in store.pages.buffer_spans()]
+    (workdir / "leaked-metadata.bin").write_bytes(store.backend._agent.metadata())  # what a leak would give
     ready = {"keys": keys[:half], "unpublished": keys[half:], "pool": buffers, "stats": store.backend.backend_stats()}
     (workdir / "ready.tmp").write_text(json.dumps(ready))
     (workdir / "ready.tmp").rename(workdir / "ready.json")
