@@ -19,11 +19,13 @@ The URL names the Redis server that keeps the directory (``directory.py``). An i
   the payload checksum and (with the cluster key) the page's MAC as for any L3 page.
 
 Reads go through an agent of their own (the reader agent), never registered in the directory. Every
-read has a deadline (``timeout``): a paused or dead owner makes its pages ``timeout`` or ``error``.
-A late byte of an abandoned read could still land in its staging buffer, so that buffer is never
-handed out again: once no read is in flight, the reader agent is closed (its connections and
-registrations end, so nothing more can land) and its staging buffers are released; the next read
-makes a new agent.
+read has a deadline (``timeout``): a paused or dead owner makes its pages ``timeout`` or ``error``,
+and its pages fail at once, without a read, for ``2 * timeout`` after that. A late byte of an
+abandoned read could still land in its staging buffer, so that buffer is set aside (retired): it
+is reused only ``timeout`` after a later read from the same owner succeeded (the owner answers
+again, its old replies are through), and released at ``close`` once the reader agent is gone.
+The reader agent is not closed earlier: closing it with a cancelled read outstanding makes a
+paused owner abort when it resumes (UCX "Endpoint timeout", nixl-cu13 1.5.1, seen here).
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ class PeerStorage(StorageBackend):
         self._readers_made = 0
         self._reader_lock = threading.Lock()  # the reader agent and its staging buffers; never held while waiting
         self._staging_free: list[torch.Tensor] = []
-        self._retired: list[torch.Tensor] = []
+        self._retired: list[list[Any]] = []  # [owner id, buffer, reusable from (monotonic) or None]
+        self._suspended: dict[str, float] = {}  # owner id -> monotonic time its pages are read again
         self._in_flight = 0
         self._gone_agents = dict(transfers=0, transfer_timeouts=0, transfer_errors=0)  # closed reader agents' counts
         self._stop = threading.Event()
@@ -151,7 +154,7 @@ class PeerStorage(StorageBackend):
         self.counters = dict(published=0, unpublished=0, unpublish_failed=0, evicted=0, stale_reads=0,
                              expired_entries=0, bad_entries=0, bad_owner_records=0, lease_renewals=0,
                              lease_lost=0, republished=0, heartbeat_failed=0, retired_staging_bytes=0,
-                             reader_agents_closed=0)  # fmt: skip
+                             reclaimed_staging_bytes=0, suspended_reads=0)  # fmt: skip
 
     # ---- binding: the publication area, the directory ----------------------------------------------
 
@@ -363,11 +366,22 @@ class PeerStorage(StorageBackend):
             groups.setdefault(owner_id, []).append(i)
         for owner_id, idx in groups.items():
             entries = [chosen[i][1] for i in idx]
+            until = self._suspended.get(owner_id, 0.0)
+            if time.monotonic() < until:
+                self.counters["suspended_reads"] += 1
+                failure = TimeoutError(f"owner {owner_id} did not answer a read within {self.timeout:g} s; its pages "
+                                       f"are not read for {until - time.monotonic():.1f} s more")  # fmt: skip
+                for i in idx:
+                    out[i] = failure
+                continue
             try:
                 stale = self._read_group(owners[owner_id], entries, [targets[i] for i in idx])
             except (TimeoutError, TransferFailed, StorageError) as exc:
+                # A copy without the traceback: its frames would keep the read's NIXL handles, and through
+                # them the reader agent, alive after it is closed (a late byte then lands in freed memory).
+                failure = type(exc)(str(exc))
                 for i in idx:
-                    out[i] = exc
+                    out[i] = failure
                 continue
             for i, moved in zip(idx, stale):
                 if moved:
@@ -406,6 +420,7 @@ class PeerStorage(StorageBackend):
                     moved = self._stale(agent, stage, owner, entries[start:end], deadline)
                 except (TimeoutError, TransferFailed):
                     abandoned = True
+                    self._suspended[owner.owner_id] = time.monotonic() + 2 * self.timeout
                     raise
                 src = base
                 for k, gone in zip(range(start, end), moved):
@@ -416,7 +431,8 @@ class PeerStorage(StorageBackend):
                 start = end
             return stale
         finally:
-            self._give_staging(agent, stage, abandoned)
+            self._give_staging(agent, stage, owner.owner_id, abandoned)
+            del stage  # the error this raises is kept with its traceback: it must not keep the buffer alive
 
     def _stale(self, agent: PeerAgent, stage: torch.Tensor, owner: Owner, entries: list[Entry],
                deadline: float) -> list[bool]:  # fmt: skip
@@ -449,17 +465,28 @@ class PeerStorage(StorageBackend):
             self._in_flight += 1
             return self._reader, stage
 
-    def _give_staging(self, agent: PeerAgent, stage: torch.Tensor, abandoned: bool) -> None:
-        """Back to the free list; an abandoned read's buffer is retired until its agent is closed."""
+    def _give_staging(self, agent: PeerAgent, stage: torch.Tensor, owner_id: str, abandoned: bool) -> None:
+        """Back to the free list; an abandoned read's buffer is retired (see the module's docstring)."""
+        now = time.monotonic()
         with self._reader_lock:
             self._in_flight -= 1
             if abandoned:
-                self._retired.append(stage)
+                self._retired.append([owner_id, stage, None])
                 self.counters["retired_staging_bytes"] += stage.numel()
-            elif agent is self._reader:
+                return
+            if agent is self._reader:
                 self._staging_free.append(stage)
-            if self._retired and self._in_flight == 0:
-                self._close_reader()
+            for item in self._retired:  # the owner answered: its old replies are through within a timeout
+                if item[0] == owner_id and item[2] is None:
+                    item[2] = now + self.timeout
+            keep = []
+            for item in self._retired:
+                if item[2] is not None and item[2] <= now:
+                    self._staging_free.append(item[1])
+                    self.counters["reclaimed_staging_bytes"] += item[1].numel()
+                else:
+                    keep.append(item)
+            self._retired = keep
 
     def _close_reader(self) -> None:
         """Close the reader agent (no byte can land after), then let its staging buffers go. Holds ``_reader_lock``."""
@@ -468,7 +495,6 @@ class PeerStorage(StorageBackend):
                 self._gone_agents[name] += getattr(self._reader, name)
             self._reader.close()
             self._reader = None
-            self.counters["reader_agents_closed"] += 1
         self._staging_free.clear()
         self._retired.clear()
 
@@ -476,7 +502,7 @@ class PeerStorage(StorageBackend):
     def held_staging_bytes(self) -> int:
         """Bytes of staging this backend holds now (free, in use or retired)."""
         with self._reader_lock:
-            return sum(t.numel() for t in self._staging_free + self._retired)
+            return sum(t.numel() for t in self._staging_free) + sum(r[1].numel() for r in self._retired)
 
     # ---- administration ----------------------------------------------------------------------------------
 

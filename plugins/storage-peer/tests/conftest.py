@@ -84,9 +84,10 @@ class Proc:
         (self.workdir / "stop").write_text("1")
         try:
             self.proc.wait(timeout)
+            said = self.output()
         finally:
             self.kill()
-        assert self.proc.returncode == 0, f"exit code {self.proc.returncode}: {self.output()}"
+        assert self.proc.returncode == 0, f"exit code {self.proc.returncode}: {said}"
         return json.loads((self.workdir / "owner-final.json").read_text())
 
     def kill(self) -> None:
