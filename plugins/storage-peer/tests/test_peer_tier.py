@@ -184,7 +184,10 @@ def test_paused_owner_times_out_bounded_and_no_late_byte_lands(peer_url, procs, 
         time.sleep(0.5)
         assert all(torch.equal(page_of(host, slots, i), sentinel) for i in range(N)), "a late read wrote a slot"
         deadline = time.monotonic() + 8  # the owner is suspended for 2 timeouts, then read again (reconnected)
-        while not all(r.ok for r in (results := store.read_pages(keys, slots))):
+        while True:
+            results = store.read_pages(keys, slots)
+            if all(r.ok for r in results):
+                break
             assert time.monotonic() < deadline and results[0].status is PageStatus.TIMEOUT, results[:2]
             time.sleep(0.3)
         assert torch.equal(page_of(host, slots, 3), page_content(host, keys[3]))
