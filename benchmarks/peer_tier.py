@@ -62,7 +62,7 @@ def owner(url: str, pages: int, workdir: Path) -> None:
 
     host = make_host(pages + 2)
     store = make_storage(url, host, model_id="bench")
-    assert store.authenticated
+    assert store.authenticated == ("HICACHE_L3_KEY" in os.environ)
     slots = host.alloc(pages * PAGE)
     assert all(r.ok for r in store.write_pages(keys_for(pages), slots))
     (workdir / "ready").write_text("1")
@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=48)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default="benchmarks/results/peer-tier-cpu.json")
+    ap.add_argument("--unkeyed", action="store_true", help="no cluster key (to attribute the MAC's share)")
     args = ap.parse_args()
     import torch
     from hicache_storage_peer.agent import PeerAgent
@@ -86,8 +87,10 @@ def main() -> None:
     load_before = _loadavg()
     work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
     password = os.urandom(12).hex()
-    os.environ["HICACHE_L3_KEY"] = os.urandom(32).hex()  # the owner process inherits it
     os.environ.pop("HICACHE_L3_KEY_FILE", None)
+    os.environ.pop("HICACHE_L3_KEY", None)
+    if not args.unkeyed:
+        os.environ["HICACHE_L3_KEY"] = os.urandom(32).hex()  # the owner process inherits it
     redis = start_redis(work, "--requirepass", password)
     url = f"peer://:{password}@127.0.0.1:{redis.port}/0?timeout=30&publish_bytes={(args.pages + 2) * 2}MiB"
     proc = subprocess.Popen([sys.executable, __file__, "--owner", url, str(args.pages), str(work)])
@@ -99,7 +102,7 @@ def main() -> None:
         keys = keys_for(args.pages)
         host = make_host(args.pages + 2)
         store = make_storage(url, host, model_id="bench", serve=0)
-        assert store.authenticated
+        assert store.authenticated != args.unkeyed
         backend = store.backend
         slots = host.alloc(args.pages * PAGE)
         full = backend.namespace.keys(keys)
@@ -142,10 +145,10 @@ def main() -> None:
         stats = store.get_stats()
         assert stats.read_auth_failed == 0 and stats.read_corrupt == 0
         result = {
-            "what": "peer tier read, authenticated (cluster key: entry and page MACs, sealed owner metadata; "
-            "directory with a password), vs NIXL's own READ of the same bytes from the owner's publication "
-            "area, same two processes",
-            "authenticated": True,
+            "what": "peer tier read, authenticated unless authenticated=false (cluster key: entry and page MACs, "
+            "sealed owner metadata; directory with a password), vs NIXL's own READ of the same bytes from the "
+            "owner's publication area, same two processes",
+            "authenticated": not args.unkeyed,
             "transport": f"UCX over {os.environ['UCX_TLS']} on 127.0.0.1 (loopback), no RDMA",
             "machine": {
                 "cpu": platform.processor() or platform.machine(),
