@@ -413,3 +413,34 @@ def test_storage_check_says_whether_pages_are_authenticated(tmp_path, monkeypatc
     assert main(["storage", "check", url]) == 2
     out = capsys.readouterr().out
     assert "is 13 bytes; it must be at least 32" in out and "planted" not in out, out
+
+
+def test_record_tags_and_sealed_records_bind_their_kind_fields_and_key():
+    """Directory records (``peer://``): a tag checks only for the same kind, the same fields split the same way,
+    under the same key, and is never a page tag; a sealed record opens only with the same kind, bound fields and
+    key, and hides what it holds."""
+    a, b = ClusterKey(KEY_A), ClusterKey(KEY_B)
+    tag = a.record_tag("peer entry", "prefix:", "model/abc", "owner-1", b"\x01\x02")
+    assert len(tag) == 32 and tag == a.record_tag("peer entry", "prefix:", "model/abc", "owner-1", b"\x01\x02")
+    others = [
+        a.record_tag("peer owner", "prefix:", "model/abc", "owner-1", b"\x01\x02"),  # another kind
+        a.record_tag("peer entry", "prefix:", "model/abd", "owner-1", b"\x01\x02"),  # another page key
+        a.record_tag("peer entry", "prefix:", "model/abc", "owner-2", b"\x01\x02"),  # another owner
+        a.record_tag("peer entry", "prefix:", "model/ab", "cowner-1", b"\x01\x02"),  # another split
+        b.record_tag("peer entry", "prefix:", "model/abc", "owner-1", b"\x01\x02"),  # another key
+    ]
+    for other in others:
+        assert not a.verify(other, tag)
+    assert a.tag(b"", "model/abc", []) != a.record_tag("peer entry", "model/abc")  # the page MAC's key is another
+    pytest.importorskip("cryptography", reason="sealed records need the cryptography package")
+    secret = b"nixl metadata: worker address, rkeys" * 4
+    sealed = a.seal("peer owner metadata", secret, "prefix:", "owner-1")
+    assert secret not in sealed and sealed != a.seal("peer owner metadata", secret, "prefix:", "owner-1")  # a nonce
+    assert a.open("peer owner metadata", sealed, "prefix:", "owner-1") == secret
+    assert a.open("peer owner metadata", sealed, "prefix:", "owner-2") is None  # copied to another owner
+    assert a.open("peer entry", sealed, "prefix:", "owner-1") is None
+    assert b.open("peer owner metadata", sealed, "prefix:", "owner-1") is None
+    changed = bytearray(sealed)
+    changed[20] ^= 1
+    assert a.open("peer owner metadata", bytes(changed), "prefix:", "owner-1") is None
+    assert a.open("peer owner metadata", b"short", "prefix:", "owner-1") is None

@@ -543,7 +543,8 @@ class PeerStorage(StorageBackend):
         except StorageError:
             pass  # the lease lapses on its own
         if self._agent is not None:
-            self._agent.close()
+            self._agent.close()  # deregistered: the area and its words can go
+        self._area = self._gens_public = None
         with self._reader_lock:
             self._close_reader()
         self.directory.close()

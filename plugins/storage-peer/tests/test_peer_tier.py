@@ -116,11 +116,19 @@ def test_a_page_evicted_behind_a_stale_directory_is_a_miss_never_its_new_bytes(r
 
 
 def test_what_the_owner_publishes_is_a_copy_its_pool_can_reuse(peer_url):
-    """Freeing and refilling the owner's host slots changes nothing a reader gets: the area holds a copy."""
+    """Freeing and refilling the owner's host slots changes nothing a reader gets: the area holds a copy. The area
+    and its words are exact-size host memory, counted under the owner's label, and released at close."""
     from peer_proc import fill, keys_for
+
+    from hicache_core.host_memory import live_records
 
     owner_host = make_pool(CASE, pages=2 * N, seed=1)
     owner = make_storage(peer_url, owner_host, model_id=MODEL)
+    b = owner.backend
+    label = f"peer:// publication area of {b.owner_id}"
+    mine = lambda: sorted((r.label, r.asked) for r in live_records() if r.label.startswith(label))  # noqa: E731
+    assert mine() == [(f"{label}: generations", 8 * b.slots), (f"{label}: publication area", b.slots * b.slot_bytes)]
+    assert b.slots * b.slot_bytes <= 4 << 20 < (b.slots + 1) * b.slot_bytes  # publish_bytes=4MiB, whole slots
     host, store, slots = reader_store(peer_url)
     try:
         keys = keys_for(7, 4)
@@ -135,6 +143,7 @@ def test_what_the_owner_publishes_is_a_copy_its_pool_can_reuse(peer_url):
     finally:
         store.close()
         owner.close()
+    assert mine() == []
 
 
 def test_owner_evicting_under_load_never_gives_wrong_bytes(peer_url, procs, tmp_path):
