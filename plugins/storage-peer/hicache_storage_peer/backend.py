@@ -147,6 +147,7 @@ class PeerStorage(StorageBackend):
         self._retired: list[list[Any]] = []  # [owner id, buffer, reusable from (monotonic) or None]
         self._suspended: dict[str, float] = {}  # owner id -> monotonic time its pages are read again
         self._in_flight = 0
+        self._stage_bytes = self.io_chunk_bytes
         self._gone_agents = dict(transfers=0, transfer_timeouts=0, transfer_errors=0)  # closed reader agents' counts
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -161,11 +162,13 @@ class PeerStorage(StorageBackend):
     def register_memory(self, spans: Sequence[Span]) -> None:
         """Make the publication area and join the directory; the host pool's buffers are not registered."""
         self.directory.key = self.cluster_key
-        if not self.serve:
-            return
         store = self.__dict__.get("_page_store")  # the PageStore binding this backend: its pool's checksum rows
         trailer = store.pages.trailer_bytes if store is not None else 0
         page = int(self.page_bytes or 0) + trailer
+        # A read lands in staging whole: at least one page of this pool (a target's size bounds what is read).
+        self._stage_bytes = max(self.io_chunk_bytes, page)
+        if not self.serve:
+            return
         self.slot_bytes = -(-page // _SLOT_ALIGN) * _SLOT_ALIGN
         self.slots = self.publish_bytes // self.slot_bytes if self.slot_bytes else 0
         if self.slots < 1:
@@ -406,7 +409,7 @@ class PeerStorage(StorageBackend):
             deadline = time.monotonic() + self.timeout
             start = 0
             stale: list[bool] = []
-            base, cap = stage.data_ptr(), self.io_chunk_bytes
+            base, cap = stage.data_ptr(), self._stage_bytes
             while start < len(entries):
                 at, end, local, remote = 0, start, [], []
                 while end < len(entries) and (end == start or at + entries[end].payload_bytes <= cap):
@@ -438,7 +441,7 @@ class PeerStorage(StorageBackend):
                deadline: float) -> list[bool]:  # fmt: skip
         """Read the owner's generation words of ``entries`` now; ``True`` where one moved since publishing."""
         out: list[bool] = []
-        words = stage[self.io_chunk_bytes :].view(torch.int64)
+        words = stage[self._stage_bytes :].view(torch.int64)
         for start in range(0, len(entries), _SCRATCH_WORDS):
             group = entries[start : start + _SCRATCH_WORDS]
             base = words.data_ptr()
@@ -459,7 +462,7 @@ class PeerStorage(StorageBackend):
             if self._staging_free:
                 stage = self._staging_free.pop()
             else:
-                stage = host_tensor((self.io_chunk_bytes + 8 * _SCRATCH_WORDS,), torch.uint8, pinned=False,
+                stage = host_tensor((self._stage_bytes + 8 * _SCRATCH_WORDS,), torch.uint8, pinned=False,
                                     label=f"peer:// reads of {self.owner_id}", name="staging")  # fmt: skip
                 self._reader.register([(stage.data_ptr(), stage.numel())])
             self._in_flight += 1
