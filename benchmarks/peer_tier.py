@@ -1,14 +1,18 @@
-"""The peer tier against NIXL's own transfer of the same bytes between the same two processes.
+"""The peer tier, authenticated, against NIXL's own transfer of the same bytes between the same two processes.
 
     .venv/bin/python benchmarks/peer_tier.py [--pages 48] [--reps 7] [--out benchmarks/results/peer-tier-cpu.json]
 
 Starts a redis-server (the directory) and an owner process that publishes ``--pages`` pages of
-2 MiB (MHA, page_first, 8 layers x 8 heads x 128 dims, bf16, 64 tokens a page). In this process:
+2 MiB (MHA, page_first, 8 layers x 8 heads x 128 dims, bf16, 64 tokens a page) into its publication
+area. Both processes hold the same random cluster key (``HICACHE_L3_KEY``) and the directory has a
+password, as in production. In this process:
 
-* **nixl**: one NIXL READ of exactly the owner's page runs into a registered buffer (an agent of
-  its own: no directory, no generation check, no copy, no checksum), the ceiling;
-* **tier**: ``store.read_pages(keys, slots)`` of the same pages: directory lookup, reads through
-  the staging buffer, generation words, copy into the host pool, header and checksum checks.
+* **nixl**: one NIXL READ of exactly the published pages' bytes in the owner's publication area into
+  a registered buffer (an agent of its own: no directory, no generation check, no copy, no MAC), the
+  ceiling;
+* **tier**: ``store.read_pages(keys, slots)`` of the same pages: directory lookup with every owner
+  record and entry's MAC checked (and the owner's sealed metadata opened once), reads through the
+  staging buffer, generation words, copy into the host pool, header and keyed BLAKE3 MAC of every byte.
 
 Each is timed ``--reps`` times, alternating; the JSON holds every time, the medians and their ratio.
 UCX runs over TCP on loopback (``UCX_TLS=tcp,self``) unless the caller set ``UCX_TLS``.
@@ -58,6 +62,7 @@ def owner(url: str, pages: int, workdir: Path) -> None:
 
     host = make_host(pages + 2)
     store = make_storage(url, host, model_id="bench")
+    assert store.authenticated == ("HICACHE_L3_KEY" in os.environ)
     slots = host.alloc(pages * PAGE)
     assert all(r.ok for r in store.write_pages(keys_for(pages), slots))
     (workdir / "ready").write_text("1")
@@ -71,18 +76,23 @@ def main() -> None:
     ap.add_argument("--pages", type=int, default=48)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default="benchmarks/results/peer-tier-cpu.json")
+    ap.add_argument("--unkeyed", action="store_true", help="no cluster key (to attribute the MAC's share)")
     args = ap.parse_args()
     import torch
     from hicache_storage_peer.agent import PeerAgent
-    from hicache_storage_peer.directory import Entry
 
     from hicache_core.storage import make_storage
     from hicache_core.testing.servers import start_redis
 
     load_before = _loadavg()
     work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
-    redis = start_redis(work)
-    url = f"peer://127.0.0.1:{redis.port}/0?timeout=30"
+    password = os.urandom(12).hex()
+    os.environ.pop("HICACHE_L3_KEY_FILE", None)
+    os.environ.pop("HICACHE_L3_KEY", None)
+    if not args.unkeyed:
+        os.environ["HICACHE_L3_KEY"] = os.urandom(32).hex()  # the owner process inherits it
+    redis = start_redis(work, "--requirepass", password)
+    url = f"peer://:{password}@127.0.0.1:{redis.port}/0?timeout=30&publish_bytes={(args.pages + 2) * 2}MiB"
     proc = subprocess.Popen([sys.executable, __file__, "--owner", url, str(args.pages), str(work)])
     try:
         deadline = time.monotonic() + 120
@@ -92,13 +102,15 @@ def main() -> None:
         keys = keys_for(args.pages)
         host = make_host(args.pages + 2)
         store = make_storage(url, host, model_id="bench", serve=0)
-        backend = getattr(store, "backend", store)
+        assert store.authenticated != args.unkeyed
+        backend = store.backend
         slots = host.alloc(args.pages * PAGE)
         full = backend.namespace.keys(keys)
         holders = backend.directory.holders(full)
         owner_id = next(iter(holders[0]))
-        meta = backend.directory.owners([owner_id])[owner_id]
-        runs = [r for h in holders for r in Entry.unpack(h[owner_id]).runs]
+        meta = backend.directory.owners([owner_id])[0][owner_id]  # opened with the cluster key
+        entries = [backend.directory.read_entry(k, owner_id, h[owner_id]) for k, h in zip(full, holders)]
+        runs = [(meta.slot_addr(e.slot), e.payload_bytes) for e in entries]
         nbytes = sum(n for _, n in runs)
         raw = PeerAgent(f"raw-{os.getpid()}")
         target = torch.empty(nbytes, dtype=torch.uint8)
@@ -130,16 +142,35 @@ def main() -> None:
         same = all(torch.equal(host.get_data_page(int(s), flat=True).view(torch.uint8),
                                make_ref(int(s), args.pages).view(torch.uint8)) for s in slots[::PAGE])  # fmt: skip
         med = {k: statistics.median(v) for k, v in times.items()}
+        stats = store.get_stats()
+        assert stats.read_auth_failed == 0 and stats.read_corrupt == 0
         result = {
-            "what": "peer tier read vs NIXL's own READ of the same bytes, same two processes",
+            "what": "peer tier read, authenticated unless authenticated=false (cluster key: entry and page MACs, "
+            "sealed owner metadata; directory with a password), vs NIXL's own READ of the same bytes from the "
+            "owner's publication area, same two processes",
+            "authenticated": not args.unkeyed,
             "transport": f"UCX over {os.environ['UCX_TLS']} on 127.0.0.1 (loopback), no RDMA",
-            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                        "note": "shared CPU machine, no GPU; other jobs ran at the same time",
-                        "loadavg_before": load_before, "loadavg_after": _loadavg()},  # fmt: skip
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "nixl": _version("nixl-cu13"), "redis-server": _redis_version()},  # fmt: skip
-            "pages": args.pages, "page_bytes": nbytes // args.pages, "bytes": nbytes, "reps": args.reps,
-            "seconds": times, "median_s": med,
+            "machine": {
+                "cpu": platform.processor() or platform.machine(),
+                "cores": os.cpu_count(),
+                "note": "shared CPU machine, no GPU; other jobs ran at the same time",
+                "loadavg_before": load_before,
+                "loadavg_after": _loadavg(),
+            },  # fmt: skip
+            "versions": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "nixl": _version("nixl-cu13"),
+                "redis-server": _redis_version(),
+                "blake3": _version("blake3"),
+                "cryptography": _version("cryptography"),
+            },  # fmt: skip
+            "pages": args.pages,
+            "page_bytes": nbytes // args.pages,
+            "bytes": nbytes,
+            "reps": args.reps,
+            "seconds": times,
+            "median_s": med,
             "gbps": {k: nbytes / v / 1e9 for k, v in med.items()},
             "ratio_tier_over_nixl": med["nixl"] / med["tier"],
             "bytes_equal": same,

@@ -357,14 +357,15 @@ def test_a_key_file_only_its_owner_reads_is_taken(tmp_path):
 
 
 def test_a_peer_reader_authenticates_what_it_reads_from_an_owner(tmp_path, monkeypatch):
-    """``peer://``: the tag travels in the directory entry and covers the bytes read from the owner's pool, so
-    an unkeyed publisher and bytes changed in the owner's pool after publishing are ``auth_failed`` for a reader."""
+    """``peer://``: the page's tag travels in the directory entry, which carries a tag of its own, and covers the
+    bytes read from the owner's publication area: an unkeyed publisher's entry is ignored (a miss), and bytes
+    changed in the area after publishing (what a remote NIXL write could do) are ``auth_failed``."""
     pytest.importorskip("nixl_cu13", reason="NIXL is not installed (pip install nixl-cu13==1.5.1)")
     if "peer" not in get_registry().storage_backends:
         pytest.skip("hicache-storage-peer is not installed")
     monkeypatch.setenv("UCX_TLS", os.environ.get("UCX_TLS", "tcp,self"))
     server = start_redis(tmp_path)
-    url = f"peer://127.0.0.1:{server.port}/0?prefix=auth:&timeout=5"
+    url = f"peer://127.0.0.1:{server.port}/0?prefix=auth:&timeout=5&insecure_directory=1&publish_bytes=4MiB"
     owner_pool, reader_pool = kit.host_pool(pages=8), kit.host_pool(pages=8)
     _fill(owner_pool, 4)
     key = ClusterKey(KEY_A)
@@ -380,12 +381,12 @@ def test_a_peer_reader_authenticates_what_it_reads_from_an_owner(tmp_path, monke
         assert all(r.ok for r in owner.write_pages(keys[:2], _slots([0, 1])))
         assert keyless_owner.write_pages(keys[2:3], _slots([2]))[0].ok
         results = reader.read_pages(keys[:3], _slots([4, 5, 6]))
-        assert [r.status for r in results] == [PageStatus.OK, PageStatus.OK, PageStatus.AUTH_FAILED], results
-        assert results[2].detail.startswith("written without the cluster key")
+        assert [r.status for r in results] == [PageStatus.OK, PageStatus.OK, PageStatus.MISSING], results
+        assert reader.get_stats().backend["bad_owner_records"] == 1  # the unkeyed owner's record, ignored
         assert _page(reader, 4) == _page(owner, 0) and _page(reader, 5) == _page(owner, 1)
-        # a byte of a published page changed in the owner's pool (what a remote NIXL write could do)
-        span = owner.pages.page_spans(1)[0]
-        span.view[7] ^= 0x01
+        # a byte of a published page changed in the owner's publication area (what a remote NIXL write could do)
+        area = owner.backend._area
+        area[owner.backend._slot_of[owner.namespace.keys(keys[1:2])[0]] * owner.backend.slot_bytes + 7] ^= 0x01
         (r,) = reader.read_pages(keys[1:2], _slots([7]))
         assert r.status is PageStatus.AUTH_FAILED and r.detail.startswith("MAC mismatch"), r
     finally:
@@ -412,3 +413,34 @@ def test_storage_check_says_whether_pages_are_authenticated(tmp_path, monkeypatc
     assert main(["storage", "check", url]) == 2
     out = capsys.readouterr().out
     assert "is 13 bytes; it must be at least 32" in out and "planted" not in out, out
+
+
+def test_record_tags_and_sealed_records_bind_their_kind_fields_and_key():
+    """Directory records (``peer://``): a tag checks only for the same kind, the same fields split the same way,
+    under the same key, and is never a page tag; a sealed record opens only with the same kind, bound fields and
+    key, and hides what it holds."""
+    a, b = ClusterKey(KEY_A), ClusterKey(KEY_B)
+    tag = a.record_tag("peer entry", "prefix:", "model/abc", "owner-1", b"\x01\x02")
+    assert len(tag) == 32 and tag == a.record_tag("peer entry", "prefix:", "model/abc", "owner-1", b"\x01\x02")
+    others = [
+        a.record_tag("peer owner", "prefix:", "model/abc", "owner-1", b"\x01\x02"),  # another kind
+        a.record_tag("peer entry", "prefix:", "model/abd", "owner-1", b"\x01\x02"),  # another page key
+        a.record_tag("peer entry", "prefix:", "model/abc", "owner-2", b"\x01\x02"),  # another owner
+        a.record_tag("peer entry", "prefix:", "model/ab", "cowner-1", b"\x01\x02"),  # another split
+        b.record_tag("peer entry", "prefix:", "model/abc", "owner-1", b"\x01\x02"),  # another key
+    ]
+    for other in others:
+        assert not a.verify(other, tag)
+    assert a.tag(b"", "model/abc", []) != a.record_tag("peer entry", "model/abc")  # the page MAC's key is another
+    pytest.importorskip("cryptography", reason="sealed records need the cryptography package")
+    secret = b"nixl metadata: worker address, rkeys" * 4
+    sealed = a.seal("peer owner metadata", secret, "prefix:", "owner-1")
+    assert secret not in sealed and sealed != a.seal("peer owner metadata", secret, "prefix:", "owner-1")  # a nonce
+    assert a.open("peer owner metadata", sealed, "prefix:", "owner-1") == secret
+    assert a.open("peer owner metadata", sealed, "prefix:", "owner-2") is None  # copied to another owner
+    assert a.open("peer entry", sealed, "prefix:", "owner-1") is None
+    assert b.open("peer owner metadata", sealed, "prefix:", "owner-1") is None
+    changed = bytearray(sealed)
+    changed[20] ^= 1
+    assert a.open("peer owner metadata", bytes(changed), "prefix:", "owner-1") is None
+    assert a.open("peer owner metadata", b"short", "prefix:", "owner-1") is None

@@ -29,6 +29,7 @@ __all__ = [  # the outcomes are part of the contract: a backend returns or raise
 
 if TYPE_CHECKING:
     from .keys import Namespace
+    from .page_auth import ClusterKey
     from .pages import Span
     from .url import StorageURL
 
@@ -101,9 +102,10 @@ class StorageBackend(LegacyPageAPI):
     An object is a page's header and payload; the primitives store and return the spans they
     are given and never interpret them. They are called from several threads at once and must
     be thread-safe. :func:`~hicache_core.storage.make_storage` builds the backend and wraps it
-    in a :class:`~hicache_core.storage.PageStore` bound to a host pool; the store sets two plain
-    attributes here when it binds: :attr:`namespace` (the keys' :class:`Namespace`) and
-    :attr:`page_bytes` (payload bytes of one page), both ``None`` until then.
+    in a :class:`~hicache_core.storage.PageStore` bound to a host pool; the store sets plain
+    attributes here when it binds: :attr:`namespace` (the keys' :class:`Namespace`),
+    :attr:`page_bytes` (payload bytes of one page), both ``None`` until then, and
+    :attr:`cluster_key` (the store's key, for a backend that authenticates records of its own).
     """
 
     scheme: ClassVar[str] = ""
@@ -120,6 +122,8 @@ class StorageBackend(LegacyPageAPI):
     namespace: Namespace | None = None
     #: Payload bytes of one page of the bound host pool (set when it binds; ``None`` before).
     page_bytes: int | None = None
+    #: The bound page store's cluster key (set before ``register_memory``; ``None``: unauthenticated).
+    cluster_key: ClusterKey | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

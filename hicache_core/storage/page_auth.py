@@ -41,10 +41,13 @@ _MAX_KEY_FILE = 1 << 16
 #: ``PageStore(cluster_key=...)``'s default: read the key from the environment.
 FROM_ENVIRONMENT: Literal["environment"] = "environment"
 
-# BLAKE3's key derivation contexts: the page MAC key and the key id never equal each other or any
-# other use of the same secret (a directory MAC, later, takes a context of its own).
+# BLAKE3's key derivation contexts: the page MAC key, the record MAC key and the key id never equal
+# each other or any other use of the same secret.
 _MAC_CONTEXT = "hicache 2026-12 L3 page MAC v1"
 _ID_CONTEXT = "hicache 2026-12 L3 key id v1"
+_RECORD_CONTEXT = "hicache 2026-12 directory record MAC v1"
+_SEAL_CONTEXT = "hicache 2026-12 directory record cipher v1"
+_NONCE_BYTES = 12
 
 
 class ClusterKeyError(ValueError):
@@ -68,10 +71,11 @@ class ClusterKey:
         not part of it, so a file written by ``echo`` works).
     :param source: where it came from, for messages (a variable's name or a file's path; never the key).
 
-    Only two values derived one-way from the secret are kept: the MAC key and the key id.
+    Only four values derived one-way from the secret are kept: the page MAC key, the record MAC key
+    (directory entries, :meth:`record_tag`), the record cipher key (:meth:`seal`) and the key id.
     """
 
-    __slots__ = ("_mac_key", "_hasher", "key_id", "source")
+    __slots__ = ("_mac_key", "_record_key", "_seal_key", "_hasher", "key_id", "source")
 
     def __init__(self, material: bytes, source: str = "the caller") -> None:
         if not isinstance(material, (bytes, bytearray)):
@@ -84,6 +88,8 @@ class ClusterKey:
             )
         blake3 = _blake3()
         self._mac_key = blake3.blake3(material, derive_key_context=_MAC_CONTEXT).digest()
+        self._record_key = blake3.blake3(material, derive_key_context=_RECORD_CONTEXT).digest()
+        self._seal_key = blake3.blake3(material, derive_key_context=_SEAL_CONTEXT).digest()
         self._hasher = blake3.blake3
         #: 8 bytes that name the key (in every keyed page's header); they tell nothing of the key.
         self.key_id: bytes = blake3.blake3(material, derive_key_context=_ID_CONTEXT).digest(8)
@@ -141,6 +147,40 @@ class ClusterKey:
                 h.update(memoryview((ctypes.c_char * n).from_address(ptr)).cast("B"))
         return h.digest()
 
+    def record_tag(self, kind: str, *fields: bytes | str) -> bytes:
+        """A tag over a small record (a directory entry, an owner record) under the record key.
+
+        ``kind`` names the record's type and every field is length-prefixed, so a record of one kind
+        or one field split never checks as another. Its key is not the page MAC's: a page tag is never
+        a valid record tag, nor the reverse.
+        """
+        h = self._hasher(key=self._record_key)
+        for part in (kind, *fields):
+            raw = part.encode("utf-8", "surrogatepass") if isinstance(part, str) else bytes(part)
+            h.update(struct.pack("<I", len(raw)))
+            h.update(raw)
+        return h.digest()
+
+    def seal(self, kind: str, secret: bytes, *bound: bytes | str) -> bytes:
+        """``secret`` encrypted and authenticated (ChaCha20-Poly1305, a random nonce) for the cluster only.
+
+        ``kind`` and ``bound`` (e.g. the record's owner and directory prefix) are authenticated, not
+        encrypted: the sealed bytes open only with the same ones. Needs the ``cryptography`` package.
+        """
+        nonce = os.urandom(_NONCE_BYTES)
+        return nonce + _aead(self._seal_key).encrypt(nonce, bytes(secret), _bound(kind, bound))
+
+    def open(self, kind: str, sealed: bytes, *bound: bytes | str) -> bytes | None:
+        """What :meth:`seal` sealed, or ``None``: another key, other ``kind``/``bound``, or changed bytes."""
+        if len(sealed) < _NONCE_BYTES + 16:
+            return None
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            return _aead(self._seal_key).decrypt(sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:], _bound(kind, bound))
+        except InvalidTag:
+            return None
+
     def verify(self, tag: bytes, expected: bytes) -> bool:
         """Whether two tags are equal, in time that does not depend on where they differ."""
         return hmac.compare_digest(tag, expected)
@@ -158,6 +198,24 @@ class ClusterKey:
 
     def __hash__(self) -> int:
         return hash(self.key_id)
+
+
+def _aead(key: bytes):
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+    except ImportError:
+        raise ImportError(
+            "sealing a directory record needs the cryptography package: pip install cryptography"
+        ) from None
+    return ChaCha20Poly1305(key)
+
+
+def _bound(kind: str, bound: Sequence[bytes | str]) -> bytes:
+    out = bytearray()
+    for part in (kind, *bound):
+        raw = part.encode("utf-8", "surrogatepass") if isinstance(part, str) else bytes(part)
+        out += struct.pack("<I", len(raw)) + raw
+    return bytes(out)
 
 
 def resolve_key(cluster_key: ClusterKey | None | str) -> ClusterKey | None:

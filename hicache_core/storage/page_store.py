@@ -153,6 +153,7 @@ class PageStore:
         own["device_checked"] = key is None and pages.verifier is not None and not host_check
         backend.namespace = namespace
         backend.page_bytes = pages.page_bytes
+        backend.cluster_key = key
         backend.register_memory(pages.buffer_spans())
 
     @property

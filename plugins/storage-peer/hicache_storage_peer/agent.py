@@ -111,10 +111,16 @@ class PeerAgent:
     # ---- remote agents ---------------------------------------------------------------------------
 
     def connect(self, owner: str, metadata: bytes) -> None:
-        """Load a remote agent's metadata once (until :meth:`forget` drops it)."""
+        """Load a remote agent's metadata once (until :meth:`forget` drops it).
+
+        :raises TransferFailed: NIXL rejected the metadata (stale, malformed, or of an agent already loaded).
+        """
         with self._lock:
             if owner not in self._remote:
-                self._remote[owner] = self._agent.add_remote_agent(metadata).decode()
+                try:
+                    self._remote[owner] = self._agent.add_remote_agent(metadata).decode()
+                except Exception as exc:  # noqa: BLE001 - NIXL rejects bad or stale metadata with bare errors
+                    raise TransferFailed(f"cannot load owner {owner}'s NIXL metadata ({exc})") from None
 
     def connected(self, owner: str) -> bool:
         return owner in self._remote
@@ -135,15 +141,23 @@ class PeerAgent:
 
     # ---- reads -------------------------------------------------------------------------------------
 
-    def post(self, owner: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]) -> Any:
-        """Start reading remote ``(address, nbytes)`` runs of ``owner`` into local runs of the same sizes."""
+    def post(self, owner: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]],
+             op: str = "READ") -> Any:  # fmt: skip
+        """Start reading remote ``(address, nbytes)`` runs of ``owner`` into local runs of the same sizes.
+
+        ``op="WRITE"`` writes the local runs there instead (the tier never does; its tests play an outsider).
+        """
         with self._lock:
             name = self._remote.get(owner)
             if name is None:
                 raise TransferFailed(f"owner {owner} is not connected")
             a = self._agent
-            handle = a.initialize_xfer("READ", a.get_xfer_descs([(p, n, 0) for p, n in local], "DRAM"),
-                                       a.get_xfer_descs([(p, n, 0) for p, n in remote], "DRAM"), name)  # fmt: skip
+            try:
+                handle = a.initialize_xfer(op, a.get_xfer_descs([(p, n, 0) for p, n in local], "DRAM"),
+                                           a.get_xfer_descs([(p, n, 0) for p, n in remote], "DRAM"), name)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - NIXL's own errors (nixlNotFoundError, ...): this read only
+                self.transfer_errors += 1
+                raise TransferFailed(f"NIXL refused a {op} from {owner} ({type(exc).__name__}: {exc})") from None
             self.transfers += 1
             try:
                 state = a.transfer(handle)

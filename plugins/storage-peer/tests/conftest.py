@@ -16,6 +16,9 @@ import pytest
 
 from hicache_core.testing.servers import start_redis
 
+sys.path.insert(0, str(Path(__file__).parent))
+from peer_proc import TEST_OPTIONS  # noqa: E402
+
 pytest.importorskip("nixl_cu13", reason="NIXL is not installed (pip install nixl-cu13==1.5.1)")
 pytest.importorskip("redis", reason="the redis package is not installed (pip install redis==8.1.0)")
 # The tier's transport in these tests is UCX over TCP on loopback (as between two machines without RDMA).
@@ -41,7 +44,7 @@ def own_redis(tmp_path):
 
 @pytest.fixture
 def peer_url(redis_server):
-    return f"peer://127.0.0.1:{redis_server.port}/0?prefix=t{uuid.uuid4().hex[:8]}:&timeout=2&lease=3"
+    return f"peer://127.0.0.1:{redis_server.port}/0?prefix=t{uuid.uuid4().hex[:8]}:&timeout=2&lease=3{TEST_OPTIONS}"
 
 
 class Proc:
@@ -81,9 +84,10 @@ class Proc:
         (self.workdir / "stop").write_text("1")
         try:
             self.proc.wait(timeout)
+            said = self.output()
         finally:
             self.kill()
-        assert self.proc.returncode == 0, f"exit code {self.proc.returncode}: {self.output()}"
+        assert self.proc.returncode == 0, f"exit code {self.proc.returncode}: {said}"
         return json.loads((self.workdir / "owner-final.json").read_text())
 
     def kill(self) -> None:
@@ -113,7 +117,7 @@ def shared_owner(redis_server, tmp_path_factory):
     When the module's last such test is done, the owner must still publish all its pages under its
     two NIXL registrations, with no failed heartbeat: readers, dying ones included, never change that.
     """
-    url = f"peer://127.0.0.1:{redis_server.port}/0?prefix=s{uuid.uuid4().hex[:8]}:&timeout=2&lease=3"
+    url = f"peer://127.0.0.1:{redis_server.port}/0?prefix=s{uuid.uuid4().hex[:8]}:&timeout=2&lease=3{TEST_OPTIONS}"
     owner = Proc("owner", url, tmp_path_factory.mktemp("shared-owner"))
     try:
         yield SharedOwner(owner, url, owner.ready()["keys"])

@@ -21,6 +21,8 @@ from hicache_core.storage.keys import page_hashes
 from hicache_core.testing.storage_kit import StorageCase, make_pool
 
 CASE = StorageCase("mha", "page_first", "plain", 4)
+#: The test directories have no password (a trusted test setup); publication areas sized for the test pools.
+TEST_OPTIONS = "&insecure_directory=1&publish_bytes=4MiB"
 MODEL = "peer-test"
 
 
@@ -75,6 +77,34 @@ def owner(url: str, workdir: Path, n_pages: int, churn: bool) -> None:
     (workdir / "owner-final.json").write_text(json.dumps({"rounds": rounds, "stats": stats}))
 
 
+def guarded(url: str, workdir: Path, n_pages: int) -> None:
+    """An owner that holds ``n_pages`` pages in its pool and publishes only the first half (what outsiders attack).
+
+    ``ready.json`` adds the unpublished keys and the pool's buffers (addresses an attacker might know); at
+    ``stop``, ``owner-final.json`` says whether every page of its pool still holds its own bytes.
+    """
+    host = make_pool(CASE, pages=2 * n_pages, seed=3)
+    store = make_storage(url, host, model_id=MODEL)
+    keys = keys_for(1, n_pages)
+    slots = host.alloc(n_pages * CASE.page_size)
+    fill(host, slots, keys)
+    half = n_pages // 2
+    assert all(r.ok for r in store.write_pages(keys[:half], slots[: half * CASE.page_size]))
+    buffers = [(s.ptr, s.nbytes) for s in store.pages.buffer_spans()]
+    (workdir / "leaked-metadata.bin").write_bytes(store.backend._agent.metadata())  # what a leak would give
+    ready = {"keys": keys[:half], "unpublished": keys[half:], "pool": buffers, "stats": store.backend.backend_stats()}
+    (workdir / "ready.tmp").write_text(json.dumps(ready))
+    (workdir / "ready.tmp").rename(workdir / "ready.json")
+    while not (workdir / "stop").exists():
+        time.sleep(0.02)
+    page = [int(s) for s in slots[:: CASE.page_size].tolist()]
+    intact = [bool(torch.equal(host.get_data_page(s, flat=True).view(torch.uint8), page_content(host, k)))
+              for s, k in zip(page, keys)]  # fmt: skip
+    stats = store.backend.backend_stats()
+    store.close()
+    (workdir / "owner-final.json").write_text(json.dumps({"rounds": 0, "intact": intact, "stats": stats}))
+
+
 def reader(url: str, workdir: Path, n_pages: int) -> None:
     """Read the owner's pages over and over until killed (the test kills it mid-read)."""
     host = make_pool(CASE, pages=2 * n_pages, seed=4)
@@ -91,5 +121,7 @@ if __name__ == "__main__":
     n = int(sys.argv[4]) if len(sys.argv) > 4 else 16
     if role == "reader":
         reader(url, work, n)
+    elif role == "guarded":
+        guarded(url, work, n)
     else:
         owner(url, work, n, churn=role == "churn")

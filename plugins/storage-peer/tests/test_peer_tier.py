@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from peer_proc import CASE, MODEL, page_content
+from peer_proc import CASE, MODEL, TEST_OPTIONS, page_content
 
 from hicache_core.storage import make_storage
 from hicache_core.storage.backend import PageStatus, StorageError
@@ -68,48 +68,86 @@ def test_other_model_geometry_or_rank_share_is_never_found(shared_owner):
         store.close()
 
 
-def test_a_page_freed_behind_a_stale_directory_is_a_miss_never_its_new_bytes(redis_server, peer_url):
-    """The owner frees and refills its slots; the directory is put back as it was before: generations catch it."""
+def area_of(pages: int) -> str:
+    """A ``publish_bytes`` option that holds exactly ``pages`` pages of CASE (slots start on 64 bytes)."""
+    from hicache_core.storage.pages import PageMap
+
+    page = PageMap(make_pool(CASE, pages=2, seed=0)).page_bytes
+    return f"&publish_bytes={pages * -(-page // 64) * 64}"
+
+
+def test_a_page_evicted_behind_a_stale_directory_is_a_miss_never_its_new_bytes(redis_server, peer_url):
+    """The owner's area holds 4 pages; 4 others evict them into the same slots; the directory is put back as it was
+    before: the generation words catch it."""
     import redis
+    from peer_proc import fill, keys_for
 
     owner_host = make_pool(CASE, pages=2 * N, seed=1)
-    owner = make_storage(peer_url, owner_host, model_id=MODEL)
+    owner = make_storage(peer_url + area_of(4), owner_host, model_id=MODEL)
     host, store, slots = reader_store(peer_url)
     try:
-        from peer_proc import fill, keys_for
-
-        keys = keys_for(5, 4)
-        src = owner_host.alloc(4 * CASE.page_size)
-        fill(owner_host, src, keys)
-        assert all(r.ok for r in owner.write_pages(keys, src))
+        keys, others = keys_for(5, 4), keys_for(6, 4)
+        src = owner_host.alloc(8 * CASE.page_size)
+        fill(owner_host, src, keys + others)
+        assert all(r.ok for r in owner.write_pages(keys, src[: 4 * CASE.page_size]))
         client = redis.Redis(port=redis_server.port)
         prefix = peer_url.split("prefix=")[1].split("&")[0]
         saved = {k: client.hgetall(k) for k in client.scan_iter(match=f"{prefix}page:*")}
         assert len(saved) == 4 and all(saved.values()), saved
-        owner_host.free(src)  # generations move before the slots can be reused
-        again = owner_host.alloc(4 * CASE.page_size)
-        fill(owner_host, again, keys_for(6, 4))  # other pages' bytes in the same slots
-        counters = getattr(owner, "backend", owner).counters
+        assert all(r.ok for r in owner.write_pages(others, src[4 * CASE.page_size :]))  # evicts the first 4
+        counters = owner.backend.counters
         deadline = time.monotonic() + 5
         while counters["unpublished"] < 4 and time.monotonic() < deadline:
             time.sleep(0.02)  # the owner unpublishes in the background; restore after it did
-        assert counters["unpublished"] == 4 and store.batch_exists(keys) == 0
+        assert (counters["evicted"], counters["unpublished"]) == (4, 4) and store.batch_exists(keys) == 0
         for k, fields in saved.items():  # a stale directory: the old entries are back
             client.hset(k, mapping=fields)
         assert store.batch_exists(keys) == 4  # the directory says yes ...
-        before = torch.stack([page_of(host, slots, i).clone() for i in range(4)])
         results = store.read_pages(keys, slots[: 4 * CASE.page_size])
         assert [r.status for r in results] == [PageStatus.MISSING] * 4, results  # ... the generations say no
         assert store.get_stats().backend["stale_reads"] == 4
         assert store.get_stats().read_corrupt == 0
-        del before
+        results = store.read_pages(others, slots[: 4 * CASE.page_size])  # the pages that took the slots read whole
+        assert all(r.ok for r in results), results
+        assert torch.equal(page_of(host, slots, 2), page_content(host, others[2]))
     finally:
         store.close()
         owner.close()
 
 
+def test_what_the_owner_publishes_is_a_copy_its_pool_can_reuse(peer_url):
+    """Freeing and refilling the owner's host slots changes nothing a reader gets: the area holds a copy. The area
+    and its words are exact-size host memory, counted under the owner's label, and released at close."""
+    from peer_proc import fill, keys_for
+
+    from hicache_core.host_memory import live_records
+
+    owner_host = make_pool(CASE, pages=2 * N, seed=1)
+    owner = make_storage(peer_url, owner_host, model_id=MODEL)
+    b = owner.backend
+    label = f"peer:// publication area of {b.owner_id}"
+    mine = lambda: sorted((r.label, r.asked) for r in live_records() if r.label.startswith(label))  # noqa: E731
+    assert mine() == [(f"{label}: generations", 8 * b.slots), (f"{label}: publication area", b.slots * b.slot_bytes)]
+    assert b.slots * b.slot_bytes <= 4 << 20 < (b.slots + 1) * b.slot_bytes  # publish_bytes=4MiB, whole slots
+    host, store, slots = reader_store(peer_url)
+    try:
+        keys = keys_for(7, 4)
+        src = owner_host.alloc(4 * CASE.page_size)
+        fill(owner_host, src, keys)
+        assert all(r.ok for r in owner.write_pages(keys, src))
+        owner_host.free(src)
+        fill(owner_host, owner_host.alloc(4 * CASE.page_size), keys_for(8, 4))  # other bytes in the same slots
+        results = store.read_pages(keys, slots[: 4 * CASE.page_size])
+        assert all(r.ok for r in results), results
+        assert all(torch.equal(page_of(host, slots, i), page_content(host, keys[i])) for i in range(4))
+    finally:
+        store.close()
+        owner.close()
+    assert mine() == []
+
+
 def test_owner_evicting_under_load_never_gives_wrong_bytes(peer_url, procs, tmp_path):
-    owner = procs("churn", peer_url, tmp_path)
+    owner = procs("churn", peer_url + area_of(N), tmp_path)  # every round evicts: slots reused under the reads
     keys = owner.ready()["keys"]
     host, store, slots = reader_store(peer_url)
     ok = missed = 0
@@ -154,8 +192,13 @@ def test_paused_owner_times_out_bounded_and_no_late_byte_lands(peer_url, procs, 
         owner.signal(signal.SIGCONT)
         time.sleep(0.5)
         assert all(torch.equal(page_of(host, slots, i), sentinel) for i in range(N)), "a late read wrote a slot"
-        results = store.read_pages(keys, slots)  # reconnects
-        assert all(r.ok for r in results), results[:2]
+        deadline = time.monotonic() + 8  # the owner is suspended for 2 timeouts, then read again (reconnected)
+        while True:
+            results = store.read_pages(keys, slots)
+            if all(r.ok for r in results):
+                break
+            assert time.monotonic() < deadline and results[0].status is PageStatus.TIMEOUT, results[:2]
+            time.sleep(0.3)
         assert torch.equal(page_of(host, slots, 3), page_content(host, keys[3]))
     finally:
         store.close()
@@ -186,7 +229,7 @@ def test_owner_killed_mid_read_fails_bounded_and_its_entries_expire(peer_url, pr
 
 def test_directory_down_is_reported_and_a_restarted_one_is_refilled(tmp_path, procs, own_redis):
     server = own_redis
-    url = f"peer://127.0.0.1:{server.port}/0?timeout=1&lease=1.5"
+    url = f"peer://127.0.0.1:{server.port}/0?timeout=1&lease=1.5{TEST_OPTIONS}"
     try:
         keys = procs("owner", url, tmp_path / "o").ready()["keys"]
         host, store, slots = reader_store(url)
@@ -242,7 +285,7 @@ def test_demo_second_instance_serves_the_prefix_from_the_first_ones_host_tier(pe
     in this process (its two processes are its own children, UCX over TCP from this process's environment)."""
     from hicache_core.cli import main
 
-    code = main(["demo", "--storage", peer_url, "--writer-stays", "--device", "cpu"])
+    code = main(["demo", "--storage", peer_url + "&publish_bytes=64MiB", "--writer-stays", "--device", "cpu"])
     captured = capfd.readouterr()
     out = "\n".join(line for line in captured.out.splitlines() if "NIXL INFO" not in line)
     assert code == 0, out + captured.err[-2000:]
