@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hicache_core.variables import L3_KEY, L3_KEY_FILE
+
 os.environ.setdefault("UCX_TLS", "tcp,self")
 
 PAGE = 64
@@ -62,7 +64,7 @@ def owner(url: str, pages: int, workdir: Path) -> None:
 
     host = make_host(pages + 2)
     store = make_storage(url, host, model_id="bench")
-    assert store.authenticated == ("HICACHE_L3_KEY" in os.environ)
+    assert store.authenticated == (L3_KEY.read() is not None)
     slots = host.alloc(pages * PAGE)
     assert all(r.ok for r in store.write_pages(keys_for(pages), slots))
     (workdir / "ready").write_text("1")
@@ -87,10 +89,10 @@ def main() -> None:
     load_before = _loadavg()
     work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
     password = os.urandom(12).hex()
-    os.environ.pop("HICACHE_L3_KEY_FILE", None)
-    os.environ.pop("HICACHE_L3_KEY", None)
+    os.environ.pop(L3_KEY_FILE.name, None)
+    os.environ.pop(L3_KEY.name, None)
     if not args.unkeyed:
-        os.environ["HICACHE_L3_KEY"] = os.urandom(32).hex()  # the owner process inherits it
+        os.environ[L3_KEY.name] = os.urandom(32).hex()  # the owner process inherits it
     redis = start_redis(work, "--requirepass", password)
     url = f"peer://:{password}@127.0.0.1:{redis.port}/0?timeout=30&publish_bytes={(args.pages + 2) * 2}MiB"
     proc = subprocess.Popen([sys.executable, __file__, "--owner", url, str(args.pages), str(work)])
