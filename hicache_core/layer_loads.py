@@ -54,7 +54,6 @@ from typing import Any
 import torch
 
 from .settings import number
-from .verify import close_runs_of_this_thread
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT = number("HICACHE_LOAD_TIMEOUT_S", above=True, default=DEFAULT_TIMEOUT_S, unit="seconds",
@@ -533,7 +532,6 @@ class LayerLoader:
             try:
                 job.step(layer)
             except BaseException as exc:  # noqa: BLE001 - raised by the consumer's wait, not here
-                close_runs_of_this_thread(wait_host=True)  # before the consumers learn of it: they may reuse the rows
                 load._fail(layer, exc)
                 break
             event = None
@@ -541,7 +539,6 @@ class LayerLoader:
                 event = torch.cuda.Event()
                 event.record(stream)
             load._layer_done(event)
-        close_runs_of_this_thread()  # steps that loaded layers themselves and stopped short of the last one
         if job.finish is not None:
             try:
                 job.finish()

@@ -128,10 +128,14 @@ class PageStore:
         # would land in, even if a caller forced a namespace that does not describe this pool.
         own["_fingerprint"] = bytes.fromhex(fingerprint(geometry_description(host_pool)))
         #: Pages written device-checked (format algorithm 2): the pool verifies, and no host check was asked.
-        own["device_checked"] = pages.verifier is not None and os.environ.get("HICACHE_L3_HOST_CHECK", "") in ("", "0")
+        own["device_checked"] = pages.table is not None and os.environ.get("HICACHE_L3_HOST_CHECK", "") in ("", "0")
         backend.namespace = namespace
         backend.page_bytes = pages.page_bytes
         backend.register_memory(pages.buffer_spans())
+        observer_of = getattr(backend, "observer_of", None)
+        if observer_of is not None:  # a backend serving the pool's pages to others hears the pool's events
+            own["_observer"] = observer_of(host_pool)
+            host_pool.observe(own["_observer"])
 
     @property
     def pages(self) -> PageMap:
@@ -192,10 +196,10 @@ class PageStore:
         pages = self.page_ids(hashes, host_indices)
         pm = self.pages
         refused: dict[int, PageResult] = {}
-        if pm.verifier is not None:  # a page that failed host-tier verification never reaches the store
-            pm.verifier.collect()
+        if pm.table is not None:  # a page that failed host-tier verification never reaches the store
+            quarantined = pm.verification.quarantined()
             for i, page in enumerate(pages):
-                if page in pm.verifier.quarantine:
+                if page in quarantined:
                     refused[i] = PageResult(
                         hashes[i],
                         PageStatus.CORRUPT,
@@ -559,6 +563,9 @@ class PageStore:
             io, self.__dict__["_io_pool"] = self._io_pool, None
         if io is not None:
             io.shutdown(wait=True)
+        observer = self.__dict__.pop("_observer", None)
+        if observer is not None and observer in self.host_pool.observers:
+            self.host_pool.unobserve(observer)
         self.backend.close()
 
     def __repr__(self) -> str:

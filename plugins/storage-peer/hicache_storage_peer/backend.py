@@ -5,7 +5,7 @@ The URL names the Redis server that keeps the directory (``directory.py``). An i
 * **owner**: a page "written" to this tier is published, not copied: its directory entry says
   where the page's runs lie in this process's host pool (registered with a NIXL agent), under
   which generation, with the page's header (checksum included). Freeing a slot bumps its
-  generation word first (``hicache_core.slot_events``), then unpublishes the entry in the
+  generation word first (it observes the pool: ``hicache_core.slot_events``), then unpublishes the entry in the
   background: the owner never waits on the directory or on a reader. A heartbeat renews the
   owner's lease and republishes everything when the directory lost it (a restarted server).
 * **reader**: ``get_objects_into`` finds a live owner in the directory, reads the pages' runs into
@@ -34,8 +34,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from hicache_core import slot_events
 from hicache_core.host_memory import host_tensor
+from hicache_core.slot_events import FreeListener
 from hicache_core.storage.backend import Capabilities, ObjectMissing, SizeMismatch, StorageBackend, StorageError
 from hicache_core.storage.pages import PageMap, Span
 from hicache_core.storage.url import StorageURL, option_bool, option_float
@@ -129,7 +129,6 @@ class PeerStorage(StorageBackend):
         except BaseException:
             self._agent.close()
             raise
-        slot_events.add_free_listener(self._on_free)
         for target, name in ((self._heartbeat, "lease"), (self._unpublisher, "unpublish")):
             t = threading.Thread(target=target, name=f"hicache-peer-{name}", daemon=True)
             t.start()
@@ -189,6 +188,10 @@ class PeerStorage(StorageBackend):
 
     def _inside(self, ptr: int, nbytes: int) -> bool:
         return any(base <= ptr and ptr + nbytes <= base + size for base, size in self._regions)
+
+    def observer_of(self, host_pool: Any) -> FreeListener:
+        """What the core attaches to the bound host pool: this backend hears of its freed slots."""
+        return FreeListener(self._on_free, host_pool)
 
     def _on_free(self, host_pool: Any, slots: torch.Tensor | None) -> None:
         """Before freed slots can be reused: bump their generation words, queue the unpublish."""
@@ -415,7 +418,6 @@ class PeerStorage(StorageBackend):
         if self._closed:
             return
         self._closed = True
-        slot_events.remove_free_listener(self._on_free)
         self._stop.set()
         for t in self._threads:
             t.join(self.timeout + 1)
