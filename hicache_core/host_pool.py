@@ -33,11 +33,12 @@ from .host_layout import HostBufferSpec, HostLayoutSpec, host_layout_spec
 from .host_memory import HostMemoryPlan, allocate, check_fits, plan_host_memory
 from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
 from .indices import IndexCache, check_bounds, check_whole_pages, reject_indices, whole_pages_mask
-from .layer_loads import LayerLoad, layer_loader
+from .layer_loads import LayerLoad
 from .page_access import PageAccess
 from .plan import TransferPlan
 from .pool_events import PoolEvents, PoolObserver
 from .pool_kinds import PoolKind
+from .pool_loads import PoolLoad, submit_loads
 from .registry import Registry, get_registry
 from .settings import flag
 from .transfer_errors import TransferError, _note, _refuse_meta
@@ -348,6 +349,7 @@ class HostPool(PageAccess):
         self._drop_numbers, self._call_now = plan.drop_report.numbers, plan.drop_report.current
         self._cache = IndexCache()
         self._malformed_on_device: torch.Tensor | None = None
+        self._index_stream: Any = None  # where a layer-wise load's indices are converted (CUDA)
         host_bytes = sum(t.numel() * t.element_size() for t in plan.host_buffers.values())
         self._layer_page_bytes = host_bytes // max(1, spec.num_pages) // max(1, self.layer_num)
         _metrics.track_host_pool(self)
@@ -539,33 +541,38 @@ class HostPool(PageAccess):
         a layer's error is raised there. Arguments are checked here, before anything is queued.
         ``timing``: the load's start and finish events time it (``load.start_event.elapsed_time``).
         """
-        entry = self._impl(LOAD, io_backend)
         ids = list(range(self.start_layer, self.end_layer)) if layer_ids is None else list(layer_ids)
-        layers = [self._host_layer(device_pool, layer_id, False) for layer_id in ids]
-        # The one index check of the load (against every layer's rows); its layers reuse the checked indices.
-        h, d = self._indices(LOAD, None, host_indices, device_indices, entry, None, number=False)
-        n = host_indices.shape[0]
-        watches = [w for started in self._on.load_started if (w := started(len(ids), entry[0].engine)) is not None]
-        adds, impl = tuple(watch.add for watch in watches), entry[0]
+        part = self.prepare_load(device_pool, host_indices, device_indices, io_backend, ids, after=start_event)
+        return submit_loads([part], len(ids), start_event=start_event, timing=timing,
+                            what=f"load of {host_indices.shape[0]} slots into {len(ids)} layers")  # fmt: skip
 
-        def step(i: int) -> None:
-            if h is not None and layers[i] != _NOT_OWNED:  # (the load's layers are mapped once, above)
-                try:
-                    prepared = (impl, h, d, layers[i], adds, n)
-                    self._per_layer(LOAD, device_pool, h, d, ids[i], io_backend, False, prepared)
-                except BaseException:
-                    for watch in watches:  # the layers loaded so far, before the consumers may reuse their rows
-                        watch.flush(wait_host=True)
-                    raise
-
-        def finish() -> None:
-            for watch in watches:
-                watch.flush()
-
-        return layer_loader(self.plan.device).submit(
-            len(ids), step, start_event=start_event, keep=(host_indices, device_indices), timing=timing,
-            what=f"load of {host_indices.shape[0]} slots into {len(ids)} layers", finish=finish if watches else None,
-        )  # fmt: skip
+    def prepare_load(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                     io_backend: str, layer_ids: Sequence[int | None], *, is_draft: bool = False,
+                     after: Any = None) -> PoolLoad:  # fmt: skip
+        """This pool's part of a layer-wise load (:func:`hicache_core.pool_loads.submit_loads`): step ``i`` loads
+        layer ``layer_ids[i]`` (``None``: nothing). Every layer id is mapped here and the indices are checked and
+        converted here, once (a bad argument raises before anything is queued); on CUDA on a stream of the
+        pool's, after ``after`` (an event already recorded; default: what the current stream holds now)."""
+        entry = self._impl(LOAD, io_backend)
+        layers = [None if i is None else (i, self._host_layer(device_pool, i, is_draft)) for i in layer_ids]
+        layers = [None if m is None or m[1] == _NOT_OWNED else m for m in layers]
+        ready = None
+        if self.plan.device.type != "cuda":
+            h, d = self._indices(LOAD, None, host_indices, device_indices, entry, None, number=False)
+        else:  # the load's copies follow `ready`, and nothing more of the caller's stream than before
+            side = self._index_stream = self._index_stream or torch.cuda.Stream(self.plan.device)
+            if after is None:
+                side.wait_stream(torch.cuda.current_stream(self.plan.device))
+            else:
+                side.wait_event(after)
+            with torch.cuda.stream(side):
+                h, d = self._indices(LOAD, None, host_indices, device_indices, entry, None, number=False)
+                ready = torch.cuda.Event()
+                ready.record(side)
+        count = sum(m is not None for m in layers)
+        watches = [w for started in self._on.load_started if (w := started(count, entry[0].engine)) is not None]
+        return PoolLoad(self, entry[0], device_pool, io_backend, (host_indices, device_indices), h, d, layers,
+                        watches, ready)  # fmt: skip
 
     def _per_layer(self, op, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft,
                    prepared: tuple | None = None) -> None:  # fmt: skip

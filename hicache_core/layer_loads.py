@@ -444,8 +444,8 @@ class LayerLoader:
         """Hand a load of ``layers`` layers to the thread; returns at once.
 
         ``start_event``: an event the caller already recorded after whatever the copies must follow
-        (a producer of the destination's pages, say); ``None`` records one now on the caller's
-        current stream. ``keep``: tensors the copies read (indices) that must stay allocated until
+        (a producer of the destination's pages, say), or a tuple of them; ``None`` records one now on
+        the caller's current stream. ``keep``: tensors the copies read (indices) that must stay allocated until
         they are submitted; CUDA ones are also marked as used on the loader's stream.
         ``timing``: record the start and finish events with timing, for ``elapsed_time``.
         ``finish``: called on the thread after the last layer's step (or the one that failed), on the
@@ -519,8 +519,9 @@ class LayerLoader:
         load.submitted_at = time.perf_counter()
         start = finish = None
         if stream is not None:
-            if job.start is not None:
-                stream.wait_event(job.start)  # recorded by the caller before it submitted this job
+            for start_event in job.start if isinstance(job.start, tuple) else (job.start,):
+                if start_event is not None:
+                    stream.wait_event(start_event)  # recorded by the caller before it submitted this job
             if load.timing:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
