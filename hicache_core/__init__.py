@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
     from .layouts import AXES, Layout
     from .plan import BoundPart, TransferPlan
+    from .pool_events import PoolObserver
     from .pool_kinds import POOL_KINDS, ComponentDecl, PoolKind
     from .reference import reference_copy
     from .registry import Registry, get_registry, reset_registry
@@ -38,6 +39,7 @@ _EXPORTS = {
     "geometry_of": "host_pool",
     "hookimpl": "hookspecs",
     "HostPool": "host_pool",
+    "PoolObserver": "pool_events",
     "TransferError": "host_pool",
     "make_host_pool": "host_pool",
     "BACKUP_ALL": "implementation",
@@ -79,6 +81,7 @@ __all__ = [
     "PageRowsDevicePool",
     "PoolGeometry",
     "PoolKind",
+    "PoolObserver",
     "Registry",
     "TransferError",
     "TransferPlan",

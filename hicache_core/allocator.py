@@ -45,13 +45,13 @@ class SlotAllocator:
             self.slot_state[taken] = _ALLOCATED
             return taken
 
-    def free(self, indices: torch.Tensor) -> int:
-        """Return slots to the free list; refuses slots out of range, not allocated, or not whole pages."""
+    def checked(self, indices: torch.Tensor) -> torch.Tensor:
+        """``indices`` as CPU int64 slots, checked as :meth:`free` checks them before it looks at their state."""
         if not isinstance(indices, torch.Tensor) or indices.dtype not in INDEX_DTYPES:
             raise TypeError(f"free() takes an int32/int64 tensor of slots, got {_what(indices)}")
         indices = indices.to("cpu", torch.int64).reshape(-1)
         if indices.numel() == 0:
-            return 0
+            return indices
         lo, hi = int(indices.min()), int(indices.max())
         if lo < 0 or hi >= self.size:
             raise IndexError(f"free() got slots outside the pool [0, {self.size}): min {lo}, max {hi}")
@@ -61,6 +61,13 @@ class SlotAllocator:
                 f"free() takes whole pages (runs of {self.page_size} consecutive slots from a page start), "
                 f"got {indices.numel()} slots starting {indices[: self.page_size].tolist()}"
             )
+        return indices
+
+    def free(self, indices: torch.Tensor) -> int:
+        """Return slots to the free list; refuses slots out of range, not allocated, or not whole pages."""
+        indices = self.checked(indices)
+        if indices.numel() == 0:
+            return 0
         with self._lock:
             state = self.slot_state[indices]
             repeated = torch.unique(indices).numel() != indices.numel()

@@ -33,14 +33,18 @@ from .host_layout import HostBufferSpec, HostLayoutSpec, host_layout_spec
 from .host_memory import HostMemoryPlan, allocate, check_fits, plan_host_memory
 from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
 from .indices import IndexCache, check_bounds, check_whole_pages, reject_indices, whole_pages_mask
-from .layer_loads import LayerLoad, layer_loader
+from .layer_loads import LayerLoad
 from .page_access import PageAccess
 from .plan import TransferPlan
+from .pool_events import PoolEvents, PoolObserver
 from .pool_kinds import PoolKind
+from .pool_loads import PoolLoad, submit_loads
 from .registry import Registry, get_registry
+from .transfer_errors import TransferError, _note, _refuse_meta
 from .validation import positive_int, strict_int
 from .variables import VALIDATE
-from .verify import ENV_VERIFY, CheckBatch, PageVerifier, verify_default
+from .verification import Verification
+from .verify import PageVerifier
 
 _log = logging.getLogger("hicache")
 
@@ -93,14 +97,36 @@ def make_host_pool(
     :raises ValueError, TypeError: an argument that would otherwise be coerced silently.
     """
     registry = registry or get_registry()
-    if size is not None:
-        size = positive_int(size, "size (host capacity in tokens)")
-    ratio_ok = not isinstance(host_to_device_ratio, bool) and isinstance(host_to_device_ratio, Real)
-    if host_to_device_ratio is not None and not (ratio_ok and host_to_device_ratio > 0):
-        raise ValueError(f"host_to_device_ratio must be a number > 0, got {host_to_device_ratio!r}")
     geometry = _geometry.geometry_of(
         device_pool, page_size=page_size, draft_pools=tuple(draft_pools), pool_kinds=registry.pool_kinds
     )
+    layout_decl = _layout(registry, layout, io_backend)
+    size = _host_size(device_pool, size, host_to_device_ratio)
+    pinned = bool(pin_memory) and geometry.device_type == "cuda" and torch.cuda.is_available()
+    resolved, deferred = _resolve(registry, geometry, layout_decl, io_backend, pinned, operations, implementation)
+    spec = host_layout_spec(geometry, layout_decl, pages_for(size, geometry.page_size))
+    device_layers = _device_layers(device_pool, tuple(draft_pools), geometry)
+    label = label or f"host pool {next(_POOL_NUMBERS)} ({geometry.kind}, layout {spec.layout.name})"
+    device = next(iter(device_layers.values()))[0].device
+    memory = plan_pool_memory(geometry, spec, label=label, pinned=pinned, device=device)
+    check_fits(memory)
+    if host_memory_check is not None:
+        host_memory_check(memory)
+    buffers = allocate(memory, {b.attr: (b.shape, geometry.dtype) for b in spec.buffers},
+                       granules={b.attr: _page_bytes(b, geometry.dtype) for b in spec.buffers})  # fmt: skip
+    plan = TransferPlan(geometry, spec, buffers, device_layers, DropReport(pinned, label=label))
+    validate = VALIDATE.read() if validate is None else bool(validate)
+    pool = HostPool(device_pool, tuple(draft_pools), geometry, spec, plan, resolved, deferred, io_backend, validate,
+                    registry, label)  # fmt: skip
+    pool.verification.decide(verify)
+    pool.host_memory = memory
+    _log.info("%s; %d tokens, %d bytes per token; %s", memory.summary(), pool.size, pool.get_size_per_token(),
+              pool.verify_reason)  # fmt: skip
+    return pool
+
+
+def _layout(registry: Registry, layout: str, io_backend: str) -> Any:
+    """The registered declaration of ``layout``; an unknown one is refused, naming those registered."""
     layout_decl = registry.layouts.get(layout) if isinstance(layout, str) else None
     if layout_decl is None:
         known = ", ".join(sorted(registry.layouts))
@@ -110,12 +136,21 @@ def make_host_pool(
             io_backend=io_backend,
             layout=layout,
         )
+    return layout_decl
+
+
+def _host_size(device_pool: Any, size: int | None, ratio: float | None) -> int:
+    """The host capacity in tokens: ``size``, or ``ratio`` (default 2.0) times the device pool's; never smaller."""
+    if size is not None:
+        size = positive_int(size, "size (host capacity in tokens)")
+    ratio_ok = not isinstance(ratio, bool) and isinstance(ratio, Real)
+    if ratio is not None and not (ratio_ok and ratio > 0):
+        raise ValueError(f"host_to_device_ratio must be a number > 0, got {ratio!r}")
     device_size = _device_size(device_pool)
     if size is None:
         if device_size is None:
             raise ValueError("cannot size the host pool: pass size= (tokens), or a device pool with a size")
-        ratio = DEFAULT_HOST_TO_DEVICE_RATIO if host_to_device_ratio is None else float(host_to_device_ratio)
-        size = max(1, int(device_size * ratio))
+        size = max(1, int(device_size * (DEFAULT_HOST_TO_DEVICE_RATIO if ratio is None else float(ratio))))
     if device_size is not None and size < device_size:
         raise ValueError(
             f"the host pool ({size} tokens) would be smaller than its device pool ({device_size} tokens). The host "
@@ -123,7 +158,14 @@ def make_host_pool(
             "host_to_device_ratio >= 1. (size counts tokens, not bytes or GB.) Changed in hicache-core 0.2.0: "
             "0.1 accepted a host pool smaller than its device pool."
         )
-    pinned = bool(pin_memory) and geometry.device_type == "cuda" and torch.cuda.is_available()
+    return size
+
+
+def _resolve(registry: Registry, geometry: PoolGeometry, layout_decl: Any, io_backend: str, pinned: bool,
+             operations: Iterable[str] | None, implementation: str | Mapping[str, str] | None,
+             ) -> tuple[dict[str, type[Implementation]], dict[str, UnsupportedCombinationError]]:  # fmt: skip
+    """Every operation's implementation: those ``operations`` needs, or the pool is refused; the others when
+    one claims them (else the reason, raised at their first call)."""
     required = list(operations) if operations is not None else default_operations(geometry)
     named = list(implementation) if isinstance(implementation, Mapping) else []
     for op in required + named:
@@ -140,7 +182,6 @@ def make_host_pool(
             if op in required:
                 raise
             deferred[op] = exc
-
     if io_backend == "auto" and implementation is None:
         # Per operation, auto may hold several implementations and choose per call by token count
         # (a measured profile, else the static rule: hicache_core.autoselect).
@@ -150,46 +191,7 @@ def make_host_pool(
             op: auto_class(registry, TransferRequest(io_backend, op, geometry, layout_decl, pinned), cls)
             for op, cls in resolved.items()
         }
-
-    spec = host_layout_spec(geometry, layout_decl, pages_for(size, geometry.page_size))
-    device_layers = _device_layers(device_pool, tuple(draft_pools), geometry)
-    device = next(iter(device_layers.values()))[0].device
-    label = label or f"host pool {next(_POOL_NUMBERS)} ({geometry.kind}, layout {spec.layout.name})"
-    memory = plan_pool_memory(geometry, spec, label=label, pinned=pinned, device=device)
-    check_fits(memory)
-    if host_memory_check is not None:
-        host_memory_check(memory)
-    buffers = allocate(memory, {b.attr: (b.shape, geometry.dtype) for b in spec.buffers},
-                       granules={b.attr: _page_bytes(b, geometry.dtype) for b in spec.buffers})  # fmt: skip
-    drops = DropReport(pinned, label=label)
-    plan = TransferPlan(geometry, spec, buffers, device_layers, drops)
-    if validate is None:
-        validate = VALIDATE.read()
-    if verify is not None and not isinstance(verify, bool):
-        raise TypeError(f"verify must be True, False or None (HICACHE_VERIFY), got {verify!r}")
-    asked, source = (verify, "verify") if verify is not None else (verify_default(), ENV_VERIFY)
-    pool = HostPool(
-        device_pool, tuple(draft_pools), geometry, spec, plan, resolved, deferred, io_backend, bool(validate), registry,
-        label,
-    )
-    if asked:
-        pool._enable_verify()
-        pool.verify_reason = f"on: {source}=1" if source == ENV_VERIFY else "on: verify=True"
-    elif asked is False:
-        pool.verify_reason = f"off: {source}=0" if source == ENV_VERIFY else "off: verify=False"
-    elif plan.device.type != "cuda":
-        pool.verify_reason = "off: a CPU pool (on by default on CUDA; on the CPU hashing costs more than the copy)"
-    else:
-        try:
-            pool._enable_verify()
-            pool.verify_reason = "on: the default for a CUDA pool"
-        except ValueError as exc:
-            pool.verify_reason = f"off: {exc}"
-    pool._verify_asked = bool(asked)
-    pool.host_memory = memory
-    _log.info("%s; %d tokens, %d bytes per token; %s", memory.summary(), pool.size, pool.get_size_per_token(),
-              pool.verify_reason)  # fmt: skip
-    return pool
+    return resolved, deferred
 
 
 def plan_pool_memory(geometry: PoolGeometry, spec: HostLayoutSpec, *, label: str, pinned: bool,
@@ -346,53 +348,49 @@ class HostPool(PageAccess):
         self._drop_numbers, self._call_now = plan.drop_report.numbers, plan.drop_report.current
         self._cache = IndexCache()
         self._malformed_on_device: torch.Tensor | None = None
+        self._index_stream: Any = None  # where a layer-wise load's indices are converted (CUDA)
         host_bytes = sum(t.numel() * t.element_size() for t in plan.host_buffers.values())
         self._layer_page_bytes = host_bytes // max(1, spec.num_pages) // max(1, self.layer_num)
         _metrics.track_host_pool(self)
-        #: Host-tier verification (:mod:`hicache_core.verify`), or ``None`` when the pool does not verify.
-        self.verifier: PageVerifier | None = None
-        self.verify = False
-        #: Whether the pool verifies, and why (``"on: ..."``, ``"off: ..."``).
-        self.verify_reason = "off"
-        self._verify_asked = False
+        self._on = PoolEvents()
+        self.observe(_metrics.TRANSFER_METRICS)
+        _slot_events.attach_deprecated(self)
+        #: Host-tier verification (:mod:`hicache_core.verification`): on or off, why, and its observer.
+        self.verification = Verification(self)
 
-    def _enable_verify(self) -> None:
-        try:
-            self.verifier = PageVerifier(self.plan, self.page_size, self._drops._call, self._verify_indices,
-                                         last_layers=(self._owned - 1,), label=self.label)  # fmt: skip
-        except ValueError as exc:
-            raise ValueError(f"host pool ({self.geometry.kind}, layout {self.layout}): {exc}") from None
-        self.verify = True
+    # ---- observers (hicache_core.pool_events) ---------------------------------------------------
 
-    def _stop_verifying(self, why: str) -> None:
-        """Turn default verification off for good (bytes can now change behind the pool's back); a pool asked
-        to verify refuses instead."""
-        if self.verifier is None:
-            return
-        if self._verify_asked:
-            raise ValueError(
-                f"this host pool verifies its pages ({self.verify_reason[4:]}), but {why}. Make the pool with "
-                "verify=False for this use"
-            )
-        self.verifier.close_run()
-        self.verifier.raise_if_failed()
-        self.verifier = None
-        self.verify = False
-        self.verify_reason = f"off: {why} (verification was on by default)"
-        _log.warning("host pool (%s, layout %s): verification turned %s", self.geometry.kind, self.layout,
-                     self.verify_reason)  # fmt: skip
+    def observe(self, observer: PoolObserver) -> None:
+        """Tell ``observer`` of this pool's events from now on (:class:`~hicache_core.pool_events.PoolObserver`)."""
+        self._on.add(observer)
 
-    def _verify_indices(self, indices: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Indices as int64 on the pool's device for the checksum kernel: once per index tensor, never a sync."""
-        key = ("verify", device)
-        hit = self._cache.lookup(indices, key)
-        if hit is not None:
-            return hit
-        if device.type != "cuda":
-            return self._cache.store(indices, key, indices.to(device, torch.int64).contiguous())
-        # Pageable memory would make the copy wait for the stream: stage it in pinned memory first.
-        src = indices if indices.is_cuda or indices.is_pinned() else indices.to(torch.int64).pin_memory()
-        return self._cache.store(indices, key, src.to(device, torch.int64, non_blocking=True))
+    def unobserve(self, observer: PoolObserver) -> None:
+        """Stop telling ``observer`` (one that does not observe this pool raises ``ValueError``)."""
+        self._on.remove(observer)
+
+    @property
+    def observers(self) -> tuple[PoolObserver, ...]:
+        """The observers of this pool, in the order they are told."""
+        return self._on.observers
+
+    @property
+    def verifier(self) -> PageVerifier | None:
+        """Host-tier verification's checksum table and words (:mod:`hicache_core.verify`); ``None``: not verifying."""
+        return self.verification.verifier
+
+    @verifier.setter
+    def verifier(self, verifier: PageVerifier | None) -> None:
+        self.verification.use(verifier)
+
+    @property
+    def verify(self) -> bool:
+        """Whether this pool verifies its pages now."""
+        return self.verification.verifier is not None
+
+    @property
+    def verify_reason(self) -> str:
+        """Whether the pool verifies, and why (``"on: ..."``, ``"off: ..."``)."""
+        return self.verification.reason
 
     def _alias_view(self, alias) -> torch.Tensor:
         buffer = getattr(self, alias.buffer)
@@ -430,12 +428,7 @@ class HostPool(PageAccess):
         device first (``synchronize=True``). A pool made without ``verify`` has nothing to report.
         """
         self._alive()
-        if self.verifier is None:
-            return
-        self.verifier.close_run()  # a run of per-layer loads that stopped short of the last layer
-        if synchronize and self.plan.device.type == "cuda":
-            torch.cuda.synchronize(self.plan.device)
-        self.verifier.raise_if_failed()
+        self.verification.check(synchronize)
 
     def take_failed_pages(self) -> torch.Tensor:
         """Token slots (whole pages, int64) of host pages that failed verification and were not taken yet.
@@ -445,25 +438,17 @@ class HostPool(PageAccess):
         reported so far without waiting for it; empty for a pool that does not verify.
         """
         self._alive()
-        return self.verifier.take_failed() if self.verifier is not None else torch.empty(0, dtype=torch.int64)
+        return self.verification.take_failed()
 
     def verify_stats(self) -> dict[str, int]:
         """Host-tier verification counters (for metrics): pages and calls that failed, pages quarantined now."""
         self._alive()
-        v = self.verifier
-        if v is None:
-            return {"verify": 0, "failed_pages": 0, "failed_calls": 0, "quarantined_pages": 0}
-        v.collect()
-        return {"verify": 1, "failed_pages": v.failed_pages_total, "failed_calls": v.failed_calls_total,
-                "quarantined_pages": len(v.quarantine)}  # fmt: skip
+        return self.verification.stats()
 
     def quarantined_pages(self) -> set[int]:
         """Host pages that failed verification and whose slots were not freed yet (a copy)."""
         self._alive()
-        if self.verifier is None:
-            return set()
-        self.verifier.collect()
-        return set(self.verifier.quarantine)
+        return self.verification.quarantined()
 
     # ---- allocator ---------------------------------------------------------------------------
 
@@ -475,12 +460,12 @@ class HostPool(PageAccess):
     def free(self, indices: torch.Tensor) -> int:
         """Give slots back (whole pages); a slot never allocated, or freed twice, raises."""
         self._alive()
-        if _slot_events._listeners:  # before the slots can be handed out again (a peer may be reading them)
-            _slot_events.notify_freed(self, indices)
-        freed = self.allocator.free(indices)
-        if self.verifier is not None:
-            self.verifier.release(indices)
-        return freed
+        heard = self._on.slots_freed
+        if heard:  # before the slots can be handed out again (a peer may be reading them)
+            slots = self.allocator.checked(indices)
+            for tell in heard:
+                tell(slots)
+        return self.allocator.free(indices)
 
     def available_size(self) -> int:
         """Free host slots, in tokens (always whole pages)."""
@@ -489,8 +474,8 @@ class HostPool(PageAccess):
 
     def clear(self) -> None:
         self._alive()
-        if _slot_events._listeners:
-            _slot_events.notify_freed(self, None)
+        for tell in self._on.slots_freed:
+            tell(None)
         self.allocator.clear()
 
     # ---- transfers ---------------------------------------------------------------------------
@@ -534,12 +519,7 @@ class HostPool(PageAccess):
             raise ValueError("device_pool is not the device pool this host pool was made for")
         h, d = self._indices(BACKUP_ALL, None, host_indices, device_indices, entry, None)
         if h is not None:
-            verifier = self.verifier
-            if verifier is not None:
-                verifier.before_backup()
-            self._call(entry[0], BACKUP_ALL, h, d)
-            if verifier is not None:
-                verifier.backup(h, d, None, self._call_now.seq)
+            self._per_layer(BACKUP_ALL, device_pool, h, d, None, io_backend, False, (entry[0], h, d, None, None, 0))
 
     def submit_load(
         self,
@@ -560,73 +540,72 @@ class HostPool(PageAccess):
         a layer's error is raised there. Arguments are checked here, before anything is queued.
         ``timing``: the load's start and finish events time it (``load.start_event.elapsed_time``).
         """
-        impl = self._impl(LOAD, io_backend)[0]
         ids = list(range(self.start_layer, self.end_layer)) if layer_ids is None else list(layer_ids)
-        for layer_id in ids:
-            self._host_layer(device_pool, layer_id, False)
-        self._check_indices(host_indices, device_indices)
+        part = self.prepare_load(device_pool, host_indices, device_indices, io_backend, ids, after=start_event)
+        return submit_loads([part], len(ids), start_event=start_event, timing=timing,
+                            what=f"load of {host_indices.shape[0]} slots into {len(ids)} layers")  # fmt: skip
 
-        # A verifying pool checks the load's layers in one launch after the last (verify.CheckBatch).
-        batch = None
-        if self.verifier is not None:
-            self.verifier.close_run()
-            batch = self.verifier.batch(len(ids), impl.engine)
-
-        def step(i: int) -> None:
-            self._per_layer(LOAD, device_pool, host_indices, device_indices, ids[i], io_backend, False, batch)
-
-        return layer_loader(self.plan.device).submit(
-            len(ids), step, start_event=start_event, keep=(host_indices, device_indices), timing=timing,
-            what=f"load of {host_indices.shape[0]} slots into {len(ids)} layers",
-            finish=batch.flush if batch is not None else None,
-        )  # fmt: skip
-
-    def _check_indices(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
-        """The checks a call makes before any byte moves, without converting anything."""
-        try:
-            ok = (
-                host_indices.dtype in (_INT64, _INT32)
-                and device_indices.dtype in (_INT64, _INT32)
-                and host_indices.dim() == 1
-                and device_indices.shape == host_indices.shape
-            )
-        except (AttributeError, TypeError):
-            ok = False
-        if not ok:
-            reject_indices(host_indices, device_indices)
-        if self.verifier is not None and host_indices.shape[0] % self.page_size:
-            self._refuse_part_of_a_page(host_indices.shape[0])
-        if self._items_are_pages:
-            for what, slots in (("host_indices", host_indices), ("device_indices", device_indices)):
-                if slots.is_meta:
-                    raise ValueError(f"{what} is on the meta device, which holds no values: pass real indices")
-                if self.page_size > 1 and (self.validate or not slots.is_cuda):
-                    check_whole_pages(slots, self.page_size, what)
-        if self.validate:
-            per_item = self.page_size if self._items_are_pages else 1
-            check_bounds(host_indices, self.size, "host_indices")
-            check_bounds(device_indices, min(self._rows) * per_item, "device_indices")
+    def prepare_load(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                     io_backend: str, layer_ids: Sequence[int | None], *, is_draft: bool = False,
+                     after: Any = None) -> PoolLoad:  # fmt: skip
+        """This pool's part of a layer-wise load (:func:`hicache_core.pool_loads.submit_loads`): step ``i`` loads
+        layer ``layer_ids[i]`` (``None``: nothing). Every layer id is mapped here and the indices are checked and
+        converted here, once (a bad argument raises before anything is queued); on CUDA on a stream of the
+        pool's, after ``after`` (an event already recorded; default: what the current stream holds now)."""
+        entry = self._impl(LOAD, io_backend)
+        layers = [None if i is None else (i, self._host_layer(device_pool, i, is_draft)) for i in layer_ids]
+        layers = [None if m is None or m[1] == _NOT_OWNED else m for m in layers]
+        ready = None
+        if self.plan.device.type != "cuda":
+            h, d = self._indices(LOAD, None, host_indices, device_indices, entry, None, number=False)
+        else:  # the load's copies follow `ready`, and nothing more of the caller's stream than before
+            side = self._index_stream = self._index_stream or torch.cuda.Stream(self.plan.device)
+            if after is None:
+                side.wait_stream(torch.cuda.current_stream(self.plan.device))
+            else:
+                side.wait_event(after)
+            with torch.cuda.stream(side):
+                h, d = self._indices(LOAD, None, host_indices, device_indices, entry, None, number=False)
+                ready = torch.cuda.Event()
+                ready.record(side)
+        count = sum(m is not None for m in layers)
+        watches = [w for started in self._on.load_started if (w := started(count, entry[0].engine)) is not None]
+        return PoolLoad(self, entry[0], device_pool, io_backend, (host_indices, device_indices), h, d, layers,
+                        watches, ready)  # fmt: skip
 
     def _per_layer(self, op, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft,
-                   batch: CheckBatch | None = None) -> None:  # fmt: skip
+                   prepared: tuple | None = None) -> None:  # fmt: skip
+        """One transfer call: map, check, copy, tell the observers. ``prepared``: a call whose indices were checked
+        and converted already, ``(impl, h, d, host layer or None, the load's watches or None, items to number the
+        call by or 0)``."""
         try:
-            entry = self._impls.get((op, io_backend)) or self._impl(op, io_backend)
-            # The common call (an owned layer of this pool, an int layer id) is mapped inline; the rest,
-            # and every error, goes through _host_layer.
-            layer = layer_id - self.start_layer if type(layer_id) is int else -1
-            if is_draft or device_pool is not self.device_pool or not 0 <= layer < self._owned:
-                layer = self._host_layer(device_pool, layer_id, is_draft)
-            h, d = self._indices(op, layer_id, host_indices, device_indices, entry, layer)
-            if h is None:
-                return
-            impl = entry[0]
-            verifier = self.verifier
-            if verifier is not None and op != LOAD:
-                verifier.before_backup()
-            t0 = perf_counter()
-            try:  # inline rather than through _call: this is the per-layer hot path
-                getattr(impl, op)(h, d, layer)
-                self._record(op, impl, h, t0, 1)
+            if prepared is None:
+                entry = self._impls.get((op, io_backend)) or self._impl(op, io_backend)
+                # The common call (an owned layer of this pool, an int layer id) is mapped inline; the rest,
+                # and every error, goes through _host_layer.
+                layer = layer_id - self.start_layer if type(layer_id) is int else -1
+                if is_draft or device_pool is not self.device_pool or not 0 <= layer < self._owned:
+                    layer = self._host_layer(device_pool, layer_id, is_draft)
+                h, d = self._indices(op, layer_id, host_indices, device_indices, entry, layer)
+                if h is None:
+                    return
+                impl, heard = entry[0], None
+            else:
+                impl, h, d, layer, heard, n = prepared
+                if n:
+                    self._alive()
+                    self._begin(op, layer_id, n)
+            on = self._on
+            if op != LOAD:
+                for tell in on.before_backup:
+                    tell()
+            timed = on.transferred
+            t0 = perf_counter() if timed else 0.0
+            try:  # inline rather than through a helper: this is the per-layer hot path
+                if layer is None:
+                    getattr(impl, op)(h, d)
+                else:
+                    getattr(impl, op)(h, d, layer)
             except (ValueError, IndexError, TypeError) as exc:
                 _refuse_meta(h, d)
                 _note(impl, op, exc)
@@ -634,38 +613,23 @@ class HostPool(PageAccess):
             except Exception as exc:
                 _refuse_meta(h, d)
                 raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
-            if verifier is not None:
-                if op == LOAD:
-                    if batch is not None:
-                        batch.add(h, d, layer, self._call_now.seq)
-                    else:
-                        verifier.check(h, d, layer, self._call_now.seq)
-                else:
-                    verifier.backup(h, d, layer, self._call_now.seq)
+            if timed:
+                items = h.numel()
+                pages = items if self._items_are_pages else items // self.page_size
+                seconds = perf_counter() - t0
+                nbytes = pages * self._layer_page_bytes * (1 if layer is not None else self.layer_num)
+                for tell in timed:
+                    tell(op, impl.name, pages, nbytes, seconds)
+            if heard is None:
+                heard = on.after_load if op == LOAD else on.after_backup
+            if heard:
+                seq = self._call_now.seq
+                for tell in heard:
+                    tell(h, d, layer, seq)
         except BaseException:
-            if self.verifier is not None:  # the caller may reuse the rows of a load it abandons on this error
-                self.verifier.close_run(wait_host=True)
+            for tell in self._on.call_failed:
+                tell()
             raise
-
-    def _call(self, impl: Implementation, op: str, *args) -> None:
-        """Run the implementation; whatever it raises names it (input errors keep their type)."""
-        t0 = perf_counter()
-        try:
-            getattr(impl, op)(*args)
-            self._record(op, impl, args[0], t0, self.layer_num)
-        except (ValueError, IndexError, TypeError) as exc:
-            _refuse_meta(*args[:2])
-            _note(impl, op, exc)
-            raise
-        except Exception as exc:
-            _refuse_meta(*args[:2])
-            raise TransferError(impl, self._plugin_of(impl), op, exc) from exc
-
-    def _record(self, op: str, impl: Implementation, h: torch.Tensor, t0: float, layers: int) -> None:
-        """The one place transfers are counted (hicache_core.metrics): pages, bytes, host submission time."""
-        items = h.numel()
-        pages = items if self._items_are_pages else items // self.page_size
-        _metrics.record_transfer(op, impl.name, pages, pages * self._layer_page_bytes * layers, perf_counter() - t0)
 
     def _impl(self, op: str, io_backend: str):
         entry = self._impls.get((op, io_backend))
@@ -714,8 +678,10 @@ class HostPool(PageAccess):
             )
         return _NOT_OWNED
 
-    def _indices(self, op: str, layer_id, host_indices, device_indices, entry, layer: int | None):
-        """Checked indices, where and as the implementation wants them; ``(None, None)`` when nothing moves."""
+    def _indices(self, op: str, layer_id, host_indices, device_indices, entry, layer: int | None,
+                 number: bool = True):  # fmt: skip
+        """Checked indices, where and as the implementation wants them; ``(None, None)`` when nothing moves.
+        ``number``: the call moves bytes now (else a layer-wise load's one check: its layers are numbered)."""
         # The hot path: a handful of attribute reads, the cheapest ones (a small load's cost is host time),
         # no allocation unless indices must move.
         try:
@@ -731,24 +697,30 @@ class HostPool(PageAccess):
         if not ok:
             reject_indices(host_indices, device_indices)
         n = shape[0]
-        if self._items_are_pages and n % self.page_size:
-            raise ValueError(
-                f"indices must come in whole pages: got {n} slots with page_size {self.page_size} "
-                "(page-item pools move whole pages)"
-            )
-        if n % self.page_size and self.verifier is not None:
-            self._refuse_part_of_a_page(n)
+        if n % self.page_size:
+            if self._items_are_pages:
+                raise ValueError(
+                    f"indices must come in whole pages: got {n} slots with page_size {self.page_size} "
+                    "(page-item pools move whole pages)"
+                )
+            # A checksum covers a whole page: verification stops, or (asked for) refuses, before any byte moves.
+            for tell in self._on.handed_out:
+                tell(None, f"a call moved {n} slots, part of a page (page_size {self.page_size}), and a checksum "
+                           "covers whole pages")  # fmt: skip
         if n == 0 or layer == _NOT_OWNED:
             if layer == _NOT_OWNED and self.validate and n:
                 check_bounds(host_indices, self.size, "host_indices")
             return None, None
-        drops = self._drops
-        if self._drop_word.value or (self._malformed_on_device is not None and drops._malformed.value):
-            drops.raise_if_dropped()
-        if self.verifier is not None and self.verifier.flagged():
-            self.verifier.raise_if_failed()
-        seq = self._call_now.seq = next(self._drop_numbers)  # DropReport.begin, inline: this is the hot path
-        self._drop_calls[seq & HISTORY_MASK] = (op, layer_id, n, seq)
+        if number:
+            drops = self._drops  # _begin, inline
+            if self._drop_word.value or (self._malformed_on_device is not None and drops._malformed.value):
+                drops.raise_if_dropped()
+            for tell in self._on.before_call:
+                tell()
+            seq = self._call_now.seq = next(self._drop_numbers)
+            self._drop_calls[seq & HISTORY_MASK] = (op, layer_id, n, seq)
+        elif self._items_are_pages and not self.validate and (host_indices.is_cuda or device_indices.is_cuda):
+            self._drops.begin(op, None, n)  # pages are checked on the device: a bad one names the load
         if self._items_are_pages:
             host_indices = self._page_items(host_indices, "host_indices")
             device_indices = self._page_items(device_indices, "device_indices")
@@ -764,11 +736,15 @@ class HostPool(PageAccess):
             device_indices = self._cache.move(device_indices, dd if dd in dtypes else torch.int64, target)
         return host_indices, device_indices
 
-    def _refuse_part_of_a_page(self, n: int) -> None:
-        """A checksum covers a whole page: a call that moves part of one ends default verification, and is
-        refused by a pool asked to verify (before any byte moves, either way)."""
-        self._stop_verifying(f"a call moved {n} slots, part of a page (page_size {self.page_size}), and a checksum "
-                             "covers whole pages")  # fmt: skip
+    def _begin(self, op: str, layer_id, n: int) -> None:
+        """A call that moves bytes: earlier calls' failures are raised first, then it takes its number."""
+        drops = self._drops
+        if self._drop_word.value or (self._malformed_on_device is not None and drops._malformed.value):
+            drops.raise_if_dropped()
+        for tell in self._on.before_call:
+            tell()
+        seq = self._call_now.seq = next(self._drop_numbers)  # DropReport.begin, inline
+        self._drop_calls[seq & HISTORY_MASK] = (op, layer_id, n, seq)
 
     def _page_items(self, slots: torch.Tensor, what: str) -> torch.Tensor:
         """Page-item pools: whole pages of token slots -> page numbers (checked; converted once per tensor)."""
@@ -813,7 +789,8 @@ class HostPool(PageAccess):
         # The drop word's memory goes with the pool: nothing may read its address after this.
         self._drops = None  # type: ignore[assignment]
         self._drop_word = ctypes.c_int64(0)
-        self.verifier = None
+        self.verification.verifier = None
+        self._on = PoolEvents()
         self.implementations = {}
         for attr in [b.attr for b in self.spec.buffers] + [a.attr for a in self.spec.aliases]:
             setattr(self, attr, None)
@@ -835,31 +812,3 @@ class HostPool(PageAccess):
             return f"<HostPool {self.geometry.kind} layout={self.layout} destroyed>"
         shapes = ", ".join(f"{b.attr}{tuple(b.shape)}" for b in self.spec.buffers)
         return f"<HostPool {self.geometry.kind} layout={self.layout} {shapes} implementations={self.implementations}>"
-
-
-class TransferError(RuntimeError):
-    """An implementation raised while moving bytes (or while binding to a pool); names it and its plugin."""
-
-    def __init__(self, impl: type[Implementation] | Implementation, plugin: str, operation: str,
-                 cause: BaseException) -> None:  # fmt: skip
-        self.implementation = impl.name
-        self.plugin = plugin
-        self.operation = operation
-        super().__init__(
-            f"{impl.name} (plugin {plugin}, io backend {impl.io_backend!r}) raised during {operation}: "
-            f"{type(cause).__name__}: {cause}"
-        )
-
-
-def _refuse_meta(*indices) -> None:
-    """Indices on the meta device are the caller's mistake, not the plugin's: say so, from the error path only
-    (so the hot path pays nothing for the check), in place of whatever the implementation raised."""
-    for what, idx in zip(("host_indices", "device_indices"), indices):
-        if isinstance(idx, torch.Tensor) and idx.is_meta:
-            raise ValueError(f"{what} is on the meta device, which holds no values: pass real indices")
-
-
-def _note(impl: type[Implementation] | Implementation, operation: str, exc: Exception) -> None:
-    """Input errors raised inside a transfer keep their type (callers catch them as bad input) and gain a note."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"(raised by {impl.name}, io backend {impl.io_backend!r}, during {operation})")

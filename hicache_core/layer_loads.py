@@ -54,7 +54,6 @@ from typing import Any
 import torch
 
 from .variables import LOAD_TIMEOUT as TIMEOUT
-from .verify import close_runs_of_this_thread
 
 DEFAULT_TIMEOUT_S: float = TIMEOUT.default
 ENV_TIMEOUT = TIMEOUT.name
@@ -443,8 +442,8 @@ class LayerLoader:
         """Hand a load of ``layers`` layers to the thread; returns at once.
 
         ``start_event``: an event the caller already recorded after whatever the copies must follow
-        (a producer of the destination's pages, say); ``None`` records one now on the caller's
-        current stream. ``keep``: tensors the copies read (indices) that must stay allocated until
+        (a producer of the destination's pages, say), or a tuple of them; ``None`` records one now on
+        the caller's current stream. ``keep``: tensors the copies read (indices) that must stay allocated until
         they are submitted; CUDA ones are also marked as used on the loader's stream.
         ``timing``: record the start and finish events with timing, for ``elapsed_time``.
         ``finish``: called on the thread after the last layer's step (or the one that failed), on the
@@ -518,8 +517,9 @@ class LayerLoader:
         load.submitted_at = time.perf_counter()
         start = finish = None
         if stream is not None:
-            if job.start is not None:
-                stream.wait_event(job.start)  # recorded by the caller before it submitted this job
+            for start_event in job.start if isinstance(job.start, tuple) else (job.start,):
+                if start_event is not None:
+                    stream.wait_event(start_event)  # recorded by the caller before it submitted this job
             if load.timing:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
@@ -531,7 +531,6 @@ class LayerLoader:
             try:
                 job.step(layer)
             except BaseException as exc:  # noqa: BLE001 - raised by the consumer's wait, not here
-                close_runs_of_this_thread(wait_host=True)  # before the consumers learn of it: they may reuse the rows
                 load._fail(layer, exc)
                 break
             event = None
@@ -539,7 +538,6 @@ class LayerLoader:
                 event = torch.cuda.Event()
                 event.record(stream)
             load._layer_done(event)
-        close_runs_of_this_thread()  # steps that loaded layers themselves and stopped short of the last one
         if job.finish is not None:
             try:
                 job.finish()

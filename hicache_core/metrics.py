@@ -47,6 +47,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .pool_events import PoolObserver
 from .variables import METRICS_DIR
 
 _LABEL_OK = frozenset("abcdefghijklmnopqrstuvwxyz_")
@@ -269,6 +270,11 @@ def track_host_pool(pool: Any) -> None:
     _POOLS.add(pool)
 
 
+def live_host_pools() -> list[Any]:
+    """The host pools of this process that were not garbage-collected (destroyed ones included)."""
+    return list(_POOLS)
+
+
 def _pool_pages() -> dict[tuple, float]:
     used = capacity = 0
     for pool in list(_POOLS):
@@ -305,6 +311,17 @@ def record_transfer(op: str, impl: str, pages: int, nbytes: int, seconds: float)
     children[0].inc(pages)
     children[1].inc(nbytes)
     children[2].observe(seconds)
+
+
+class TransferMetrics(PoolObserver):
+    """The transfer counters as an observer of host pools (``make_host_pool`` attaches it to every pool)."""
+
+    # The function itself, not a method calling it: the pool calls this once per transfer call.
+    transferred = staticmethod(record_transfer)  # type: ignore[assignment]
+
+
+#: The one observer every host pool gets: it holds nothing, the counters it feeds are the process's.
+TRANSFER_METRICS = TransferMetrics()
 
 
 def record_checksum_failure(tier: str, pages: int = 1) -> None:

@@ -21,6 +21,7 @@ from .validation import strict_int
 
 if TYPE_CHECKING:
     from .host_layout import HostBufferSpec
+    from .pool_events import PoolEvents
 
 
 class PageAccess:
@@ -29,6 +30,7 @@ class PageAccess:
     page_size: int
     page_num: int
     layer_num: int
+    _on: PoolEvents
 
     # ---- checks ---------------------------------------------------------------------------------
 
@@ -95,20 +97,16 @@ class PageAccess:
         for v in views:
             v.copy_(flat[offset : offset + v.numel()].view(v.shape))
             offset += v.numel()
-        verifier = getattr(self, "verifier", None)
-        if verifier is not None:  # bytes that did not come through a backup: their checksums from the host copy
-            from .verify import host_rows
-
-            verifier.rehash_host_page(page, host_rows(self.plan, page))
+        for tell in self._on.page_written:
+            tell(page)
 
     # ---- pages as raw runs ----------------------------------------------------------------------
 
-    def _handed_out(self, pages: list[int]) -> None:
-        """Pages handed out as raw pointers may be written unseen: their checksums are dropped, and their next
-        load takes one (:data:`hicache_core.page_checksum.NO_CHECKSUM`) instead of failing its check."""
-        verifier = getattr(self, "verifier", None)
-        if verifier is not None:
-            verifier.forget(pages)
+    def _handed_out(self, pages: list[int] | None, why: str = "their pointers were handed out") -> None:
+        """Pages handed out as raw pointers may be written unseen: the observers hear of it (verification drops
+        their checksums, so their next load takes one instead of failing its check)."""
+        for tell in self._on.handed_out:
+            tell(pages, why)
 
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         """Pointers and byte sizes of the contiguous host runs of each page (zero-copy L3 I/O).
@@ -191,8 +189,9 @@ class PageAccess:
         a warning); one made with ``verify=True`` (or ``HICACHE_VERIFY=1``) refuses.
         """
         self._alive()
-        self._stop_verifying("get_contiguous_buf_infos handed the whole host memory out, to be written at any time "
-                             "unseen")
+        self._handed_out(
+            None, "get_contiguous_buf_infos handed the whole host memory out, to be written at any time unseen"
+        )
         ptrs: list[int] = []
         lens: list[int] = []
         items: list[int] = []

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -124,7 +123,6 @@ class PageVerifier:
                 ) from None
         self._run_ends = frozenset(last_layers) | {self.num_layers - 1}
         self._run: CheckBatch | None = None  # the open run of per-layer loads
-        self._run_thread = 0
         self.groups = groups_per_page(self.tokens)
         self.columns = self.num_layers * len(self.components) * self.groups
         self.device = plan.device
@@ -340,8 +338,6 @@ class PageVerifier:
                 if run is not None:
                     self._close_run()
                 run = self._run = CheckBatch(self, self.num_layers, raw_stream=raw)
-                self._run_thread = threading.get_ident()
-                _OPEN_RUNS.add(self)
                 run.add(hidx, didx, layer, seq)
             if layer in self._run_ends:
                 self._close_run()
@@ -359,7 +355,6 @@ class PageVerifier:
 
     def _close_run(self, wait_host: bool = False) -> None:
         run, self._run = self._run, None
-        _OPEN_RUNS.discard(self)
         if run is not None:
             run.flush(wait_host)
 
@@ -533,20 +528,6 @@ class PageVerifier:
 
 #: Batched checks' numbers remembered (layers of recent loads).
 _BATCH_CALLS = 1 << 16
-#: Verifiers with an open run of per-layer loads.
-_OPEN_RUNS: weakref.WeakSet[PageVerifier] = weakref.WeakSet()
-
-
-def close_runs_of_this_thread(wait_host: bool = False) -> None:
-    """Check the runs of per-layer loads this thread left open (the layer loader calls this after a job's
-    steps, which may call ``load_to_device_per_layer`` and fail before the last layer; ``wait_host``: see
-    :meth:`PageVerifier.close_run`)."""
-    if not _OPEN_RUNS:
-        return
-    me = threading.get_ident()
-    for verifier in list(_OPEN_RUNS):
-        if verifier._run_thread == me:
-            verifier.close_run(wait_host)
 
 
 def _version(t: torch.Tensor) -> int:

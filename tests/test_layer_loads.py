@@ -71,6 +71,44 @@ def test_submit_load_moves_every_layer_byte_exact(io_backend, layout):
     assert load.finish_event.query() and "4/4 layers submitted, done" in repr(load)
 
 
+def test_one_door_loads_the_parts_of_several_pools_step_by_step_checking_indices_once():
+    """submit_loads: each step runs every part's layer in order (a pool may have no layer at a step); each
+    pool's indices are checked and converted once per load, not once per layer."""
+    from hicache_core.pool_loads import CallPerLayer, submit_loads
+
+    dev_a, host_a = _pools("torch", "page_first")
+    dev_b, host_b = _pools()
+    ha, hb = host_a.alloc(16), host_b.alloc(32)
+    host_a.backup_from_device_all_layer(dev_a, ha, torch.arange(16), "torch")
+    host_b.backup_from_device_all_layer(dev_b, hb, torch.arange(32), "direct")
+    wa, wb = _written(dev_a, torch.arange(16)), _written(dev_b, torch.arange(32))
+    steps = []
+    checked = []
+    check = host_a._indices
+
+    def counting(*args, **kw):
+        checked.append(args[1])  # the layer id: None for a load's one check
+        return check(*args, **kw)
+
+    host_a._indices = counting
+    da, db = torch.arange(64, 80), torch.arange(96, 128)
+    parts = [
+        CallPerLayer(lambda i: steps.append(("first", i)), "cpu"),
+        host_a.prepare_load(dev_a, ha, da, "torch", list(range(LAYERS))),
+        host_b.prepare_load(dev_b, hb, db, "direct", [None, 0, None, 3]),
+        CallPerLayer(lambda i: steps.append(("last", i)), "cpu"),
+    ]
+    load = submit_loads(parts, LAYERS, what="two pools")
+    load.result()
+    assert checked == [None]  # the load's one check, at prepare_load; no layer checked again
+    assert steps == [(w, i) for i in range(LAYERS) for w in ("first", "last")]
+    assert all(_equal(dev_a, da, wa, layer) for layer in range(LAYERS))
+    assert _equal(dev_b, db, wb, 0) and _equal(dev_b, db, wb, 3)
+    assert not _equal(dev_b, db, wb, 1) and not _equal(dev_b, db, wb, 2)  # no layer of b at steps 0 and 2
+    with pytest.raises(ValueError, match="needs at least one part"):
+        submit_loads([], LAYERS)
+
+
 def test_layers_run_on_the_loaders_thread_and_the_caller_returns_first():
     dev, host = _pools()
     h = host.alloc(16)

@@ -15,7 +15,7 @@ from hicache_core.layer_loads import LayerLoadError
 from hicache_core.page_checksum import GROUP_TOKENS, M2, NO_CHECKSUM, checksum_bytes_reference, checksum_rows, seed
 from hicache_core.storage import PageStatus, make_storage
 from hicache_core.storage.page_format import HEADER_SIZE
-from hicache_core.verify import PageVerificationError, PageVerifier
+from hicache_core.verify import PageVerificationError
 
 LAYERS = 3
 CASES = [("mha", "page_first"), ("mha", "layer_first"), ("mha_asym", "page_first_direct"), ("mla", "page_first"),
@@ -85,7 +85,7 @@ def _every_kind_page_first():
 def test_kernel_matches_the_torch_definition(kind, layout):
     pytest.importorskip("triton")
     dp, host = _pool(kind, layout)
-    kernel = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+    kernel = host.verification.make_verifier(kernel=True)
     slots = host.alloc(12)
     dev = torch.arange(host.page_size, host.page_size + 12)
     host.backup_from_device_all_layer(dp, slots, dev, "auto")  # the torch path fills host.verifier.table
@@ -106,7 +106,7 @@ def test_kernel_tiles_pages_of_any_size_as_the_definition_groups_them(page_size)
     # 1: a page is one group of one item; 12: two groups, the second half full; 72: two tiles of rows.
     pytest.importorskip("triton")
     dp, host = _pool("mha", "page_first", page_size=page_size)
-    kernel = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+    kernel = host.verification.make_verifier(kernel=True)
     slots = host.alloc(2 * page_size)
     dev = torch.arange(page_size, 3 * page_size)
     host.backup_from_device_all_layer(dp, slots, dev, "auto")
@@ -132,7 +132,7 @@ def test_kernel_sums_rows_wider_than_its_tile_as_the_definition(rows):
         dp = hc.MHADevicePool(6 * 64, 64, torch.bfloat16, heads, dim, 2, DEVICE)
     fill_random([t for c in hc.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=5)
     host = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True)
-    kernel = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+    kernel = host.verification.make_verifier(kernel=True)
     assert kernel._tile == ((1, 1, 2048) if page_kind else (64, GROUP_TOKENS, 32))
     assert kernel._tile[2] < max(kernel.words)  # the word loop runs more than once
     p = host.page_size
@@ -197,7 +197,7 @@ def test_a_layer_wise_loads_checks_run_in_runs_of_layers_naming_each_failing_lay
         pytest.skip("the kernel on CPU pools: under TRITON_INTERPRET=1")
     dp, host = _pool("mha", "page_first")
     if with_kernel:
-        host.verifier = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+        host.verifier = host.verification.make_verifier(kernel=True)
     p = host.page_size
     slots = host.alloc(3 * p)
     dev = torch.arange(p, 4 * p)
@@ -236,7 +236,7 @@ def test_a_load_of_every_layer_out_of_order_names_the_failing_layers_own_call():
     dp = device_pool("mha", 4, pages=6, layers=4)
     fill_random([t for c in hc.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=3)
     host = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True)
-    host.verifier = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+    host.verifier = host.verification.make_verifier(kernel=True)
     p = host.page_size
     slots = host.alloc(p)
     dev = torch.arange(p, 2 * p)
@@ -332,7 +332,7 @@ def test_a_failing_layer_is_named_after_the_batch_numbers_wrapped_around_many_ti
     pytest.importorskip("triton")
     monkeypatch.setattr(hicache_core.verify, "_BATCH_CALLS", 4)
     dp, host = _pool("mha", "page_first")
-    host.verifier = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True)
+    host.verifier = host.verification.make_verifier(kernel=True)
     p = host.page_size
     slots = host.alloc(p)
     dev = torch.arange(p, 2 * p)
@@ -408,19 +408,25 @@ def test_a_run_abandoned_on_an_error_is_checked_before_the_caller_can_reuse_its_
         t.zero_()
     host.check_verified()  # no false alarm: layer 0 was checked before the rows were reused
 
-    # The same through the layer loader: a step that fails after loading layer 0 itself.
+    # The same through the layer loader: a load whose layer 1 fails after layer 0 was loaded.
     fill_random(dp.k_buffer + dp.v_buffer, seed=3)
     bad_page = int(slots[p]) // p
     _flip_host_byte(host, bad_page, layer=0)
+    impl = host.implementation_for("load_to_device_per_layer")
+    copy = impl.load_to_device_per_layer
 
-    def step(layer):
+    def planted(h, d, layer):
         if layer == 1:
             raise RuntimeError("planted")
-        host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
+        copy(h, d, layer)
 
-    load = hc.layer_loads.layer_loader(DEVICE).submit(LAYERS, step, what="a failing job")
-    with pytest.raises(LayerLoadError, match="planted"):
-        load.result(10)  # the job ended
+    impl.load_to_device_per_layer = planted
+    try:
+        load = host.submit_load(dp, slots, dev, "auto")
+        with pytest.raises(LayerLoadError, match="planted"):
+            load.result(10)  # the job ended
+    finally:
+        del impl.load_to_device_per_layer
     for t in dp.k_buffer + dp.v_buffer:
         t.zero_()
     with pytest.raises(PageVerificationError) as info:
@@ -721,8 +727,7 @@ def _with_kernel_or_not(host, with_kernel: bool) -> None:
     if with_kernel:
         if os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu":
             pytest.skip("the kernel on CPU pools: under TRITON_INTERPRET=1")
-        host.verifier = PageVerifier(host.plan, host.page_size, host._drops._call, host._verify_indices, kernel=True,
-                                     last_layers=(host._owned - 1,))  # fmt: skip
+        host.verifier = host.verification.make_verifier(kernel=True)
 
 
 @pytest.mark.parametrize("with_kernel", [False, True])

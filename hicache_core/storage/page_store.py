@@ -150,11 +150,15 @@ class PageStore:
         own["_fingerprint"] = bytes.fromhex(fingerprint(geometry_description(host_pool)))
         #: Pages written device-checked (format algorithm 2): the pool verifies, and no host check was asked.
         #: A keyed store never is: a device checksum is no MAC, so the host authenticates every byte.
-        own["device_checked"] = key is None and pages.verifier is not None and not host_check
+        own["device_checked"] = key is None and pages.table is not None and not host_check
         backend.namespace = namespace
         backend.page_bytes = pages.page_bytes
         backend.cluster_key = key
         backend.register_memory(pages.buffer_spans())
+        observer_of = getattr(backend, "observer_of", None)
+        if observer_of is not None:  # a backend serving the pool's pages to others hears the pool's events
+            own["_observer"] = observer_of(host_pool)
+            host_pool.observe(own["_observer"])
 
     @property
     def pages(self) -> PageMap:
@@ -276,10 +280,10 @@ class PageStore:
             return held
         pm = self.pages
         refused: dict[int, PageResult] = {}
-        if pm.verifier is not None:  # a page that failed host-tier verification never reaches the store
-            pm.verifier.collect()
+        if pm.table is not None:  # a page that failed host-tier verification never reaches the store
+            quarantined = pm.verification.quarantined()
             for i, page in enumerate(pages):
-                if page in pm.verifier.quarantine:
+                if page in quarantined:
                     refused[i] = PageResult(
                         hashes[i],
                         PageStatus.CORRUPT,
@@ -720,6 +724,9 @@ class PageStore:
             io.shutdown(wait=True)
         if self.weights is not None:
             self.weights.close()
+        observer = self.__dict__.pop("_observer", None)
+        if observer is not None and observer in self.host_pool.observers:
+            self.host_pool.unobserve(observer)
         self.backend.close()
 
     def __repr__(self) -> str:

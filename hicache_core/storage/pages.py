@@ -51,10 +51,10 @@ class PageMap:
         self.page_bytes = sum(n for _, _, n in self._runs)
         for tensor in host_pool.plan.host_buffers.values():
             self._buffers.append(tensor)
-        verifier = getattr(host_pool, "verifier", None)
+        #: The pool's verification (:mod:`hicache_core.verification`): its table and quarantine, asked of the pool.
+        self.verification = getattr(host_pool, "verification", None)
         #: The pool's checksum table (host-tier verification), stored after each page's payload; else ``None``.
-        self.table = verifier.table if verifier is not None else None
-        self.verifier = verifier
+        self.table = self.verification.table if self.verification is not None else None
         self.trailer_bytes = 0
         if self.table is not None:
             self.trailer_bytes = self.table[0].numel() * 8

@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from .. import slot_events
+from ..slot_events import FreeListener
 from .keys import Namespace
 
 #: Earlier namespaces a store remembers, to tell ``old_weight_version`` from ``not_in_store``.
@@ -37,7 +37,7 @@ class WeightVersions:
         self.previous: deque[Namespace] = deque(maxlen=KEEP)
         self.epoch = 0  # bumped at every change: work started under another epoch is of other weights
         self.hold = ""  # why writes are held ("" when they are not)
-        self._listening = False
+        self._listener: FreeListener | None = None
 
     def switch(self, old: Namespace, new: Namespace) -> None:
         """Remember ``old``; hold writes when the host pool holds pages now (they were computed with ``old``)."""
@@ -50,20 +50,21 @@ class WeightVersions:
                     f"the host pool still holds pages of weight version {old.weight_version!r} (the weights changed "
                     f"to {new.weight_version!r}): nothing is written until it is cleared"
                 )
-                if not self._listening:
-                    slot_events.add_free_listener(self._on_free)
-                    self._listening = True
+                if self._listener is None:
+                    self._listener = FreeListener(self._on_free, self._pool)
+                    self._pool.observe(self._listener)
 
     def _on_free(self, host_pool: Any, slots: Any) -> None:
-        if slots is None and host_pool is self._pool:  # clear(): every old page is gone
+        if slots is None:  # clear(): every old page is gone
             with self._lock:
                 self.hold = ""
                 self._stop_listening()
 
     def _stop_listening(self) -> None:
-        if self._listening:
-            slot_events.remove_free_listener(self._on_free)
-            self._listening = False
+        if self._listener is not None:
+            if self._listener in self._pool.observers:
+                self._pool.unobserve(self._listener)
+            self._listener = None
 
     def close(self) -> None:
         with self._lock:

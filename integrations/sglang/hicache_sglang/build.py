@@ -13,7 +13,7 @@ backend, ratio and size come from SGLang's own resolved server settings
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import hicache_core as hc
 
@@ -65,14 +65,64 @@ def build_kv_host_pool(
     :raises hicache_core.UnsupportedCombinationError: no installed hicache plugin serves the
         layout and io backend asked for.
     """
-    from sglang.srt.mem_cache.hybrid_cache.host_pool_config import check_packed_kv_rows, is_mla_pool
-    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
-    from sglang.srt.runtime_context import get_memory, get_parallel
+    from sglang.srt.runtime_context import get_memory
 
     memory = get_memory()
     layout, io_backend = memory.hicache_mem_layout, memory.hicache_io_backend
     label = f"{pool_label!r} host pool ({type(kv_pool).__name__}, layout {layout!r}, io backend {io_backend!r})"
     check_layout_io(layout, io_backend, label)
+    drafts = tuple(mtp_draft_device_pools)
+    use_mla, layer_shard = _refuse_unserved(kv_pool, use_mla, drafts, label)
+    dev = _device_side(kv_pool, use_mla, drafts, override_kv_cache_dim, layout, page_size, label)
+    capacity = kv_pool.size if kv_pool.host_capacity_tokens is None else kv_pool.host_capacity_tokens
+    view, draft_views = _views(kv_pool, dev, page_size, capacity)
+    bytes_per_token = _bytes_per_token(dev.buffers, len(dev.owned) + len(drafts))
+    if dev.scaled is not None:
+        bytes_per_token += scales.scale_bytes_per_token(dev.scaled)
+    if host_token_capacity is None:
+        tokens = _host_tokens(memory, host_size, capacity, page_size, bytes_per_token)
+    else:  # a sidecar on another pool's slots (SGLang's non-packed drafts): exactly that many, no padding page
+        tokens = _exact_tokens(host_token_capacity, page_size, label)
+    if dev.scaled is not None:  # first: its layout and io backend are the narrower ones
+        scale_view, scale_core = scales.make_scale_core(dev.scaled, layout=layout, io_backend=io_backend,
+                                                        tokens=tokens, label=label)  # fmt: skip
+    core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size, size=tokens,
+                             draft_pools=draft_views, label=label, host_memory_check=sglang_budget(label))  # fmt: skip
+    metrics.start()  # hicache's figures beside SGLang's /metrics, when SGLang's metrics are on
+    common = dict(view=view, draft_views=draft_views, device_pool=kv_pool, draft_device_pools=drafts,
+                  first_layer=dev.first_layer, device_layer_num=dev.device_layer_num,
+                  sglang_start_layer=kv_pool.start_layer, sglang_end_layer=kv_pool.end_layer,
+                  device_capacity_tokens=capacity, pool_label=pool_label, layer_shard=layer_shard)  # fmt: skip
+    if use_mla:
+        info = dev.info
+        pool = SGLangMLAHostPool(core, kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim,
+                                 kv_cache_dim=info.kv_cache_dim, packed_fp8=info.packed_fp8, **common)  # fmt: skip
+        return log_pool(pool)
+    if dev.scaled is not None:
+        return log_pool(scales.SGLangScaledMHAHostPool(core, scale_core=scale_core, scale_view=scale_view, **common))
+    return log_pool(SGLangMHAHostPool(core, **common))
+
+
+class _DeviceSide(NamedTuple):
+    """What the host pool mirrors of a SGLang KV pool: its buffers as hicache reads them, and its layers."""
+
+    kind: str
+    info: Any
+    buffers: dict[str, list]
+    draft_buffers: list[dict[str, list]]
+    first_layer: int
+    owned: range
+    device_layer_num: int
+    extras: dict[str, int]
+    scaled: Any
+
+
+def _refuse_unserved(kv_pool: Any, use_mla: bool | None, drafts: tuple, label: str) -> tuple[bool, bool]:
+    """Refuse what the adapter does not serve, saying why; ``(use_mla, layer_shard)`` of the pool."""
+    from sglang.srt.mem_cache.hybrid_cache.host_pool_config import check_packed_kv_rows, is_mla_pool
+    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
+    from sglang.srt.runtime_context import get_parallel
+
     if get_parallel().dcp_enabled:
         raise NotServedError(
             f"hicache-sglang does not serve decode context parallelism (--dcp-size > 1) for the {label}: "
@@ -94,9 +144,13 @@ def build_kv_host_pool(
             f"{label} is not MLA. SGLang builds LayerSplit pools only for DSA MLA models "
             "(--enable-dsa-cache-layer-split)."
         )
-    drafts = tuple(mtp_draft_device_pools)
     check_packed_kv_rows(kv_pool=kv_pool, drafts=drafts, use_mla=use_mla)  # SGLang's own check, same message
+    return use_mla, layer_shard
 
+
+def _device_side(kv_pool: Any, use_mla: bool, drafts: tuple, override_kv_cache_dim: int | None, layout: str,
+                 page_size: int, label: str) -> _DeviceSide:  # fmt: skip
+    """The device pool's buffers, layers and drafts (MLA rows, or MHA K/V with their scales), checked."""
     first_layer = int(kv_pool.start_layer or 0)
     scaled = None
     if use_mla:
@@ -142,48 +196,18 @@ def build_kv_host_pool(
     for depth, buffers_of_draft in enumerate(draft_buffers):
         if len(next(iter(buffers_of_draft.values()))) != 1:
             raise NotServedError(f"packed draft pool {depth} has more than one layer ({label})")
+    return _DeviceSide(kind, info, buffers, draft_buffers, first_layer, owned, device_layer_num, extras, scaled)
 
-    capacity = kv_pool.size if kv_pool.host_capacity_tokens is None else kv_pool.host_capacity_tokens
-    view = DeviceView(kind=kind, buffers=buffers, page_size=page_size, size=capacity, first_layer=first_layer,
-                      owned=owned, device_layer_num=device_layer_num, extras=extras)  # fmt: skip
-    draft_views = [
-        DeviceView(kind=kind, buffers=b, page_size=page_size, size=capacity, first_layer=0, owned=range(1),
-                   device_layer_num=1, extras=extras)  # fmt: skip
-        for b in draft_buffers
-    ]
-    bytes_per_token = _bytes_per_token(buffers, len(owned) + len(drafts))
-    if scaled is not None:
-        bytes_per_token += scales.scale_bytes_per_token(scaled)
-    if host_token_capacity is None:
-        tokens = _host_tokens(memory, host_size, capacity, page_size, bytes_per_token)
-    else:  # a sidecar on another pool's slots (SGLang's non-packed drafts): exactly that many, no padding page
-        tokens = _exact_tokens(host_token_capacity, page_size, label)
-    if scaled is not None:  # first: its layout and io backend are the narrower ones
-        scale_view, scale_core = scales.make_scale_core(scaled, layout=layout, io_backend=io_backend, tokens=tokens,
-                                                        label=label)  # fmt: skip
-    core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size, size=tokens,
-                             draft_pools=draft_views, label=label, host_memory_check=sglang_budget(label))  # fmt: skip
-    metrics.start()  # hicache's figures beside SGLang's /metrics, when SGLang's metrics are on
-    common = dict(
-        view=view,
-        draft_views=draft_views,
-        device_pool=kv_pool,
-        draft_device_pools=drafts,
-        first_layer=first_layer,
-        device_layer_num=device_layer_num,
-        sglang_start_layer=kv_pool.start_layer,
-        sglang_end_layer=kv_pool.end_layer,
-        device_capacity_tokens=capacity,
-        pool_label=pool_label,
-        layer_shard=layer_shard,
-    )
-    if use_mla:
-        pool = SGLangMLAHostPool(core, kv_lora_rank=info.kv_lora_rank, qk_rope_head_dim=info.qk_rope_head_dim,
-                                 kv_cache_dim=info.kv_cache_dim, packed_fp8=info.packed_fp8, **common)  # fmt: skip
-        return log_pool(pool)
-    if scaled is not None:
-        return log_pool(scales.SGLangScaledMHAHostPool(core, scale_core=scale_core, scale_view=scale_view, **common))
-    return log_pool(SGLangMHAHostPool(core, **common))
+
+def _views(kv_pool: Any, dev: _DeviceSide, page_size: int, capacity: int) -> tuple[DeviceView, list[DeviceView]]:
+    """The device pool, and each packed draft, as hicache reads a device pool (absolute layers)."""
+    view = DeviceView(kind=dev.kind, buffers=dev.buffers, page_size=page_size, size=capacity,
+                      first_layer=dev.first_layer, owned=dev.owned, device_layer_num=dev.device_layer_num,
+                      extras=dev.extras)  # fmt: skip
+    draft_views = [DeviceView(kind=dev.kind, buffers=b, page_size=page_size, size=capacity, first_layer=0,
+                              owned=range(1), device_layer_num=1, extras=dev.extras)
+                   for b in dev.draft_buffers]  # fmt: skip
+    return view, draft_views
 
 
 def _mha_info(pool: Any, label: str):
@@ -275,4 +299,3 @@ def _exact_tokens(tokens: int, page_size: int, label: str) -> int:
             f"Host token capacity must be positive and page-aligned, got {tokens} for page_size={page_size} ({label})"
         )
     return tokens
-

@@ -5,12 +5,14 @@ the scheduler thread before the forward is queued, and records one ``LayerLoadin
 per layer; the forward's layer ``l`` makes its stream wait on event ``l``
 (``LayerDoneCounter.wait_until``). Where every pool of a load is hicache's, this module takes
 that load: the scheduler thread does what SGLang does before the copies (the start event, the
-load fence, index resolution on SGLang's host-to-device stream), records one event there, and
-hands the copies to :mod:`hicache_core.layer_loads`, whose thread waits on that event on a
-stream of its own and submits layer after layer, in SGLang's order and with SGLang's per-pool
-layer mapping (drafts, sidecars, indexers, pipeline stages). The forward's wait for layer ``l``
-first waits on the host until layer ``l`` was submitted, then on its event: no stream ever
-waits on an event not yet recorded, so no hardware-queue aliasing can deadlock it.
+load fence, index resolution on SGLang's host-to-device stream), has each pool prepare its part
+(``prepare_load``: SGLang's layer ids mapped once, with SGLang's per-pool rule for drafts,
+sidecars, indexers and pipeline stages; the indices checked once), records one event there, and
+hands the parts to hicache's one door for layer-wise loads (:func:`hicache_core.pool_loads.submit_loads`),
+whose loader thread waits on that event on a stream of its own and submits layer after layer.
+The forward's wait for layer ``l`` first waits on the host until layer ``l`` was submitted, then on
+its event: no stream ever waits on an event not yet recorded, so no hardware-queue aliasing can
+deadlock it.
 
 The completion SGLang keeps (its ack, the allocator's transfer-done event, the counter's
 ``finish_event``) holds :class:`~hicache_core.layer_loads.PendingEvent` objects, which answer
@@ -31,7 +33,8 @@ from typing import Any
 
 import torch
 
-from hicache_core.layer_loads import LayerLoad, LayerLoadError, LayerLoadTimeout, layer_loader
+from hicache_core.layer_loads import LayerLoad, LayerLoadError, LayerLoadTimeout
+from hicache_core.pool_loads import CallPerLayer, submit_loads
 
 from .pool_api import CoreSlots
 from .variables import LAYER_LOADS
@@ -75,47 +78,46 @@ def submit_host_to_device(engine: Any, transfers: list, *, transfer_layer_id_max
     device_module = get_device_module()
     stream = engine.host_to_device_stream
     start_event = engine._start_event(start_event)
+    device = torch.device(getattr(transfers[0].device_pool, "device", "cpu"))
     with device_module.stream(stream):
         try:
-            # What SGLang's own submission does before the first copy, on the same stream.
+            # What SGLang's own submission does before the first copy, on the same stream; then each pool's part
+            # of the load: SGLang's layer ids mapped once, the indices checked (and converted) once.
             start_event.wait(stream)
             prepared = engine._prepare_transfers(transfers)
+            parts = [_part(t, prepared[0], transfer_layer_id_max, engine.io_backend) for t in prepared]
         except Exception:
             stream.synchronize()
             raise
         ready = None
-        device = torch.device(getattr(transfers[0].device_pool, "device", "cpu"))
         if device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(stream)
     engine._record_stream(transfers + prepared, stream)
     delay_cycles = envs.SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES.get()
-    io_backend = engine.io_backend
-    primary = prepared[0]
-
-    def step(layer_id: int) -> None:
-        if delay_cycles:
-            torch.cuda._sleep(delay_cycles)
-        for transfer in prepared:
-            local = transfer.layer_mapper(layer_id) if transfer.layer_mapper is not None else layer_id
-            if local is None or (
-                transfer is not primary and transfer.layer_mapper is None and layer_id >= transfer.host_pool.layer_num
-            ):
-                continue
-            transfer.host_pool.load_to_device_per_layer_physical(
-                transfer.device_pool, transfer.host_indices, transfer.device_indices, local, io_backend,
-                is_draft=transfer.is_draft,
-            )  # fmt: skip
-
+    if delay_cycles:  # SGLang's test knob: a slow copy before each layer
+        parts.insert(0, CallPerLayer(lambda _: torch.cuda._sleep(delay_cycles), device))
     keep = [t for tr in transfers + prepared for t in (tr.host_indices, tr.device_indices) if t is not None]
     timing = _timing_events_supported() and device.type == "cuda"
-    load = layer_loader(device).submit(
-        transfer_layer_id_max, step, start_event=ready, keep=keep, timing=timing,
+    load = submit_loads(
+        parts, transfer_layer_id_max, start_event=ready, keep=keep, timing=timing,
         what=f"SGLang load of {len(transfers[0].host_indices)} tokens into {transfer_layer_id_max} layers",
     )  # fmt: skip
     if on_layer_done is not None:
         on_layer_done.__self__._hicache_load = load
     return TransferCompletion(load.start_event, load.finish_event, timing)
+
+
+def _part(transfer: Any, primary: Any, layers: int, io_backend: str) -> Any:
+    """A transfer's part of the load: its pool's layer at each of SGLang's steps (SGLang's own rule: the
+    transfer's ``layer_mapper``, else the step; a pool without a mapper that is not the first has no layer
+    beyond its own), prepared by the pool (``prepare_load``)."""
+    mapper, pool = transfer.layer_mapper, transfer.host_pool
+    ids = [mapper(layer_id) if mapper is not None else layer_id for layer_id in range(layers)]
+    if transfer is not primary and mapper is None:
+        ids = [None if layer_id >= pool.layer_num else layer_id for layer_id in ids]
+    return pool.prepare_load(transfer.device_pool, transfer.host_indices, transfer.device_indices, io_backend, ids,
+                             is_draft=transfer.is_draft)  # fmt: skip
 
 
 def _wait(self: Any, layer_index: int, _original: Any = None) -> None:

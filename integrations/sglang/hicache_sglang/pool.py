@@ -116,6 +116,7 @@ class SGLangHostPool(pool_api.HostPoolMembers):
 
     # ---- transfers --------------------------------------------------------------------------------
 
+    @pool_api.copies_only
     def load_to_device_per_layer(
         self,
         device_pool: Any,

@@ -10,9 +10,19 @@ from a layout name, so a plugin's layout gets them as well.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from hicache_core.pool_loads import CallPerLayer, PoolLoad
+
+
+def copies_only(load: Callable) -> Callable:
+    """Marks a pool class's ``load_to_device_per_layer`` as one copy of the hicache pool's layer that ``_target``
+    names: such a pool's layer-wise loads hand the core one part, its indices checked once (``prepare_load``)."""
+    load.copies_only = True  # type: ignore[attr-defined]
+    return load
 
 
 class CoreSlots:
@@ -88,6 +98,26 @@ class HostPoolMembers(CoreSlots):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Physical indices for one submission: they already are (no shared compacting layout)."""
         return host_indices, device_indices
+
+    def prepare_load(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
+                     layer_ids: Sequence[int | None], *, is_draft: bool = False,
+                     ) -> PoolLoad | CallPerLayer:  # fmt: skip
+        """This pool's part of a layer-wise load (:func:`hicache_core.pool_loads.submit_loads`): step ``i`` loads
+        SGLang's layer ``layer_ids[i]`` (``None``: nothing). A pool whose per-layer load is one copy maps SGLang's
+        ids once (``_target``) and hands the core its part; one whose load does more is called per layer."""
+        if not getattr(type(self).load_to_device_per_layer, "copies_only", False):
+
+            def call(i: int) -> None:
+                if layer_ids[i] is not None:
+                    self.load_to_device_per_layer_physical(device_pool, host_indices, device_indices, layer_ids[i],
+                                                           io_backend, is_draft=is_draft)  # fmt: skip
+
+            return CallPerLayer(call, self.core.plan.device, keep=(host_indices, device_indices))
+        targets = [None if i is None else self._target(device_pool, i, is_draft) for i in layer_ids]
+        view = next((t[0] for t in targets if t is not None), self._view)
+        return self.core.prepare_load(view, host_indices, device_indices, io_backend,
+                                      [None if t is None else t[1] for t in targets],
+                                      is_draft=view is not self._view)  # fmt: skip
 
     def load_to_device_per_layer_physical(self, device_pool: Any, host_indices: torch.Tensor,
                                           device_indices: torch.Tensor, layer_id: int, io_backend: str, *,

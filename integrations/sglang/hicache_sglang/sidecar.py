@@ -107,6 +107,7 @@ class SGLangSidecarHostPool(pool_api.HostPoolMembers):
             return None
         return self._view, host
 
+    @pool_api.copies_only
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,
                                  is_draft: bool = False) -> None:  # fmt: skip
         """Copy one layer host -> device; ``layer_id`` is SGLang's local device layer id."""

@@ -165,6 +165,13 @@ def _loaded_into(kind: str, layout: str, io_backend: str, seed: int):
     return dev, host, controller, written, load_indices
 
 
+def _plant(monkeypatch, host, wrap) -> None:
+    """Run ``wrap(copy, h, d, layer)`` in place of the hicache pool's per-layer load implementation (host layers)."""
+    impl = host.core.implementation_for("load_to_device_per_layer")
+    copy = impl.load_to_device_per_layer
+    monkeypatch.setattr(impl, "load_to_device_per_layer", lambda h, d, layer: wrap(copy, h, d, layer))
+
+
 @pytest.mark.parametrize("kind, layout, io_backend", [CASES[1], CASES[-2]], ids=[CASE_IDS[1], CASE_IDS[-2]])
 def test_layer_loads_are_submitted_off_the_scheduler_thread(kind, layout, io_backend, monkeypatch):
     """hicache's pools: SGLang's start_loading returns before the copies; the forward's per-layer wait
@@ -173,14 +180,13 @@ def test_layer_loads_are_submitted_off_the_scheduler_thread(kind, layout, io_bac
 
     dev, host, controller, written, load_indices = _loaded_into(kind, layout, io_backend, seed=11)
     threads, gate = [], threading.Event()
-    physical = type(host).load_to_device_per_layer_physical
 
-    def slow_physical(self, *args, **kwargs):
+    def slow(copy, h, d, layer):
         threads.append(threading.current_thread().name)
         gate.wait(10)  # held until the scheduler thread has returned from start_loading
-        return physical(self, *args, **kwargs)
+        copy(h, d, layer)
 
-    monkeypatch.setattr(type(host), "load_to_device_per_layer_physical", slow_physical)
+    _plant(monkeypatch, host, slow)
     producer = controller.start_loading()
     counter = controller.layer_done_counter
     counter.set_consumer(producer)
@@ -203,14 +209,13 @@ def test_a_failed_layer_raises_in_the_forwards_wait(monkeypatch):
     from hicache_core.layer_loads import LayerLoadError
 
     dev, host, controller, written, load_indices = _loaded_into("mha", "page_first_direct", "direct", seed=21)
-    physical = type(host).load_to_device_per_layer_physical
 
-    def failing_physical(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw):
-        if layer_id == 1:
+    def failing(copy, h, d, layer):
+        if layer == 1:
             raise RuntimeError("planted copy failure")
-        return physical(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw)
+        copy(h, d, layer)
 
-    monkeypatch.setattr(type(host), "load_to_device_per_layer_physical", failing_physical)
+    _plant(monkeypatch, host, failing)
     producer = controller.start_loading()
     controller.layer_done_counter.set_consumer(producer)
     load = controller.layer_done_counter.events[producer]._hicache_load
@@ -218,7 +223,7 @@ def test_a_failed_layer_raises_in_the_forwards_wait(monkeypatch):
     got = buffer[load_indices.to(buffer.device)].view(torch.uint8).cpu().reshape(len(load_indices), -1)
     assert torch.equal(got, written[0][0])
     for layer in (1, 2):
-        with pytest.raises(LayerLoadError, match=r"layer 1 failed to load \(RuntimeError: planted copy failure\)"):
+        with pytest.raises(LayerLoadError, match=r"layer 1 failed to load \(TransferError: .*: planted copy failure"):
             dev.get_key_buffer(PP_START + layer)
         assert load.settled()  # SGLang learns of the error once every copy of the load finished
     with pytest.raises(LayerLoadError, match="planted copy failure"):
@@ -231,16 +236,15 @@ def test_a_timed_out_layer_wait_cancels_the_load_and_raises_once_it_settled(monk
     from hicache_core.layer_loads import LayerLoadError, LayerLoadTimeout, layer_loader
 
     dev, host, controller, written, load_indices = _loaded_into("mha", "page_first_direct", "direct", seed=41)
-    physical = type(host).load_to_device_per_layer_physical
     gate, copied = threading.Event(), []
 
-    def held_physical(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw):
-        if layer_id == 1:
+    def held(copy, h, d, layer):
+        if layer == 1:
             assert gate.wait(10)
-        physical(self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw)
-        copied.append((layer_id, time.monotonic()))
+        copy(h, d, layer)
+        copied.append((layer, time.monotonic()))
 
-    monkeypatch.setattr(type(host), "load_to_device_per_layer_physical", held_physical)
+    _plant(monkeypatch, host, held)
     monkeypatch.setattr(layer_loader(dev.device), "timeout_s", 0.2)
     producer = controller.start_loading()
     controller.layer_done_counter.set_consumer(producer)
