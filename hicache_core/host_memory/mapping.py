@@ -62,7 +62,8 @@ def live_records() -> list[MappingRecord]:
 def huge_pages_offered() -> bool:
     """Whether transparent huge pages are given to mappings that ask (``always`` or ``madvise``)."""
     try:
-        mode = open(_HUGE_PAGES_MODE).read()
+        with open(_HUGE_PAGES_MODE) as f:
+            mode = f.read()
     except OSError:
         return False
     return "[always]" in mode or "[madvise]" in mode
