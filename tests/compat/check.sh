@@ -126,9 +126,9 @@ import hicache_core as hc
 
 record = {r["name"]: r for r in json.load(open(sys.argv[1]))}["pageblob"]
 assert record["status"] == "loaded" and not record["errors"], record
-assert record["requires"] == ">=0.3,<0.4" and record["compatible"], record
-assert "requires hicache-core >=0.3,<0.4: compatible (written for plugin API 0.3, which 0.4 still serves" in open(
-    sys.argv[2]).read()  # fmt: skip
+assert sorted(record["requires"].split(",")) == ["<0.4", ">=0.3"] and record["compatible"], record  # pip's order
+served = f"requires hicache-core {record['requires']}: compatible (written for plugin API 0.3, which 0.4 still serves"
+assert served in open(sys.argv[2]).read(), served
 with warnings.catch_warnings():
     warnings.simplefilter("error")  # a 0.3 plugin that heeded 0.3's warnings meets none on 0.4
     dev = hc.MHADevicePool(96, 16, torch.bfloat16, 2, 8, 3, "cpu")
@@ -162,13 +162,15 @@ registry = Registry.from_entry_points()
 record = registry.plugins["pageblob"]
 assert record.status == "failed" and record.refused and record.layouts == [] and record.implementations == []
 (error,) = record.errors
-assert error.startswith("requires hicache-core >=0.2,<0.3, but 0.4.0 is running: refused at load"), error
+pin = record.requires  # as pip wrote it into the metadata: <0.3,>=0.2
+assert sorted(pin.split(",")) == ["<0.3", ">=0.2"], pin
+assert error.startswith(f"requires hicache-core {pin}, but 0.4.0 is running: refused at load"), error
 assert "It was written for plugin API 0.2; changed since: 0.3: the storage page API moved off StorageBackend" in error
 assert "| 0.4: " in error and error.endswith('(docs/plugins.md, "Versions")'), error
 assert "hicache_pageblob" not in sys.modules, "refused before its import"
 text = open(sys.argv[1]).read()
-assert "pageblob (hicache-pageblob 0.1.0): failed\n    requires hicache-core >=0.2,<0.3: INCOMPATIBLE\n" in text, text
-assert "error: requires hicache-core >=0.2,<0.3, but 0.4.0 is running: refused at load" in text
+assert f"pageblob (hicache-pageblob 0.1.0): failed\n    requires hicache-core {pin}: INCOMPATIBLE\n" in text, text
+assert f"error: requires hicache-core {pin}, but 0.4.0 is running: refused at load" in text
 dev = hc.MHADevicePool(96, 16, torch.bfloat16, 2, 8, 3, "cpu")
 try:
     hc.make_host_pool(dev, layout="page_blob_direct", io_backend="blob", size=96, registry=registry)
