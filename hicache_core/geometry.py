@@ -264,4 +264,3 @@ def example_geometry(
 def pages_for(size_tokens: int, page_size: int) -> int:
     """Whole pages needed for ``size_tokens`` token slots."""
     return math.ceil(size_tokens / page_size)
-

@@ -194,4 +194,3 @@ def option_float(value: Any, name: str) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"option {name}={value!r} is not a number") from None
-
