@@ -105,6 +105,13 @@ def test_super_calls_and_wrapped_methods_are_read_too():
     assert len(problems) == 1 and problems[0].split(":")[0].endswith(
         "<locals>._Super.put_objects reads get_stats on the backend"
     )
+
+    class _Comprehension(MemoryStorage):
+        def hits(self):
+            return [self.get_stats() for _ in range(2)]  # inlined into the method since Python 3.12
+
+    (problem,) = page_api_problems(_Comprehension, StorageBackend)
+    assert "_Comprehension.hits reads get_stats on the backend" in problem
     assert page_api_problems(MemoryStorage, StorageBackend) == []
     assert page_api_problems(_OwnAttribute, StorageBackend) == []
 

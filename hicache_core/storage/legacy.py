@@ -102,9 +102,7 @@ def _scan(code: CodeType, own: str, member: str, read: dict[str, str], stored: s
     """Page API names ``code`` (and the functions nested in it) reads or sets on ``own`` (its instance) or super()."""
     recent: list[dis.Instruction] = []
     for ins in dis.get_instructions(code):
-        receiver = recent[-1] if recent else None
-        on_own = receiver is not None and receiver.argval == own and receiver.opname.startswith(
-            ("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE"))  # fmt: skip
+        on_own = bool(recent) and _loads(recent[-1], own)
         if ins.argval in PAGE_API:
             if ins.opname in _ATTRIBUTE_LOADS and (on_own or ins.opname == "LOAD_SUPER_ATTR" or _after_super(recent)):
                 read.setdefault(ins.argval, member)
@@ -115,6 +113,14 @@ def _scan(code: CodeType, own: str, member: str, read: dict[str, str], stored: s
     for const in code.co_consts:
         if isinstance(const, CodeType):  # a nested function, lambda or comprehension sees the instance as a free name
             _scan(const, own, member, read, stored)
+
+
+def _loads(ins: dis.Instruction, own: str) -> bool:
+    """Whether ``ins`` leaves the local or free name ``own`` on top of the stack (3.13's pairs included)."""
+    if "LOAD_FAST" not in ins.opname and ins.opname not in ("LOAD_DEREF", "LOAD_CLOSURE"):
+        return False
+    last = ins.argval[-1] if isinstance(ins.argval, tuple) else ins.argval  # STORE_FAST_LOAD_FAST ('_', 'self')
+    return last == own
 
 
 def _after_super(recent: list[dis.Instruction]) -> bool:
