@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dis
 import inspect
+import weakref
 from types import CodeType
 from typing import Any
 
@@ -56,6 +57,17 @@ def page_api_problems(cls: type, base: type) -> list[str]:
     it defines, and one its methods read on their instance (``self.name``, ``super().name``) without
     ever setting it (an attribute the backend sets itself is its own).
     """
+    cached = _FOUND.get(cls)
+    if cached is None or cached[0] is not base:  # read once per class: a registry load and every PageStore ask
+        cached = _FOUND[cls] = (base, tuple(_problems(cls, base)))
+    return list(cached[1])
+
+
+#: What :func:`page_api_problems` found, per class (weakly held: classes made in a test may go).
+_FOUND: weakref.WeakKeyDictionary[type, tuple[type, tuple[str, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _problems(cls: type, base: type) -> list[str]:
     problems: list[str] = []
     for klass in cls.__mro__:
         if klass is base or klass is object:
