@@ -14,7 +14,7 @@ from .dispatch import UnsupportedCombinationError, resolve
 from .implementation import OPERATIONS, TransferRequest
 from .registry import Registry, get_registry
 from .tools.shapes import shape_for_kind
-from .versions import core_version
+from .versions import core_version, served_note
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,30 +41,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", help="default: cuda when present, else cpu")
     p.add_argument("--tokens", type=int, help="tokens per transfer (default: 4096 on CUDA, 256 on CPU)")
     p.add_argument("--storage", metavar="URL", help="L3 demo across two processes through this store (file:///dir)")
-    p.add_argument("--writer-stays", action="store_true",
-                   help="with --storage: process 1 stays alive until process 2 is done (peer://: pages live with it)")
+    p.add_argument(
+        "--writer-stays",
+        action="store_true",
+        help="with --storage: process 1 stays alive until process 2 is done (peer://: pages live with it)",
+    )
 
     p = sub.add_parser("bench", help="the sweep: implementations on model-like pools, against the copy ceiling (GPU)")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the plot")
     p.add_argument("--quick", action="store_true", help="a short sweep (smoke test)")
     p.add_argument("--only", help="comma-separated implementation names to include")
     p.add_argument("--device", choices=("cuda", "cpu"), help="cpu: the CPU implementations against memcpy")
-    p.add_argument("--overlap", action="store_true",
-                   help="layer-wise loads under prefill GEMMs, backups under decode (hicache_core.tools.bench.overlap)")
-    p.add_argument("--overlap-mode", help="with --overlap, comma-separated: sglang (every layer's load issued before "
-                   "the forward, as SGLang does), loader (the same order through hicache's layer loader, as SGLang's "
-                   "adapter runs it), interleaved (each layer's load, then its GEMMs); default: sglang and loader "
-                   "with --quick, else all three")
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="layer-wise loads under prefill GEMMs, backups under decode (hicache_core.tools.bench.overlap)",
+    )
+    p.add_argument(
+        "--overlap-mode",
+        help="with --overlap, comma-separated: sglang (every layer's load issued before "
+        "the forward, as SGLang does), loader (the same order through hicache's layer loader, as SGLang's "
+        "adapter runs it), interleaved (each layer's load, then its GEMMs); default: sglang and loader "
+        "with --quick, else all three",
+    )
     p.add_argument("--tokens", help="comma-separated tokens per call (default: 64,4096 quick, else 64,512,4096,32768)")
     p.add_argument("--shapes", help="comma-separated shape names (default: all; quick: deepseek-mla,llama-8b)")
     p.add_argument("--name", help="file name of the JSON and PNG (default: quick, sweep or overlap)")
     p.add_argument("--layouts", help="comma-separated layouts (default: every registered layout)")
-    p.add_argument("--anchor-module", help="module with sgl-kernel's transfer_kv_* functions to time beside hicache "
-                   "(default: $HICACHE_BENCH_ANCHOR, else sgl_kernel.kvcacheio; skipped where it does not import)")
+    p.add_argument(
+        "--anchor-module",
+        help="module with sgl-kernel's transfer_kv_* functions to time beside hicache "
+        "(default: $HICACHE_BENCH_ANCHOR, else sgl_kernel.kvcacheio; skipped where it does not import)",
+    )
     p.add_argument("--storage", metavar="URL", help="benchmark L3 backup and prefetch through this store instead")
     p.add_argument("--storage-tokens", default="4096,32768", help="prefix lengths for --storage (tokens)")
-    p.add_argument("--storage-verify", action="store_true",
-                   help="--storage with a verifying host pool (its L3 pages are checked on the device after load)")
+    p.add_argument(
+        "--storage-verify",
+        action="store_true",
+        help="--storage with a verifying host pool (its L3 pages are checked on the device after load)",
+    )
 
     p = sub.add_parser("calibrate", help="measure the implementations on this GPU and write the profile auto uses")
     p.add_argument("--shapes", default="llama-8b,deepseek-mla", help="comma-separated shape names")
@@ -134,13 +149,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo" and args.storage:
         from .tools.storage_demo import run_storage_demo
 
-        return run_storage_demo(args.storage, device=args.device, tokens=args.tokens or 512,
-                                writer_stays=args.writer_stays)
+        return run_storage_demo(
+            args.storage, device=args.device, tokens=args.tokens or 512, writer_stays=args.writer_stays
+        )
     if args.command == "bench" and args.storage:
         from .tools.bench.storage import run_storage_bench
 
-        return run_storage_bench(args.storage, out=args.out, tokens=[int(t) for t in args.storage_tokens.split(",")],
-                                 verify=args.storage_verify)
+        return run_storage_bench(
+            args.storage,
+            out=args.out,
+            tokens=[int(t) for t in args.storage_tokens.split(",")],
+            verify=args.storage_verify,
+        )
     if args.command == "demo":
         from .tools.demo import run_demo
 
@@ -158,9 +178,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overlap:
         from .tools.bench.overlap_command import run_overlap
 
-        return run_overlap(out=args.out, quick=args.quick, only=args.only, name=args.name,
-                           modes=tuple(_csv(args.overlap_mode)) if args.overlap_mode else None,
-                           layouts=tuple(_csv(args.layouts)) if args.layouts else None)
+        return run_overlap(
+            out=args.out,
+            quick=args.quick,
+            only=args.only,
+            name=args.name,
+            modes=tuple(_csv(args.overlap_mode)) if args.overlap_mode else None,
+            layouts=tuple(_csv(args.layouts)) if args.layouts else None,
+        )
     from .tools.bench.sweep import run_bench
 
     return run_bench(out=args.out, quick=args.quick, only=args.only, name=args.name,
@@ -234,7 +259,8 @@ def cmd_plugins(registry: Registry, as_json: bool) -> int:
         version = f" {data['version']}" if data["version"] else ""
         print(f"{data['name']} ({data['distribution'] or 'no distribution'}{version}): {data['status']}")
         if data["requires"] is not None:
-            verdict = "compatible" if data["compatible"] else "INCOMPATIBLE"
+            note = served_note(data["requires"], core_version())
+            verdict = ("compatible" if data["compatible"] else "INCOMPATIBLE") + (f" ({note})" if note else "")
             print(f"    requires hicache-core {data['requires'] or '(any version)'}: {verdict}")
         for kind in data["pool_kinds"]:
             print(f"    pool kind {kind}")

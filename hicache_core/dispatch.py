@@ -234,10 +234,15 @@ def explain_refusal(
             f"    layouts for io backend {backend!r}: "
             + (", ".join(repr(name) for name in layouts) or "none installed")
         )
-    failed = registry.failed_plugins()
-    if failed:
-        lines.append("Plugins that failed to load or register:")
-        for record in failed:
-            lines += [f"    {record.name} ({record.distribution or 'no distribution'}): {err}" for err in record.errors]
+    lines += failed_plugin_lines(registry)
     lines += install_hints(registry, backend)
     return "\n".join(lines)
+
+
+def failed_plugin_lines(registry: Registry) -> list[str]:
+    """Every plugin that failed to load or register (refused at load included), with why; none: no lines."""
+    failed = registry.failed_plugins()
+    lines = ["Plugins that failed to load or register:"] if failed else []
+    for record in failed:
+        lines += [f"    {record.name} ({record.distribution or 'no distribution'}): {err}" for err in record.errors]
+    return lines

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from .lazy import Moved, lazy_face
 from .pool_kinds import PoolKind
 from .validation import positive_int
 
@@ -265,10 +264,3 @@ def example_geometry(
 def pages_for(size_tokens: int, page_size: int) -> int:
     """Whole pages needed for ``size_tokens`` token slots."""
     return math.ceil(size_tokens / page_size)
-
-
-# Moved to hicache_core.host_layout in hicache-core 0.2.0; kept here for one minor version.
-_TO_HOST_LAYOUT = Moved("hicache_core.host_layout", "hicache_core.host_layout")
-_MOVED = dict.fromkeys(("HostBufferSpec", "HostAlias", "HostPart", "HostLayoutSpec", "host_layout_spec"),
-                       _TO_HOST_LAYOUT)  # fmt: skip
-__getattr__ = lazy_face(globals(), {}, moved=_MOVED)[0]

@@ -26,7 +26,7 @@ from . import geometry as _geometry
 from . import metrics as _metrics
 from . import slot_events as _slot_events
 from .allocator import SlotAllocator
-from .dispatch import UnsupportedCombinationError, resolve
+from .dispatch import UnsupportedCombinationError, failed_plugin_lines, resolve
 from .drops import HISTORY_MASK, DropReport
 from .geometry import PoolGeometry, pages_for
 from .host_layout import HostBufferSpec, HostLayoutSpec, host_layout_spec
@@ -130,9 +130,10 @@ def _layout(registry: Registry, layout: str, io_backend: str) -> Any:
     layout_decl = registry.layouts.get(layout) if isinstance(layout, str) else None
     if layout_decl is None:
         known = ", ".join(sorted(registry.layouts))
+        failed = "".join("\n" + line for line in failed_plugin_lines(registry))  # a refused plugin's layout: why
         raise UnsupportedCombinationError(
             f"Unknown layout {layout!r}. Registered layouts: {known}. "
-            "(A plugin adds layouts through the hicache_register_layouts hook.)",
+            f"(A plugin adds layouts through the hicache_register_layouts hook.){failed}",
             io_backend=io_backend,
             layout=layout,
         )

@@ -8,13 +8,11 @@ a layout by name and a plugin can add one without touching the core.
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .pool_kinds import BUILTIN_POOL_KINDS, POOL_KINDS, PoolKind
+from .pool_kinds import PoolKind
 
 if TYPE_CHECKING:
     import torch
@@ -31,48 +29,6 @@ AXES: tuple[str, ...] = ("component", "layer", "page", "token", "head", "dim")
 #: on one buffer; ``"separate"`` insists on one buffer per component.
 COMPONENT_STORAGE: tuple[str, ...] = ("auto", "stacked", "separate")
 
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f"{old} is deprecated since hicache-core 0.2.0 and goes in 0.3.0: {new}", DeprecationWarning, stacklevel=3
-    )
-
-
-class AnyPoolKind:
-    """``Layout.pool_kinds`` of a layout that stores any pool kind: it is falsy and equals ``None``.
-
-    Code written for hicache-core 0.1, where ``pool_kinds`` was always a set, may still test
-    ``kind in layout.pool_kinds`` or iterate it; that works for one minor version, with a
-    ``DeprecationWarning`` naming :meth:`Layout.allows`.
-    """
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "None"
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __eq__(self, other: object) -> bool:
-        return other is None or isinstance(other, AnyPoolKind)
-
-    def __hash__(self) -> int:
-        return hash(None)
-
-    def __contains__(self, kind: object) -> bool:
-        _deprecated("reading Layout.pool_kinds as a set (a layout that stores any kind has pool_kinds None)",
-                    "use layout.allows(kind)")  # fmt: skip
-        return True
-
-    def __iter__(self) -> Iterator[str]:
-        _deprecated("iterating Layout.pool_kinds (a layout that stores any kind has pool_kinds None)",
-                    "use layout.allows(kind) with the registry's pool_kinds")  # fmt: skip
-        return iter(POOL_KINDS)
-
-
-#: The one :class:`AnyPoolKind`.
-ANY_POOL_KIND = AnyPoolKind()
 
 #: ``oracle(host_pool, part, layer, item) -> tensor``: where the bytes of one item of one part
 #: (``"k"``, ``"v"``, ``"kv"``, ...) of one host layer land, written independently of ``axes``.
@@ -120,15 +76,13 @@ class Layout:
     unsplit_as: Layout | None = None
 
     def __post_init__(self) -> None:
-        if self.pool_kinds is None:
-            object.__setattr__(self, "pool_kinds", ANY_POOL_KIND)
         problems = layout_problems(self)
         if problems:
             raise ValueError(f"invalid layout {self.name!r}: " + "; ".join(problems))
 
     def allows(self, kind: str) -> bool:
         """Whether this layout's declaration admits pool kind ``kind`` (``pool_kinds`` None: every kind)."""
-        return isinstance(self.pool_kinds, AnyPoolKind) or kind in self.pool_kinds
+        return self.pool_kinds is None or kind in self.pool_kinds
 
     def for_kind(self, kind: PoolKind) -> Layout:
         """The layout that stores ``kind``: this one, or :attr:`unsplit_as` where this layout splits items
@@ -136,15 +90,6 @@ class Layout:
         if self.split and self.unsplit_as is not None and kind.split_by is None and len(kind.components) == 1:
             return self.unsplit_as
         return self
-
-    @property
-    def split_at(self) -> str | None:
-        """Deprecated (0.1): the geometry attribute an item splits at; now :attr:`split` and the kind's ``split_by``."""
-        _deprecated("Layout.split_at", "use Layout.split (a split layout splits at its pool kind's split_by)")
-        if not self.split:
-            return None
-        names = {k.split_by for k in BUILTIN_POOL_KINDS if k.split_by and self.allows(k.name)}
-        return names.pop() if len(names) == 1 else None
 
     @property
     def merge_groups(self) -> tuple[tuple[str, ...], ...]:
@@ -164,21 +109,6 @@ class Layout:
             and self.pool_kinds == other.pool_kinds
             and self.unsplit_as == other.unsplit_as
         )
-
-
-_dataclass_init = Layout.__init__
-
-
-@functools.wraps(_dataclass_init)
-def _layout_init(self: Layout, *args: Any, split_at: str | None | object = ..., **kwargs: Any) -> None:
-    # 0.1's Layout(..., split_at="kv_lora_rank"): kept for one minor version.
-    if split_at is not ...:
-        _deprecated("Layout(split_at=...)", "pass split=True (items split at the pool kind's split_by)")
-        kwargs.setdefault("split", split_at is not None)
-    _dataclass_init(self, *args, **kwargs)
-
-
-Layout.__init__ = _layout_init  # type: ignore[method-assign]
 
 
 def layout_problems(layout: Layout) -> list[str]:
@@ -204,7 +134,7 @@ def layout_problems(layout: Layout) -> list[str]:
             problems.append(f"merge group {group} must be adjacent axes in the layout's order {layout.axes}")
     if layout.components not in COMPONENT_STORAGE:
         problems.append(f"components must be one of {COMPONENT_STORAGE}, got {layout.components!r}")
-    if not isinstance(layout.pool_kinds, (frozenset, AnyPoolKind)):
+    if layout.pool_kinds is not None and not isinstance(layout.pool_kinds, frozenset):
         problems.append("pool_kinds must be a frozenset of pool kind names, or None (any)")
     if layout.oracle is not None and not callable(layout.oracle):
         problems.append("oracle must be callable: oracle(host_pool, part, layer, item) -> tensor")

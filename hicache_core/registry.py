@@ -28,7 +28,7 @@ from .layouts import Layout, layout_problems
 from .pool_kinds import PoolKind, pool_kind_problems
 from .storage.backend import StorageBackend
 from .variables import PLUGINS
-from .versions import compatibility_problem, core_requirement, core_version
+from .versions import compatibility_problem, core_requirement, core_version, refuses
 
 ENV_PLUGINS = PLUGINS.name
 ENTRY_POINT_GROUP = "hicache"
@@ -115,6 +115,12 @@ class Registry:
             if allow is not None and ep.name not in allow and dist not in allow:
                 self.plugins[ep.name] = PluginRecord(ep.name, dist, version, status="filtered")
                 continue
+            problem = compatibility_problem(requires, core_version())
+            if refuses(requires, core_version()):  # before its import: code written for another API may not import
+                key = self._record_key(ep.name, dist)
+                refused = PluginRecord(key, dist, version, "failed", [problem or ""], requires=requires, refused=True)
+                self.plugins[key] = refused
+                continue
             try:
                 plugin = ep.load()
             except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's, and is reported
@@ -123,7 +129,6 @@ class Registry:
                 continue
             record = self.add_plugin(plugin, ep.name, distribution=dist, version=version, run_hooks=False)
             record.requires = requires
-            problem = compatibility_problem(requires, core_version())
             if problem is not None:
                 record.errors.append(problem)
             if record.status != "failed":

@@ -15,8 +15,9 @@ import torch
 from hicache_core import metrics
 from hicache_core.storage import PageStatus, PrefetchTimeout, StorageController, make_storage, page_hashes
 from hicache_core.storage.keys import Namespace, namespace_for
+from hicache_core.storage.make import UnknownStorageScheme
 from hicache_core.storage.page_format import HEADER_SIZE
-from hicache_core.storage.url import StorageURL, UnknownStorageScheme, redact_url
+from hicache_core.storage.url import StorageURL, redact_url
 from hicache_core.testing.storage_kit import StorageCase, make_pool
 
 CASE = StorageCase("mha", "page_first", "plain", 4)

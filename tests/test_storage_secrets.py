@@ -344,18 +344,18 @@ def test_the_core_redacts_what_a_plugin_leaks(caplog):
         make_storage(url + "&fail=init", registry=registry)
     texts.update(_exception_texts("init", raised.value))
     host = make_pool(StorageCase("mha", "page_first", "plain", 4), pages=6)
-    backend = make_storage(url, host, model_id="m", registry=registry)
+    store = make_storage(url, host, model_id="m", registry=registry)
     keys = page_hashes(list(range(8)), 4)
-    results = backend.write_pages(keys, slots_of([0, 1], 4)) + backend.read_pages(keys, slots_of([2, 3], 4))
+    results = store.write_pages(keys, slots_of([0, 1], 4)) + store.read_pages(keys, slots_of([2, 3], 4))
     texts["results"] = repr(results)
     assert "write to leaky://me:***@store:1/x?password=***" in texts["results"]
-    texts["stats"] = json.dumps(backend.get_stats().as_dict(), default=str)
-    for method in (backend.ping, lambda: backend.batch_exists(keys)):
-        backend.options["fail"] = "1"
+    texts["stats"] = json.dumps(store.get_stats().as_dict(), default=str)
+    for method in (store.ping, lambda: store.batch_exists(keys)):
+        store.backend.options["fail"] = "1"
         with pytest.raises(StorageError) as raised:
             method()
         texts.update(_exception_texts(f"{method}", raised.value))
-    texts["repr"] = repr(backend)
+    texts["repr"] = repr(store)
     _scan(texts)
     assert "leaky://me:***@store:1/x" in texts["results"] and "***" in texts["stats"]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -30,7 +29,7 @@ def test_the_requirement_on_the_core_is_read_from_the_distribution():
     assert versions.core_requirement(["hicache_core (>=0.1)"]) == ">=0.1"
     assert versions.core_requirement(["hicache-core"]) == ""
     assert versions.core_requirement(["pytest>=7; extra == 'test'"]) is None
-    assert versions.core_version() == "0.3.0" == versions.CORE_VERSION
+    assert versions.core_version() == "0.4.0" == versions.CORE_VERSION
 
 
 class Layouts:
@@ -40,7 +39,8 @@ class Layouts:
     @hookimpl
     def hicache_register_layouts(self, register):
         axes = ("page", "layer", "component", "token", "head", "dim")
-        register(hc.Layout(f"{self.name}_layout", axes if self.name == "old" else axes[1::-1] + axes[2:]))
+        order = {"old": axes, "previous": axes[2::-1] + axes[3:]}.get(self.name, axes[1::-1] + axes[2:])
+        register(hc.Layout(f"{self.name}_layout", order))
 
 
 def _entry_point(name, requires):
@@ -50,25 +50,54 @@ def _entry_point(name, requires):
 
 def test_hicache_plugins_shows_each_range_and_what_is_incompatible(monkeypatch, capsys):
     hc.get_registry()
+    imported = []
+
+    def entry_point(name, requires):
+        ep = _entry_point(name, requires)
+        return SimpleNamespace(name=ep.name, dist=ep.dist, load=lambda: imported.append(name) or ep.load())
+
     monkeypatch.setattr(registry_module, "_entry_points", lambda: [
-        _entry_point("old", ["hicache-core>=0.1,<0.2"]), _entry_point("fits", ["hicache-core>=0.3,<0.4"])])  # fmt: skip
+        entry_point("old", ["hicache-core>=0.2,<0.3"]), entry_point("previous", ["hicache-core>=0.3,<0.4"]),
+        entry_point("fits", ["hicache-core>=0.4,<0.5"])])  # fmt: skip
     registry = Registry.from_entry_points()
-    old, fits = registry.plugins["old"], registry.plugins["fits"]
-    assert old.requires == ">=0.1,<0.2" and fits.requires == ">=0.3,<0.4" and not fits.errors
-    assert old.errors == [
-        'requires hicache-core >=0.1,<0.2, but 0.3.0 is running: it was written for another plugin API '
-        '(docs/plugins.md, "Versions"); install a release of the plugin made for this one'
-    ]
+    old, previous, fits = (registry.plugins[n] for n in ("old", "previous", "fits"))
+    assert (old.requires, previous.requires, fits.requires) == (">=0.2,<0.3", ">=0.3,<0.4", ">=0.4,<0.5")
+    assert not fits.errors and not previous.errors and previous.status == fits.status == "loaded"
+    assert previous.layouts == ["previous_layout"], "a plugin written for the previous API loads"
+    # Older than the previous API: refused before its import, with what changed since the API it was written for.
+    assert imported == ["fits", "previous"] and old.status == "failed" and old.refused and old.layouts == []
+    (error,) = old.errors
+    assert error.startswith("requires hicache-core >=0.2,<0.3, but 0.4.0 is running: refused at load, nothing of it "
+                            "is used. It was written for plugin API 0.2; changed since: 0.3: the storage page API "
+                            "moved off StorageBackend to PageStore")  # fmt: skip
+    assert "| 0.4: 0.2's page API on a storage backend" in error and "Layout.split_at" in error
+    assert error.endswith('Install a release of the plugin made for plugin API 0.4 (docs/plugins.md, "Versions")')
+    assert "0.2:" not in error.split("changed since:")[1], "only what changed after its API"
     monkeypatch.setattr("hicache_core.cli.get_registry", lambda: registry)
     assert main(["plugins"]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("hicache-core 0.3.0 (plugin API 0.3)\n")
-    assert "old (hicache-old 0.1.0): loaded\n    requires hicache-core >=0.1,<0.2: INCOMPATIBLE\n" in text
-    assert "fits (hicache-fits 0.1.0): loaded\n    requires hicache-core >=0.3,<0.4: compatible\n" in text
+    assert text.startswith("hicache-core 0.4.0 (plugin API 0.4)\n")
+    assert "old (hicache-old 0.1.0): failed\n    requires hicache-core >=0.2,<0.3: INCOMPATIBLE\n" in text
+    assert ("previous (hicache-previous 0.1.0): loaded\n    requires hicache-core >=0.3,<0.4: compatible (written for "
+            "plugin API 0.3, which 0.4 still serves (it removed only what 0.3 deprecated))\n") in text  # fmt: skip
+    assert "fits (hicache-fits 0.1.0): loaded\n    requires hicache-core >=0.4,<0.5: compatible\n" in text
     assert main(["plugins", "--json"]) == 0
     records = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert (records["old"]["requires"], records["old"]["compatible"]) == (">=0.1,<0.2", False)
-    assert records["fits"]["compatible"] is True and records["hicache_core"]["requires"] is None
+    assert (records["old"]["requires"], records["old"]["compatible"]) == (">=0.2,<0.3", False)
+    assert records["previous"]["compatible"] is True and records["fits"]["compatible"] is True
+    assert records["hicache_core"]["requires"] is None
+
+
+@pytest.mark.parametrize("spec, api, refused", [
+    (">=0.4,<0.5", "0.4", False), (">=0.3,<0.4", "0.3", False), ("==0.3.2", "0.3", False), (">=0.1", "0.4", False),
+    ("<0.3", "0.2", True), (">=0.1,<0.2", "0.1", True), (">=0.5", None, True), ("!=0.4.0", "0.4", True),
+])  # fmt: skip
+def test_the_api_a_range_was_written_for_decides_whether_it_loads(spec, api, refused):
+    assert versions.written_for(spec) == api
+    assert versions.refuses(spec, "0.4.0") is refused
+    assert (versions.compatibility_problem(spec, "0.4.0") is not None) is refused
+    if refused and api is None:
+        assert "written for a hicache-core other than this one" in versions.compatibility_problem(spec, "0.4.0")
 
 
 def test_every_plugin_in_the_tree_pins_a_range_that_admits_this_core():
@@ -95,45 +124,24 @@ def test_the_size_rule_says_what_changed_and_since_when():
         hc.make_host_pool(dev, layout="layer_first", io_backend="reference", size=8)
 
 
-# ---- what 0.1 plugins wrote keeps working for one minor version, with a warning naming the replacement --
+# ---- what 0.2 deprecated and 0.3 kept went in 0.4: each is gone, and what replaces it works --------------------
 
 
-def test_layout_split_at_reads_and_constructs_with_a_warning(registry):
-    split = registry.layouts["page_first_kv_split"]
-    with pytest.warns(DeprecationWarning, match=r"Layout\.split_at is deprecated since hicache-core 0\.2\.0 and goes "
-                                                r"in 0\.3\.0: use Layout\.split"):  # fmt: skip
-        assert split.split_at == "kv_lora_rank"
-    with pytest.warns(DeprecationWarning, match=r"Layout\.split_at"):
-        assert registry.layouts["page_first"].split_at is None
-    with pytest.warns(DeprecationWarning, match=r"Layout\(split_at=\.\.\.\) is deprecated.*pass split=True"):
-        old = hc.Layout("old_split", ("component", "page", "layer", "token", "head", "dim"), split_at="kv_lora_rank")
-    # The same arrangement as the registered split layout; only what a one-part kind is stored as (declared
-    # since 0.3.0, unsplit_as) is left unset, as a 0.1 plugin's declaration had it.
-    assert old.split and old.unsplit_as is None and old.same_arrangement(dataclasses.replace(split, unsplit_as=None))
-
-
-def test_pool_kinds_read_as_a_set_works_with_a_warning(registry):
-    layout = registry.layouts["page_first"]
-    assert layout.pool_kinds == None and not layout.pool_kinds  # noqa: E711 - it is None-like, on purpose
-    assert layout.allows("mla") and not registry.layouts["page_head"].allows("mla")
-    with pytest.warns(DeprecationWarning, match=r"use layout\.allows\(kind\)"):
-        assert "mla" in layout.pool_kinds
-    with pytest.warns(DeprecationWarning, match=r"iterating Layout\.pool_kinds"):
-        assert "mha" in list(layout.pool_kinds)
-    assert "mha" in registry.layouts["page_head"].pool_kinds  # a real set: no warning, as in 0.1
-
-
-def test_moved_modules_keep_their_old_names_with_a_warning():
+def test_the_names_announced_to_go_are_gone_and_their_replacements_work(registry):
     import hicache_core.geometry as geometry
+    import hicache_core.storage.backend as backend
     import hicache_core.storage.url as url
-    from hicache_core.host_layout import host_layout_spec
-    from hicache_core.storage.make import make_storage
 
-    with pytest.warns(DeprecationWarning, match=r"hicache_core\.storage\.url\.make_storage moved to "
-                                                r"hicache_core\.storage\.make_storage"):  # fmt: skip
-        assert url.make_storage is make_storage
-    with pytest.warns(DeprecationWarning, match=r"hicache_core\.geometry\.host_layout_spec moved"):
-        assert geometry.host_layout_spec is host_layout_spec
-    with pytest.raises(AttributeError):
-        url.no_such_name  # noqa: B018
+    split = registry.layouts["page_first_kv_split"]
+    assert split.split and not hasattr(split, "split_at")
+    with pytest.raises(TypeError, match="split_at"):
+        hc.Layout("old_split", ("component", "page", "layer", "token", "head", "dim"), split_at="kv_lora_rank")
+    layout = registry.layouts["page_first"]
+    assert layout.pool_kinds is None and layout.allows("mla") and not registry.layouts["page_head"].allows("mla")
+    assert "mha" in registry.layouts["page_head"].pool_kinds  # a real set
+    gone = {url: ("make_storage", "UnknownStorageScheme"), geometry: ("host_layout_spec", "HostPart"),
+            backend: ("STORAGE_BATCH_SIZE", "StorageStats", "check_keys", "parallel_checksums")}  # fmt: skip
+    for module, names in gone.items():
+        for name in names:
+            assert not hasattr(module, name), f"{module.__name__}.{name}"
     assert hc.geometry_of.__module__ == "hicache_core.host_pool"  # the face's convenience resolves at the door

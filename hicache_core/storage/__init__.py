@@ -12,6 +12,10 @@
   makes tensor-parallel ranks agree on what was found.
 * :class:`ClusterKey` is the cluster's key (``HICACHE_L3_KEY_FILE``): with it, every page carries a
   keyed MAC and loads only when it checks (:mod:`hicache_core.storage.page_auth`).
+
+``make_storage`` and ``UnknownStorageScheme`` are served by name only, with no typing import here:
+``make`` sits above the registry, which imports this package's contract, so an import of it here
+would close a circle. Type checkers read them from :mod:`hicache_core.storage.make`.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ if TYPE_CHECKING:
     )
     from .controller import BackupFuture, PrefetchFuture, PrefetchResult, PrefetchTimeout, StorageController
     from .keys import Namespace, hash_page, namespace_for, page_hashes
-    from .make import UnknownStorageScheme, make_storage
     from .page_auth import ClusterKey, ClusterKeyError
     from .page_store import STORAGE_BATCH_SIZE, PageStore, StorageStats
     from .pages import PageMap, Span

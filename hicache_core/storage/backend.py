@@ -17,8 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..lazy import Moved, lazy_face
-from .legacy import LegacyPageAPI
+from .legacy import PAGE_API, page_api_problems, removed_page_api
 from .outcomes import NotAPage, ObjectMissing, PageResult, PageStatus, SizeMismatch, StorageError, StorageFull
 from .url import redact_text, scrub_exception, secrets_of
 
@@ -86,7 +85,7 @@ class Capabilities:
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*$")
 
 
-class StorageBackend(LegacyPageAPI):
+class StorageBackend:
     """Base class of every L3 storage backend: byte primitives on whole objects under full keys.
 
     Subclasses set :attr:`scheme` and :attr:`capabilities`, take ``(url, **options)`` in
@@ -153,7 +152,7 @@ class StorageBackend(LegacyPageAPI):
             for name in ("exists_objects", "put_objects", reader):
                 if getattr(cls, name) is getattr(StorageBackend, name):
                     problems.append(f"does not implement {name}")
-        return problems
+        return problems + page_api_problems(cls, StorageBackend)
 
     def __init__(self, url: StorageURL, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.options_help))
@@ -238,11 +237,8 @@ class StorageBackend(LegacyPageAPI):
         bound = f" namespace={self.namespace.prefix}" if self.namespace else " (unbound)"
         return f"<{type(self).__name__} {self.url.redacted}{bound}>"
 
-
-# Moved to hicache_core.storage.page_store in hicache-core 0.3.0; kept here for one minor version.
-_TO_PAGE_STORE = Moved("hicache_core.storage.page_store", "hicache_core.storage", since="0.3.0", until="0.4.0")
-_TO_PAGE_FORMAT = Moved("hicache_core.storage.page_format", "hicache_core.storage.page_format", since="0.3.0",
-                        until="0.4.0")  # fmt: skip
-_MOVED = {"STORAGE_BATCH_SIZE": _TO_PAGE_STORE, "StorageStats": _TO_PAGE_STORE, "check_keys": _TO_PAGE_STORE,
-          "parallel_checksums": _TO_PAGE_FORMAT}  # fmt: skip
-__getattr__ = lazy_face(globals(), {}, moved=_MOVED)[0]
+    def __getattr__(self, name: str) -> Any:
+        # Only for names not found: 0.2's page API on a backend, which 0.4 removed, is explained, not served.
+        if name in PAGE_API:
+            raise AttributeError(removed_page_api(type(self).__name__, name), name=name, obj=self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)

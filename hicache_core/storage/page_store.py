@@ -15,18 +15,18 @@ import hashlib
 import re
 import threading
 import time
-import warnings
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import metrics as _metrics
-from ..lazy import Moved
 from ..variables import L3_HOST_CHECK
+from .backend import StorageBackend
 from .keys import Namespace, fingerprint, geometry_description
+from .legacy import backend_member, page_api_problems
 from .outcomes import NotAPage, ObjectMissing, PageResult, PageStatus, SizeMismatch, StorageError, StorageFull
 from .page_auth import FROM_ENVIRONMENT, TAG_BYTES, ClusterKey, resolve_key
 from .page_format import (
@@ -51,9 +51,6 @@ from .page_format import (
 )
 from .pages import PageMap, Span
 from .weights import WeightVersions
-
-if TYPE_CHECKING:
-    from .backend import StorageBackend
 
 #: The most pages one backend call moves (SGLang's ``STORAGE_BATCH_SIZE``).
 STORAGE_BATCH_SIZE = 128
@@ -118,6 +115,9 @@ class PageStore:
                  cluster_key: ClusterKey | None | str = FROM_ENVIRONMENT) -> None:  # fmt: skip
         if not callable(getattr(backend, "exists_objects", None)) or not hasattr(backend, "url"):
             raise TypeError(f"PageStore wraps a hicache_core.storage.StorageBackend, got {type(backend).__name__}")
+        legacy = page_api_problems(type(backend), StorageBackend)  # registered classes were checked; by hand too
+        if legacy:
+            raise TypeError(f"{type(backend).__name__} is written for 0.2's page API: " + "; ".join(legacy))
         if host_pool is not None and namespace is None:
             raise ValueError("PageStore needs the namespace of its keys with a host pool (make_storage makes both)")
         key = resolve_key(cluster_key)
@@ -138,8 +138,6 @@ class PageStore:
         own["checksum_threads"] = checksum_threads()
         host_check = L3_HOST_CHECK.read()  # read before any byte moves, with or without a pool
         own["device_checked"] = False
-        _adopt_overrides(self, backend)
-        backend.__dict__["_page_store"] = self  # the 0.2 page API on the backend reaches this store (legacy.py)
         if host_pool is None:
             return
         pages = PageMap(host_pool)
@@ -734,50 +732,17 @@ class PageStore:
         auth = f" key id={self.cluster_key.key_id.hex()}" if self.cluster_key is not None else " unauthenticated"
         return f"<PageStore {type(self.backend).__name__} {self.url.redacted}{bound}{auth}>"
 
-    # ---- 0.2's API, where the backend was the store: kept until hicache-core 0.4 ------------------
+    # ---- 0.2's make_storage returned the backend: its members are named, not reached, since 0.4 ----------------
 
     def __getattr__(self, name: str) -> Any:
-        backend = self.__dict__.get("backend")
-        if backend is None or name.startswith("__"):
-            raise AttributeError(f"'PageStore' object has no attribute {name!r}", name=name, obj=self)
-        value = getattr(backend, name)  # AttributeError: the backend lacks it too
-        _TO_BACKEND.warn("make_storage(...)", name)
-        return value
+        why = backend_member(self, name)
+        raise AttributeError(why or f"'PageStore' object has no attribute {name!r}", name=name, obj=self)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name not in self.__dict__ and not hasattr(type(self), name) and _backend_has(self.backend, name):
-            _TO_BACKEND.warn("make_storage(...)", f"{name} (set)")
-            setattr(self.backend, name, value)
-            return
+        why = None if name in self.__dict__ or hasattr(type(self), name) else backend_member(self, name)
+        if why is not None:  # a patch meant for the backend must not land silently on the store
+            raise AttributeError(why, name=name, obj=self)
         object.__setattr__(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if name not in self.__dict__ and name in self.backend.__dict__:
-            _TO_BACKEND.warn("make_storage(...)", f"{name} (deleted)")
-            delattr(self.backend, name)
-            return
-        object.__delattr__(self, name)
-
-
-#: Backend members read through the store: 0.2's make_storage returned the backend itself.
-_TO_BACKEND = Moved("hicache_core.storage.page_store", "make_storage(...).backend", since="0.3.0", until="0.4.0")
-
-
-def _backend_has(backend: StorageBackend, name: str) -> bool:
-    return name in backend.__dict__ or hasattr(type(backend), name)
-
-
-def _adopt_overrides(store: PageStore, backend: StorageBackend) -> None:
-    """A 0.2 backend that overrides a page method (``batch_exists``, ``get_stats``, ...) keeps it, with a warning."""
-    cls = type(backend)
-    for name, target in getattr(cls, "legacy_page_methods", {}).items():
-        member = getattr(cls, name, None)
-        if member is None or getattr(member, "hicache_forwarder", False):
-            continue  # the base class's forwarder: not overridden
-        warnings.warn(f"{cls.__name__}.{name} overrides a page method that moved to PageStore.{target} "
-                      "(hicache-core 0.3.0): the store calls the override until 0.4.0, then only its own",
-                      DeprecationWarning, stacklevel=4)  # fmt: skip
-        store.__dict__[target] = getattr(backend, name)
 
 
 #: What a page hash may be: every backend can store it as a name (a file, a Redis key, a Mooncake key).

@@ -1,4 +1,4 @@
-"""Storage URLs and the option parsers every storage plugin uses (a leaf: it imports only hicache_core.lazy)."""
+"""Storage URLs, their redaction, and the option parsers of every storage plugin (a leaf: no core import)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
-
-from ..lazy import Moved, lazy_face
 
 #: Options (URL query or keyword) whose values are secrets: never printed (see :func:`redact_text`).
 #: ``key_id`` (an S3 access key id) names the account a secret signs for: shown nowhere either.
@@ -196,9 +194,3 @@ def option_float(value: Any, name: str) -> float:
         return float(value)
     except (TypeError, ValueError):
         raise ValueError(f"option {name}={value!r} is not a number") from None
-
-
-# Moved in hicache-core 0.2.0; kept here for one minor version (docs/plugins.md, "Versions").
-_TO_MAKE = Moved("hicache_core.storage.make", "hicache_core.storage")
-_MOVED = {"make_storage": _TO_MAKE, "UnknownStorageScheme": _TO_MAKE}
-__getattr__ = lazy_face(globals(), {}, moved=_MOVED)[0]

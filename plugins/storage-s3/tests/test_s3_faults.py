@@ -123,7 +123,7 @@ def test_truncated_flipped_and_foreign_objects_are_never_loaded(weed):
     # A page another model stored under the same page hash: its key differs, so it is simply not found here.
     other = make_storage(backend.url.raw, host, model_id="another-model")
     assert all(r.ok for r in other.write_pages([keys[5]], src[5 * 64 : 6 * 64]))
-    backend.remove_objects([full[5]])
+    backend.backend.remove_objects([full[5]])  # the store is make_storage's; the object goes through its backend
     before = pool_image(host)
     dst = host.alloc(6 * 64)
     pages = [int(dst[i * 64]) // 64 for i in range(6)]
