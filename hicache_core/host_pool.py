@@ -109,9 +109,9 @@ def make_host_pool(
     label = label or f"host pool {next(_POOL_NUMBERS)} ({geometry.kind}, layout {spec.layout.name})"
     device = next(iter(device_layers.values()))[0].device
     memory = plan_pool_memory(geometry, spec, label=label, pinned=pinned, device=device)
-    check_fits(memory)
-    if host_memory_check is not None:
+    if host_memory_check is not None:  # the server's own budget first: its refusal is the one its users know
         host_memory_check(memory)
+    check_fits(memory)
     buffers = allocate(memory, {b.attr: (b.shape, geometry.dtype) for b in spec.buffers},
                        granules={b.attr: _page_bytes(b, geometry.dtype) for b in spec.buffers})  # fmt: skip
     plan = TransferPlan(geometry, spec, buffers, device_layers, DropReport(pinned, label=label))
