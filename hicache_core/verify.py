@@ -84,6 +84,12 @@ class PageVerificationError(RuntimeError):
         self.layer_ids = sorted({c[2] for c in calls if c[2] is not None})
 
 
+def table_shapes(num_pages: int, num_layers: int, components: int, tokens_per_page: int) -> tuple[tuple, tuple]:
+    """The int64 shapes a verifier pins: the checksum table ``(pages, layers, components, groups)``, and the
+    failure words (word 0: a call whose check failed; then one per host page, the call that failed it)."""
+    return (num_pages, num_layers, components, groups_per_page(tokens_per_page)), (1 + num_pages,)
+
+
 class PageVerifier:
     """One host pool's checksum table, failure words and quarantine (see the module doc).
 
@@ -153,10 +159,10 @@ class PageVerifier:
                 raise ValueError("verify=True needs device layers aligned to 4 bytes")
             pinned = True
         #: ``(pages, layers, components, groups)`` int64: the checksum words, indexed by host page.
-        self.table = host_tensor((self.num_pages, self.num_layers, len(self.components), self.groups), torch.int64,
-                                 label=label, name="checksum table", pinned=pinned, fill=NO_CHECKSUM)  # fmt: skip
-        # Word 0: a call whose check failed; then one word per host page (the number of the call that failed it).
-        self._words = host_tensor((1 + self.num_pages,), torch.int64, label=label, name="failure words", pinned=pinned)
+        table, words = table_shapes(self.num_pages, self.num_layers, len(self.components), self.tokens)
+        self.table = host_tensor(table, torch.int64, label=label, name="checksum table", pinned=pinned,
+                                 fill=NO_CHECKSUM)  # fmt: skip
+        self._words = host_tensor(words, torch.int64, label=label, name="failure words", pinned=pinned)
         self._flag = ctypes.c_int64.from_address(self._words.data_ptr())
         self._failed = self._words[1:]
         self._describe = describe

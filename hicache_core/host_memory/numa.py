@@ -9,6 +9,7 @@ libnuma only wraps; calling them directly spares servers a system package.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 from pathlib import Path
@@ -79,8 +80,9 @@ def prefer_node(address: int, length: int, node: int) -> None:
         raise OSError(err, f"mbind(node {node}): {os.strerror(err)}")
 
 
+@functools.cache
 def placement_refused(node: int) -> str | None:
-    """Why pages cannot be placed on ``node`` from this process (tried on one page of its own), or ``None``."""
+    """Why pages cannot be placed on ``node`` from this process (tried once, on one page of its own), or ``None``."""
     import mmap
 
     probe = mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

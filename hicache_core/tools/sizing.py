@@ -22,9 +22,9 @@ from ..geometry import example_geometry, pages_for
 from ..host_layout import host_layout_spec
 from ..host_memory import HostMemoryError, HostMemoryPlan, check_fits, read_limits
 from ..host_pool import plan_pool_memory
-from ..page_checksum import groups_per_page
 from ..registry import get_registry
 from ..storage.page_format import HEADER_SIZE
+from ..verify import table_shapes
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
@@ -175,8 +175,8 @@ def _pool(name, geometry, layout, unit, size_gb, ratio, device_units, pinned, ve
     table = 0
     if verifying:  # what hicache_core.verify pins beside the buffers: checksums, then one failure word a page
         tokens_per_page = 1 if geometry.items_are_pages else page
-        table = spec.num_pages * geometry.host_layers * len(geometry.components) * groups_per_page(tokens_per_page) * 8
-        table += (1 + spec.num_pages) * 8
+        shapes = table_shapes(spec.num_pages, geometry.host_layers, len(geometry.components), tokens_per_page)
+        table = sum(math.prod(shape) * 8 for shape in shapes)
     device_bytes = sum(geometry.item_bytes) * geometry.layer_num
     return PoolSize(name, geometry.kind, spec.layout.name, page, unit, device_bytes, memory.asked // slots,
                     memory.asked // spec.num_pages + HEADER_SIZE, slots, memory, table)  # fmt: skip
