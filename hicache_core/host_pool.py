@@ -34,6 +34,7 @@ from .host_memory import HostMemoryPlan, allocate, check_fits, plan_host_memory
 from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
 from .indices import IndexCache, check_bounds, check_whole_pages, reject_indices, whole_pages_mask
 from .layer_loads import LayerLoad
+from .layer_map import NOT_HERE, LayerMap
 from .page_access import PageAccess
 from .plan import TransferPlan
 from .pool_events import PoolEvents, PoolObserver
@@ -41,7 +42,7 @@ from .pool_kinds import PoolKind
 from .pool_loads import PoolLoad, submit_loads
 from .registry import Registry, get_registry
 from .transfer_errors import TransferError, _note, _refuse_meta
-from .validation import positive_int, strict_int
+from .validation import positive_int
 from .variables import VALIDATE
 from .verification import Verification
 from .verify import PageVerifier
@@ -70,6 +71,7 @@ def make_host_pool(
     registry: Registry | None = None,
     label: str | None = None,
     host_memory_check: Callable[[HostMemoryPlan], None] | None = None,
+    layer_map: LayerMap | None = None,
 ) -> HostPool:
     """Build a host pool mirroring ``device_pool`` and resolve its transfers.
 
@@ -91,6 +93,8 @@ def make_host_pool(
     :param label: names the pool in logs, errors and the ``hicache_host_pinned_bytes`` metric.
     :param host_memory_check: called with the pool's :class:`~hicache_core.host_memory.HostMemoryPlan`
         before any byte is taken (a server's own budget: the SGLang adapter passes SGLang's); raise to refuse.
+    :param layer_map: the caller's layer numbering (:class:`~hicache_core.layer_map.LayerMap`); default: absolute
+        model layers, of which this rank keeps ``[start_layer, end_layer)``, then one id per draft pool.
     :raises UnsupportedCombinationError: no installed implementation claims an operation.
     :raises hicache_core.host_memory.HostMemoryError: the host buffers would not fit in this machine's
         available memory or this process's cgroup (checked before anything is allocated).
@@ -117,7 +121,7 @@ def make_host_pool(
     plan = TransferPlan(geometry, spec, buffers, device_layers, DropReport(pinned, label=label))
     validate = VALIDATE.read() if validate is None else bool(validate)
     pool = HostPool(device_pool, tuple(draft_pools), geometry, spec, plan, resolved, deferred, io_backend, validate,
-                    registry, label)  # fmt: skip
+                    registry, label, layer_map)  # fmt: skip
     pool.verification.decide(verify)
     pool.host_memory = memory
     _log.info("%s; %d tokens, %d bytes per token; %s", memory.summary(), pool.size, pool.get_size_per_token(),
@@ -252,8 +256,6 @@ def _device_layers(device_pool, draft_pools, geometry: PoolGeometry) -> dict[str
     }
 
 
-#: Returned by ``_host_layer`` for a layer another rank owns: the call checks its arguments and does nothing.
-_NOT_OWNED = -1
 _INT64, _INT32 = torch.int64, torch.int32
 
 
@@ -286,6 +288,7 @@ class HostPool(PageAccess):
         validate: bool,
         registry: Registry,
         label: str = "host pool",
+        layer_map: LayerMap | None = None,
     ) -> None:
         self.device_pool = device_pool
         #: Names the pool in logs, errors and the ``hicache_host_pinned_bytes`` metric.
@@ -339,8 +342,17 @@ class HostPool(PageAccess):
                 self._impls[(op, name)] = entry
             self.implementations[op] = cls.name
         self._deferred = deferred
-        self._model_layers = geometry.layer_num
         self._owned = geometry.owned_layers
+        #: The callers' layer numbering: which host layer a layer id names (:mod:`hicache_core.layer_map`).
+        self.layer_map = layer_map or LayerMap.owned_range(
+            geometry.layer_num, self.start_layer, self.end_layer, device_pool=device_pool, draft_pools=draft_pools,
+            skipped=f"is not owned by this rank (it owns layers [{self.start_layer}, {self.end_layer}) of "
+                    f"{geometry.layer_num}; hicache's layer ids are absolute)",
+        )  # fmt: skip
+        if self.layer_map.host_layers != self.layer_num:
+            raise ValueError(f"the layer map addresses {self.layer_map.host_layers} host layers; the {label} keeps "
+                             f"{self.layer_num}")  # fmt: skip
+        self._host_of, self._map_pool = self.layer_map.host_of, self.layer_map.device_pool
         self._items_are_pages = geometry.items_are_pages
         self._num_items = plan.num_items
         self._rows = plan.device_rows_per_layer
@@ -516,8 +528,7 @@ class HostPool(PageAccess):
     ) -> None:
         """Copy every owned layer and every draft layer of the given slots device -> host."""
         entry = self._impl(BACKUP_ALL, io_backend)
-        if device_pool is not self.device_pool:
-            raise ValueError("device_pool is not the device pool this host pool was made for")
+        self.layer_map.check_pool(device_pool, self.label)
         h, d = self._indices(BACKUP_ALL, None, host_indices, device_indices, entry, None)
         if h is not None:
             self._per_layer(BACKUP_ALL, device_pool, h, d, None, io_backend, False, (entry[0], h, d, None, None, 0))
@@ -541,7 +552,7 @@ class HostPool(PageAccess):
         a layer's error is raised there. Arguments are checked here, before anything is queued.
         ``timing``: the load's start and finish events time it (``load.start_event.elapsed_time``).
         """
-        ids = list(range(self.start_layer, self.end_layer)) if layer_ids is None else list(layer_ids)
+        ids = [i for i, h in enumerate(self._host_of) if h is not None] if layer_ids is None else list(layer_ids)
         part = self.prepare_load(device_pool, host_indices, device_indices, io_backend, ids, after=start_event)
         return submit_loads([part], len(ids), start_event=start_event, timing=timing,
                             what=f"load of {host_indices.shape[0]} slots into {len(ids)} layers")  # fmt: skip
@@ -555,7 +566,7 @@ class HostPool(PageAccess):
         pool's, after ``after`` (an event already recorded; default: what the current stream holds now)."""
         entry = self._impl(LOAD, io_backend)
         layers = [None if i is None else (i, self._host_layer(device_pool, i, is_draft)) for i in layer_ids]
-        layers = [None if m is None or m[1] == _NOT_OWNED else m for m in layers]
+        layers = [None if m is None or m[1] == NOT_HERE else m for m in layers]
         ready = None
         if self.plan.device.type != "cuda":
             h, d = self._indices(LOAD, None, host_indices, device_indices, entry, None, number=False)
@@ -582,11 +593,17 @@ class HostPool(PageAccess):
         try:
             if prepared is None:
                 entry = self._impls.get((op, io_backend)) or self._impl(op, io_backend)
-                # The common call (an owned layer of this pool, an int layer id) is mapped inline; the rest,
-                # and every error, goes through _host_layer.
-                layer = layer_id - self.start_layer if type(layer_id) is int else -1
-                if is_draft or device_pool is not self.device_pool or not 0 <= layer < self._owned:
-                    layer = self._host_layer(device_pool, layer_id, is_draft)
+                # The common call (a kept target layer, an int layer id) is mapped inline; the rest, and every
+                # error, goes through the layer map.
+                host_of, pool = self._host_of, self._map_pool
+                if (
+                    is_draft
+                    or type(layer_id) is not int
+                    or not 0 <= layer_id < len(host_of)
+                    or (layer := host_of[layer_id]) is None
+                    or (pool is not None and device_pool is not pool)
+                ):
+                    layer = self._host_layer(device_pool, layer_id, is_draft)  # fmt: skip
                 h, d = self._indices(op, layer_id, host_indices, device_indices, entry, layer)
                 if h is None:
                     return
@@ -652,32 +669,7 @@ class HostPool(PageAccess):
             )
 
     def _host_layer(self, device_pool: Any, layer_id: int, is_draft: bool) -> int:
-        layer_id = strict_int(layer_id, "layer_id")
-        if is_draft:
-            draft = layer_id - self._model_layers
-            if not 0 <= draft < len(self.draft_pools):
-                raise IndexError(
-                    f"draft layer_id {layer_id} is out of range: this pool's draft layers are "
-                    f"[{self._model_layers}, {self._model_layers + len(self.draft_pools)})"
-                )
-            if device_pool is not self.draft_pools[draft]:
-                raise ValueError(f"device_pool is not draft pool {draft} this host pool was made with")
-            return self._owned + draft
-        if not 0 <= layer_id < self._model_layers:
-            raise IndexError(f"layer_id {layer_id} is out of range [0, {self._model_layers})")
-        if device_pool is not self.device_pool:
-            raise ValueError("device_pool is not the device pool this host pool was made for")
-        layer = layer_id - self.start_layer
-        if 0 <= layer < self._owned:
-            return layer
-        if self.validate:
-            raise ValueError(
-                f"layer_id {layer_id} is not owned by this rank (it owns layers [{self.start_layer}, "
-                f"{self.end_layer}) of {self._model_layers}): the call would be a no-op, reported because "
-                f"{ENV_VALIDATE} / validate is set. (SGLang passes layer ids local to the rank; hicache takes "
-                "absolute ones.)"
-            )
-        return _NOT_OWNED
+        return self.layer_map.host_layer(device_pool, layer_id, is_draft, self.label, self.validate)
 
     def _indices(self, op: str, layer_id, host_indices, device_indices, entry, layer: int | None,
                  number: bool = True):  # fmt: skip
@@ -708,8 +700,8 @@ class HostPool(PageAccess):
             for tell in self._on.handed_out:
                 tell(None, f"a call moved {n} slots, part of a page (page_size {self.page_size}), and a checksum "
                            "covers whole pages")  # fmt: skip
-        if n == 0 or layer == _NOT_OWNED:
-            if layer == _NOT_OWNED and self.validate and n:
+        if n == 0 or layer == NOT_HERE:
+            if layer == NOT_HERE and self.validate and n:
                 check_bounds(host_indices, self.size, "host_indices")
             return None, None
         if number:

@@ -318,6 +318,9 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     record: dict = {"what": "scripts/dev gpu: the GPU gate", **trees(), "environment": environment()}
+    # Result files are named for the card that made them (the device machine lends H100s and H200s).
+    gpu = re.search(r"\b([A-Z]\d{2,3})\b", record["environment"].get("gpu") or "")
+    card = gpu.group(1).lower() if gpu else "gpu"
     # Every kernel is compiled from the trees named above, never taken from an earlier run's cache.
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="hicache-gate-triton-")
     record["triton_cache"] = "rebuilt: an empty TRITON_CACHE_DIR for this run"
@@ -339,12 +342,12 @@ def main() -> int:
     # The benchmarks: the quick sweep (the 2-D batch rows only if that path was byte-exact), and the overlap.
     bench_env = {"HICACHE_BENCH_BATCH_2D": "1" if two_d.get("passed") else "0"}
     steps.append(run("bench-quick", [py, "-m", "hicache_core.cli", "bench", "--quick", "--out", str(RESULTS),
-                                     "--name", "quick-h200"], 100, bench_env))  # fmt: skip
+                                     "--name", f"quick-{card}"], 100, bench_env))  # fmt: skip
     steps.append(run("overlap", [py, "-m", "hicache_core.cli", "bench", "--overlap", "--quick", "--out", str(RESULTS),
-                                 "--name", "overlap-h200"], 60))  # fmt: skip
+                                 "--name", f"overlap-{card}"], 60))  # fmt: skip
     # Host memory: a 4 GiB pool three ways, hicache's held to the bars (pinned bytes, copy speed, release).
     steps.append(run("host-memory", [py, "benchmarks/host_memory.py", "--gib", "4", "--check", "--out",
-                                     str(RESULTS / "host-memory-gate-h200.json")], 180))  # fmt: skip
+                                     str(RESULTS / f"host-memory-gate-{card}.json")], 180))  # fmt: skip
     order = ["suite", "direct-batched", "direct-batch-2d", "stress-kernel", "stress-jit", "layer-loads",
              "memcheck", "bench-quick", "overlap", "host-memory", "sglang"]  # fmt: skip
     steps.sort(key=lambda x: order.index(x["name"]) if x["name"] in order else len(order))
@@ -355,7 +358,7 @@ def main() -> int:
     if OUT is not None:
         OUT.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, OUT / "gpu-check.json")
-        patterns = ("gpu-check-*.log", "gpu-check-*.txt", "*h200*.json", "*h200*.png")
+        patterns = ("gpu-check-*.log", "gpu-check-*.txt", f"*{card}*.json", f"*{card}*.png")
         logs = [p for pattern in patterns for p in sorted(RESULTS.glob(pattern))]
         subprocess.run(["tar", "czf", str(OUT / "gpu-check-files.tgz"), *[str(p.relative_to(ROOT)) for p in logs]],
                        cwd=ROOT, check=False)  # fmt: skip

@@ -62,7 +62,7 @@ def test_draft_layer_without_draft_pool(pools):
 
 def test_wrong_device_pool(pools):
     dev, host, io = pools
-    with pytest.raises(ValueError, match="not the device pool this host pool was made for"):
+    with pytest.raises(ValueError, match=r"is not the device pool the host pool \d+ \(mha, layout \w+\) was made for"):
         host.load_to_device_per_layer(device_pool("mha", 4, pages=6, sharded=True), H, D, 1, io)
 
 

@@ -21,7 +21,7 @@ import hicache_core as hc
 # pass through: make_host_pool reads it (the one reading); the name stays importable from here.
 from hicache_core.host_pool import ENV_VALIDATE as ENV_VALIDATE
 
-from . import metrics, scales
+from . import layers, metrics, scales
 from .errors import NotServedError
 from .host_memory import sglang_budget
 from .identity import log_pool
@@ -83,15 +83,15 @@ def build_kv_host_pool(
         tokens = _host_tokens(memory, host_size, capacity, page_size, bytes_per_token)
     else:  # a sidecar on another pool's slots (SGLang's non-packed drafts): exactly that many, no padding page
         tokens = _exact_tokens(host_token_capacity, page_size, label)
+    layer_map = layers.device_layers(kv_pool, device_layer_num=dev.device_layer_num, kept=dev.owned, draft_pools=drafts)
     if dev.scaled is not None:  # first: its layout and io backend are the narrower ones
-        scale_view, scale_core = scales.make_scale_core(dev.scaled, layout=layout, io_backend=io_backend,
-                                                        tokens=tokens, label=label)  # fmt: skip
+        scale_core = scales.make_scale_core(dev.scaled, layout=layout, io_backend=io_backend, tokens=tokens,
+                                            label=label, layer_map=layer_map)  # fmt: skip
     core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size, size=tokens,
-                             draft_pools=draft_views, label=label, host_memory_check=sglang_budget(label))  # fmt: skip
+                             draft_pools=draft_views, label=label, host_memory_check=sglang_budget(label),
+                             layer_map=layer_map)  # fmt: skip
     metrics.start()  # hicache's figures beside SGLang's /metrics, when SGLang's metrics are on
-    common = dict(view=view, draft_views=draft_views, device_pool=kv_pool, draft_device_pools=drafts,
-                  first_layer=dev.first_layer, device_layer_num=dev.device_layer_num,
-                  sglang_start_layer=kv_pool.start_layer, sglang_end_layer=kv_pool.end_layer,
+    common = dict(sglang_start_layer=kv_pool.start_layer, sglang_end_layer=kv_pool.end_layer,
                   device_capacity_tokens=capacity, pool_label=pool_label, layer_shard=layer_shard)  # fmt: skip
     if use_mla:
         info = dev.info
@@ -99,7 +99,7 @@ def build_kv_host_pool(
                                  kv_cache_dim=info.kv_cache_dim, packed_fp8=info.packed_fp8, **common)  # fmt: skip
         return log_pool(pool)
     if dev.scaled is not None:
-        return log_pool(scales.SGLangScaledMHAHostPool(core, scale_core=scale_core, scale_view=scale_view, **common))
+        return log_pool(scales.SGLangScaledMHAHostPool(core, scale_core=scale_core, **common))
     return log_pool(SGLangMHAHostPool(core, **common))
 
 

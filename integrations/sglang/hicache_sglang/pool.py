@@ -6,23 +6,19 @@ through the members of its ``HostKVCache`` and ``MHATokenToKVPoolHost`` /
 meaning, on top of a pool made by :func:`hicache_core.make_host_pool`; the bytes move
 through hicache's dispatcher and plugins.
 
-Layer ids are the one real translation. SGLang's transfer engine passes a layer id local
-to the device pool (``0 .. layer_num - 1`` on a pipeline-parallel rank whose device pool
-starts at ``start_layer``; packed MTP draft layers follow at ``layer_num + depth`` with
-``is_draft=True``). hicache's host pool takes absolute ids, so the adapter adds
-``start_layer``. Without it, every load on a rank with ``start_layer > 0`` would be a call
-for a layer the host pool does not own: a silent no-op.
+Layer ids are SGLang's: local to the device pool (``0 .. layer_num - 1`` on a pipeline-parallel rank whose
+device pool starts at ``start_layer``; packed MTP draft layers at ``layer_num + depth`` with ``is_draft=True``).
+The core reads them through the pool's layer map (:mod:`hicache_sglang.layers`), the one place a layer id is
+translated: a load on a rank with ``start_layer > 0`` addresses the right host layer, never a silent no-op.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from hicache_core.host_pool import ENV_VALIDATE, HostPool
+from hicache_core.host_pool import HostPool
 
 from . import pool_api
 
@@ -60,36 +56,15 @@ class SGLangHostPool(pool_api.HostPoolMembers):
     ``core`` is the hicache pool underneath.
     """
 
-    def __init__(
-        self,
-        core: HostPool,
-        *,
-        view: DeviceView,
-        draft_views: Sequence[DeviceView],
-        device_pool: Any,
-        draft_device_pools: Sequence[Any],
-        first_layer: int,
-        device_layer_num: int,
-        sglang_start_layer: int,
-        sglang_end_layer: int,
-        device_capacity_tokens: int,
-        pool_label: str,
-        layer_shard: bool = False,
-    ) -> None:
+    def __init__(self, core: HostPool, *, sglang_start_layer: int, sglang_end_layer: int,
+                 device_capacity_tokens: int, pool_label: str, layer_shard: bool = False) -> None:  # fmt: skip
         self._take_core(core, pool_label)
-        # Context-parallel LayerSplit pools: this rank owns view.start_layer..end_layer of the device
-        # pool's layers; the host keeps only those, and a backup runs per owned layer, as SGLang's does.
+        # Context-parallel LayerSplit pools: this rank keeps a share of the device pool's layers (the core's
+        # layer map says which), and a backup runs per kept layer, as SGLang's does.
         self.layer_shard_enabled = bool(layer_shard)
-        self._owned_local = range(view.start_layer - first_layer, view.end_layer - first_layer)
-        self._view = view
-        self._draft_views = tuple(draft_views)
-        self._device_pool = device_pool
-        self._draft_device_pools = tuple(draft_device_pools)
-        self._first_layer = first_layer
-        self._device_layer_num = device_layer_num
         self.page_num = core.page_num
         self.size = core.size
-        self.target_layer_num = core.layer_num - len(self._draft_views)
+        self.target_layer_num = core.layer_num - len(core.layer_map.draft_pools)
         self.start_layer = sglang_start_layer
         self.end_layer = sglang_end_layer
         self.device_capacity_tokens = device_capacity_tokens
@@ -128,70 +103,18 @@ class SGLangHostPool(pool_api.HostPoolMembers):
         is_draft: bool = False,
     ) -> None:
         """Copy one layer host -> device. ``layer_id`` is SGLang's, local to the device pool."""
-        target = self._target(device_pool, layer_id, is_draft)
-        if target is None:
-            return
-        view, absolute = target
-        self.core.load_to_device_per_layer(view, host_indices, device_indices, absolute, io_backend,
+        self.core.load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend,
                                            is_draft=is_draft)  # fmt: skip
 
     def backup_from_device_all_layer(
         self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str
     ) -> None:
-        """Copy every owned layer and every packed draft layer device -> host.
+        """Copy every kept layer and every packed draft layer device -> host.
 
-        A layer-split pool loops over its owned layers, then its drafts, one layer per call
+        A layer-split pool loops over its kept layers, then its drafts, one layer per call
         (SGLang's order); any other pool moves all of them in one call.
         """
-        if device_pool is not self._device_pool:
-            raise ValueError(
-                f"device_pool {type(device_pool).__name__} is not the device pool this {self.pool_label!r} host "
-                "pool was built for"
-            )
-        if not self.layer_shard_enabled:
-            self.core.backup_from_device_all_layer(self._view, host_indices, device_indices, io_backend)
-            return
-        for local in self._owned_local:
-            self.core.backup_from_device_per_layer(self._view, host_indices, device_indices,
-                                                   self._first_layer + local, io_backend)  # fmt: skip
-        for depth, view in enumerate(self._draft_views):
-            self.core.backup_from_device_per_layer(view, host_indices, device_indices,
-                                                   self._first_layer + self._device_layer_num + depth, io_backend,
-                                                   is_draft=True)  # fmt: skip
-
-    def _target(self, device_pool: Any, layer_id: int, is_draft: bool) -> tuple[DeviceView, int] | None:
-        """The hicache view and absolute layer id for SGLang's local ``layer_id``; None for a no-op."""
-        try:
-            local = operator.index(layer_id)
-        except TypeError:
-            raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}") from None
-        if is_draft:
-            depth = local - self._device_layer_num
-            if not 0 <= depth < len(self._draft_views):
-                raise IndexError(
-                    f"draft layer_id {local} is out of range: this pool's packed draft layers are "
-                    f"[{self._device_layer_num}, {self._device_layer_num + len(self._draft_views)})"
-                )
-            if device_pool is not self._draft_device_pools[depth]:
-                raise ValueError(f"device_pool is not the draft pool of depth {depth} this host pool was built with")
-            return self._draft_views[depth], self._first_layer + local
-        if device_pool is not self._device_pool:
-            raise ValueError(
-                f"device_pool {type(device_pool).__name__} is not the device pool this {self.pool_label!r} host "
-                "pool was built for"
-            )
-        if not 0 <= local < self._device_layer_num:
-            # SGLang's own pools return here: a layer outside this device pool is a no-op.
-            if self.core.validate:
-                raise ValueError(
-                    f"layer_id {local} is outside this device pool's local layers [0, {self._device_layer_num}); "
-                    f"the call would do nothing. Reported because {ENV_VALIDATE} is set."
-                )
-            return None
-        if self.layer_shard_enabled and local not in self._owned_local:
-            # Another context-parallel rank owns this layer and broadcasts it: SGLang's pools skip it.
-            return None
-        return self._view, self._first_layer + local
+        pool_api.backup_all(self, device_pool, host_indices, device_indices, io_backend)
 
     # ---- pages, for L3 storage backends -----------------------------------------------------------
 

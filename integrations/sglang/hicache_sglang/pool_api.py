@@ -19,7 +19,7 @@ from hicache_core.pool_loads import CallPerLayer, PoolLoad
 
 
 def copies_only(load: Callable) -> Callable:
-    """Marks a pool class's ``load_to_device_per_layer`` as one copy of the hicache pool's layer that ``_target``
+    """Marks a pool class's ``load_to_device_per_layer`` as one copy of the hicache pool's layer its layer id
     names: such a pool's layer-wise loads hand the core one part, its indices checked once (``prepare_load``)."""
     load.copies_only = True  # type: ignore[attr-defined]
     return load
@@ -104,7 +104,7 @@ class HostPoolMembers(CoreSlots):
                      ) -> PoolLoad | CallPerLayer:  # fmt: skip
         """This pool's part of a layer-wise load (:func:`hicache_core.pool_loads.submit_loads`): step ``i`` loads
         SGLang's layer ``layer_ids[i]`` (``None``: nothing). A pool whose per-layer load is one copy maps SGLang's
-        ids once (``_target``) and hands the core its part; one whose load does more is called per layer."""
+        ids through the core's layer map and hands the core its part; one whose load does more is called per layer."""
         if not getattr(type(self).load_to_device_per_layer, "copies_only", False):
 
             def call(i: int) -> None:
@@ -113,11 +113,8 @@ class HostPoolMembers(CoreSlots):
                                                            io_backend, is_draft=is_draft)  # fmt: skip
 
             return CallPerLayer(call, self.core.plan.device, keep=(host_indices, device_indices))
-        targets = [None if i is None else self._target(device_pool, i, is_draft) for i in layer_ids]
-        view = next((t[0] for t in targets if t is not None), self._view)
-        return self.core.prepare_load(view, host_indices, device_indices, io_backend,
-                                      [None if t is None else t[1] for t in targets],
-                                      is_draft=view is not self._view)  # fmt: skip
+        return self.core.prepare_load(device_pool, host_indices, device_indices, io_backend, layer_ids,
+                                      is_draft=is_draft)  # fmt: skip
 
     def load_to_device_per_layer_physical(self, device_pool: Any, host_indices: torch.Tensor,
                                           device_indices: torch.Tensor, layer_id: int, io_backend: str, *,
@@ -215,3 +212,21 @@ def layer_slabs(pool: Any) -> list[tuple[Any, int, torch.Tensor]]:
             view = part.host[start : start + slab]
             out.append((part, layer, view))
     return out
+
+
+def backup_all(pool: Any, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+               io_backend: str) -> None:  # fmt: skip
+    """Every kept layer and every packed draft of ``pool`` device -> host: one call, or under LayerSplit one call
+    per layer, kept layers then drafts (SGLang's loop)."""
+    core = pool.core
+    if not pool.layer_shard_enabled:
+        core.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
+        return
+    layers = core.layer_map
+    layers.check_pool(device_pool, core.label)
+    for layer_id, host in enumerate(layers.host_of):
+        if host is not None:
+            core.backup_from_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend)
+    for depth, draft in enumerate(layers.draft_pools):
+        core.backup_from_device_per_layer(draft, host_indices, device_indices, layers.draft_base + depth, io_backend,
+                                          is_draft=True)  # fmt: skip

@@ -84,17 +84,18 @@ def scale_bytes_per_token(info: Any) -> int:
     return sum(t[0].nbytes for t in (*k, *v)) // info.page_size
 
 
-def make_scale_core(info: Any, *, layout: str, io_backend: str, tokens: int, label: str) -> tuple[ScaleView, Any]:
-    """hicache's pool for the scales: ``tokens`` host slots, the payload's, in the payload's layout."""
+def make_scale_core(info: Any, *, layout: str, io_backend: str, tokens: int, label: str, layer_map: Any) -> Any:
+    """hicache's pool for the scales: ``tokens`` host slots, the payload's, in the payload's layout and layer map."""
     view = ScaleView(list(info.scales.k), list(info.scales.v), page_size=info.page_size)
     try:
         core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=info.page_size,
                                  size=tokens, label=f"{label}: scales",
-                                 host_memory_check=sglang_budget(f"scale sidecar of the {label}"))  # fmt: skip
+                                 host_memory_check=sglang_budget(f"scale sidecar of the {label}"),
+                                 layer_map=layer_map)  # fmt: skip
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(the scale sidecar of the {label}; hicache-sglang serves {SERVED})")
         raise
-    return view, core
+    return core
 
 
 class SGLangScaledMHAHostPool(SGLangMHAHostPool):
@@ -110,10 +111,10 @@ class SGLangScaledMHAHostPool(SGLangMHAHostPool):
     l3_refusal = ("MXFP8 KV host pools expose no flat storage (L3) pages: a page's UE8M0 scales live outside "
                   "kv_buffer (SGLang's MXFP8 host pool has none either); run without a storage backend")  # fmt: skip
 
-    def __init__(self, core: Any, *, scale_core: Any, scale_view: ScaleView, **kw: Any) -> None:
+    def __init__(self, core: Any, *, scale_core: Any, **kw: Any) -> None:
         super().__init__(core, **kw)
         self.scales = scale_core
-        self._scale_view = scale_view
+        scale_view = scale_core.device_pool
         self.k_sf_page_bytes = scale_view.k_scale_device_rows[0].shape[1]
         self.v_sf_page_bytes = scale_view.v_scale_device_rows[0].shape[1]
         self.k_scale_device_rows = scale_view.k_scale_device_rows
@@ -146,18 +147,13 @@ class SGLangScaledMHAHostPool(SGLangMHAHostPool):
         """One layer's K/V rows, then its K and V scale blocks, host -> device, on the same pages."""
         if is_draft:
             raise NotImplementedError("MXFP8 KV host pool has no draft layers.")
-        target = self._target(device_pool, layer_id, is_draft)
-        if target is None:
-            return
-        view, absolute = target
-        self.core.load_to_device_per_layer(view, host_indices, device_indices, absolute, io_backend)
-        self.scales.load_to_device_per_layer(self._scale_view, host_indices, device_indices, int(layer_id),
-                                             io_backend)  # fmt: skip
+        self.core.load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend)
+        self.scales.load_to_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend)
 
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
         """Every layer's K/V rows, then every layer's scale blocks, device -> host, on the same pages."""
         super().backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
-        self.scales.backup_from_device_all_layer(self._scale_view, host_indices, device_indices, io_backend)
+        self.scales.backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
 
     def _storage_pages_unsupported(self) -> NotImplementedError:
         return NotImplementedError(self.l3_refusal)

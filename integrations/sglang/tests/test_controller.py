@@ -128,12 +128,11 @@ def test_layer_done_counter(kind, layout, io_backend):
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_local_layer_ids_would_be_silent_without_the_adapter(kind, monkeypatch):
-    """The bug the adapter fixes: hicache's pool takes absolute layer ids, SGLang passes local ones.
+def test_local_layer_ids_address_the_stage_layers(kind, monkeypatch):
+    """SGLang passes layer ids local to the device pool, and the pool's layer map is the one translation.
 
-    On a rank whose device pool starts at layer 20, a local id is a layer the core pool does
-    not own: a no-op (nothing moves), which HICACHE_VALIDATE reports. Through the adapter the
-    same call moves the layer.
+    On a rank whose device pool starts at model layer 20, local id 0 moves model layer 20; the absolute id
+    20 is outside the device pool: nothing moves (as in SGLang's own pools), and HICACHE_VALIDATE reports it.
     """
     dev, allocator, host, controller = build(kind, "layer_first", "direct", 1, PP_START)
     fill_random(device_layers(dev), seed=5)
@@ -142,12 +141,16 @@ def test_local_layer_ids_would_be_silent_without_the_adapter(kind, monkeypatch):
     host.backup_from_device_all_layer(dev, h, slots, "direct")
     before = device_rows(dev, kind, 0, slots)
     fill_random(device_layers(dev), seed=6)
-    host.core.load_to_device_per_layer(host._view, h, slots, 0, "direct")  # local id 0, as SGLang passes it
+    host.load_to_device_per_layer(dev, h, slots, PP_START, "direct")  # an absolute id: not this stage's numbering
     assert not any(torch.equal(a, b) for a, b in zip(device_rows(dev, kind, 0, slots), before))
     monkeypatch.setattr(host.core, "validate", True)
-    with pytest.raises(ValueError, match=r"layer_id 0 is not owned by this rank \(it owns layers \[20, 23\)"):
-        host.core.load_to_device_per_layer(host._view, h, slots, 0, "direct")
-    host.load_to_device_per_layer(dev, h, slots, 0, "direct")  # the adapter: local 0 is model layer 20
+    with pytest.raises(
+        ValueError,
+        match=rf"layer_id {PP_START} is outside the device pool's layers \[0, {LAYERS}\) "
+        r"\(SGLang's layer ids, local to the device pool\): the call would be a no-op",
+    ):
+        host.load_to_device_per_layer(dev, h, slots, PP_START, "direct")
+    host.load_to_device_per_layer(dev, h, slots, 0, "direct")  # local 0 is model layer 20
     assert all(torch.equal(a, b) for a, b in zip(device_rows(dev, kind, 0, slots), before))
 
 

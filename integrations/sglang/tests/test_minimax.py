@@ -257,7 +257,11 @@ def test_nvfp4_refuses_drafts_and_unaligned_indices():
     idx = torch.arange(NVFP4_PAGE)
     with pytest.raises(ValueError, match="supports only the base model"):
         main.load_to_device_per_layer(pool.main_pool, idx, idx, 0, "kernel", is_draft=True)
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(
+        IndexError,
+        match=rf"layer_id {len(LAYERS)} is out of range \[0, {len(LAYERS)}\) \(the M3.1 NVFP4 "
+        r"pool's host layers\)",
+    ):
         main.load_to_device_per_layer(pool.main_pool, idx, idx, len(LAYERS), "kernel")
     with pytest.raises(ValueError):
         main.backup_from_device_all_layer(pool.main_pool, idx[:5] + NVFP4_PAGE, idx[:5] + NVFP4_PAGE, "kernel")

@@ -146,17 +146,17 @@ class TestCalls:
 
     def test_foreign_device_pool(self, pools):
         dev, draft, host, h, d = pools
-        with pytest.raises(ValueError, match="is not the device pool this 'kv' host pool was built for"):
+        with pytest.raises(ValueError, match="is not the device pool the 'kv' host pool"):
             host.load_to_device_per_layer(mha_pool(1, start_layer=PP_START), h, d, 0, "direct")
-        with pytest.raises(ValueError, match="is not the device pool this 'kv' host pool was built for"):
+        with pytest.raises(ValueError, match="is not the device pool the 'kv' host pool"):
             host.backup_from_device_all_layer(draft, h, d, "direct")
-        with pytest.raises(ValueError, match="is not the draft pool of depth 0"):
+        with pytest.raises(ValueError, match="is not draft pool 0 the 'kv' host pool"):
             host.load_to_device_per_layer(dev, h, d, LAYERS, "direct", is_draft=True)
 
     def test_draft_layer_out_of_range(self, pools):
         dev, draft, host, h, d = pools
-        with pytest.raises(IndexError, match=r"draft layer_id 4 is out of range: this pool's packed draft layers "
-                                              r"are \[3, 4\)"):  # fmt: skip
+        with pytest.raises(IndexError, match=r"draft layer_id 4 is out of range: the draft layers of the 'kv' host "
+                                              r"pool .* are \[3, 4\)"):  # fmt: skip
             host.load_to_device_per_layer(draft, h, d, LAYERS + 1, "direct", is_draft=True)
 
     @pytest.mark.parametrize("pools", [False, True], indirect=True, ids=["quiet", "HICACHE_VALIDATE"])
@@ -166,8 +166,9 @@ class TestCalls:
         dev, draft, host, h, d = pools
         before = [t.view(torch.uint8).clone() for t in device_layers(dev)]
         if host.core.validate:
-            with pytest.raises(ValueError, match=rf"layer_id {layer_id} is outside this device pool's local "
-                                                 rf"layers \[0, 3\); the call would do nothing"):  # fmt: skip
+            with pytest.raises(ValueError, match=rf"layer_id {layer_id} is outside the device pool's layers \[0, 3\) "
+                                                 r"\(SGLang's layer ids, local to the device pool\): the call would "
+                                                 r"be a no-op"):  # fmt: skip
                 host.load_to_device_per_layer(dev, h, d, layer_id, "direct")
         else:
             host.load_to_device_per_layer(dev, h, d, layer_id, "direct")

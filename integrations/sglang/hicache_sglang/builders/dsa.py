@@ -18,6 +18,7 @@ import hicache_core as hc
 
 from ..errors import NotServedError
 from ..host_memory import sglang_budget
+from ..layers import device_layers
 from ..sidecar import SGLangSidecarHostPool, SidecarView, sidecar_operations
 
 _ATTR = "index_k_with_scale_buffer"
@@ -95,16 +96,13 @@ def build_dsa_indexer_host_pool(
     core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size,
                              size=page_rows * page_size, draft_pools=draft_views, pin_memory=pin_memory,
                              operations=sidecar_operations(layer_shard), label=label,
-                             host_memory_check=sglang_budget(label))  # fmt: skip
+                             host_memory_check=sglang_budget(label),
+                             layer_map=device_layers(device_pool, device_layer_num=device_pool.layer_num,
+                                                            kept=live, draft_pools=drafts))  # fmt: skip
     return SGLangDSAIndexerHostPool(
         core,
         decl=decl,
-        view=view,
-        draft_views=draft_views,
         device_pool=device_pool,
-        draft_device_pools=drafts,
-        host_layer_of={layer: i for i, layer in enumerate(live)},
-        draft_layer_base=device_pool.layer_num,
         layer_shard=layer_shard,
         pool_label=decl.pool_name.value,
         size=anchor_host.size,

@@ -30,6 +30,7 @@ from hicache_core.host_pool import SlotAllocator
 
 from ..errors import NotServedError
 from ..host_memory import sglang_budget
+from ..layers import own_layers
 from ..sidecar import SGLangSidecarHostPool, SidecarView
 
 
@@ -106,22 +107,9 @@ class _PageRowHostPool(SGLangSidecarHostPool):
     """A V4 page-row pool: ``layer_id`` is the host layer; the device pool argument is SGLang's, unused."""
 
     def __init__(self, core, *, pool_name: str, layers: int, **kw: Any) -> None:
-        super().__init__(core, host_layer_of={i: i for i in range(layers)}, draft_layer_base=layers,
-                         layer_shard=False, pool_label=pool_name, draft_views=(), draft_device_pools=(),
-                         device_pool=None, **kw)  # fmt: skip
+        super().__init__(core, layer_shard=False, pool_label=pool_name, device_pool=None, **kw)
         self.pool_name = pool_name
         self.start_layer, self.end_layer = 0, layers
-
-    def _target(self, device_pool, layer_id, is_draft):
-        # SGLang's V4 pools address host layer ``layer_id`` of their own buffers whatever pool is passed
-        # (the SWA pool's packed draft buffers come as plain layers after the target's).
-        host = self._host_layer_of.get(int(layer_id))
-        if host is None:
-            raise IndexError(f"layer_id {layer_id} is outside the {self.pool_name} host pool's {self.layer_num} layers")
-        return self._view, host
-
-    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
-        self.core.backup_from_device_all_layer(self._view, host_indices, device_indices, io_backend)
 
     @property
     def kv_buffer(self):
@@ -148,14 +136,17 @@ def _make_core(kind: str, attr: str, buffers: list[torch.Tensor], *, pages: int,
     io_backend = get_memory().hicache_io_backend
     view = SidecarView(kind=kind, attr=attr, buffers=buffers, page_size=page_size, size=pages * page_size)
     try:
+        # SGLang's V4 pools address host layer ``layer_id`` of their own buffers whatever pool is passed
+        # (the SWA pool's packed draft buffers come as plain layers after the target's).
         core = hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size,
                                  size=pages * page_size, pin_memory=pin_memory, label=label,
-                                 host_memory_check=sglang_budget(label))  # fmt: skip
+                                 host_memory_check=sglang_budget(label),
+                                 layer_map=own_layers(len(buffers), what=label))  # fmt: skip
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(SGLang asked for the {label} with --hicache-mem-layout {layout} "
                      f"--hicache-io-backend {io_backend})")  # fmt: skip
         raise
-    return view, core
+    return core
 
 
 def _device_rows(buffers: list[torch.Tensor], row_bytes: int, label: str) -> list[torch.Tensor]:
@@ -183,9 +174,9 @@ class SGLangDeepSeekV4PagedHostPool(_PageRowHostPool):
         if not device_buffers:
             raise NotServedError(f"{label}: no device buffers to mirror")
         rows = _device_rows(list(device_buffers), item_bytes, label)
-        view, core = _make_core("dsv4_paged", "device_buffers", rows, pages=num_host_pages, page_size=slot_page_size,
+        core = _make_core("dsv4_paged", "device_buffers", rows, pages=num_host_pages, page_size=slot_page_size,
                                 layout=layout, pin_memory=pin_memory, label=label)  # fmt: skip
-        super().__init__(core, pool_name=pool_name, layers=len(rows), view=view,
+        super().__init__(core, pool_name=pool_name, layers=len(rows),
                          size=num_host_pages * slot_page_size, page_num=num_host_pages)  # fmt: skip
         self.item_bytes = item_bytes
         self.num_host_pages = num_host_pages
@@ -254,10 +245,10 @@ class SGLangDeepSeekV4StateHostPool(_PageRowHostPool):
             slots = state.view(torch.uint8).reshape(state.shape[0], -1)[:usable]
             views.append(slots.reshape(-1, self.state_page_bytes))
         self.device_page_views = views
-        view, core = _make_core("dsv4_state", "device_page_views", views, pages=num_host_pages,
+        core = _make_core("dsv4_state", "device_page_views", views, pages=num_host_pages,
                                 page_size=swa_page_size, layout=layout, pin_memory=pin_memory,
                                 label=label)  # fmt: skip
-        super().__init__(core, pool_name=pool_name, layers=len(views), view=view,
+        super().__init__(core, pool_name=pool_name, layers=len(views),
                          size=num_host_pages * swa_page_size, page_num=num_host_pages)  # fmt: skip
         self.state_pools = list(state_pools)
         self.num_host_pages = num_host_pages

@@ -41,6 +41,7 @@ from hicache_core.allocator import SlotAllocator
 from ..errors import NotServedError
 from ..host_memory import sglang_budget
 from ..identity import describe, logger
+from ..layers import device_layers
 from ..pool import DeviceView, SGLangMHAHostPool, SGLangMLAHostPool
 from ..variables import HISPARSE_SWAP_IN
 
@@ -86,6 +87,8 @@ class _HiSparseSlots:
 
     allocator: SlotAllocator
     page_size: int
+    #: The device pool the coordinator passes, accepted by ``_bind`` at its first call.
+    _device_pool: Any = None
 
     def alloc(self, need_size: int) -> torch.Tensor | None:
         return self.allocator.alloc(need_size)
@@ -156,7 +159,7 @@ def _device_tensors(device_pool: Any) -> list[torch.Tensor]:
     return list(buffers)
 
 
-def _core(view: DeviceView, tokens: int, bytes_per_token: int, label: str, pin_memory: bool):
+def _core(view: DeviceView, tokens: int, bytes_per_token: int, label: str, pin_memory: bool, layers: int):
     from hicache_core.verify import ENV_VERIFY, verify_default
 
     if verify_default():
@@ -168,7 +171,10 @@ def _core(view: DeviceView, tokens: int, bytes_per_token: int, label: str, pin_m
     try:
         return hc.make_host_pool(view, layout="layer_first", io_backend=IO_BACKEND, page_size=1, size=tokens,
                                  pin_memory=pin_memory, verify=False, label=label,
-                                 host_memory_check=sglang_budget(label))  # fmt: skip
+                                 host_memory_check=sglang_budget(label),
+                                 # any device pool: _bind checks that it holds the buffers the pool was built from
+                                 layer_map=device_layers(None, device_layer_num=layers,
+                                                         kept=range(layers)))  # fmt: skip
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(SGLang's HiSparse coordinator asked for the {label}: layout layer_first, io backend kernel)")
         raise
@@ -215,11 +221,10 @@ class SGLangHiSparseMLAHostPool(_HiSparseSlots, SGLangMLAHostPool):
                           first_layer=first, owned=range(len(layers)), device_layer_num=len(layers),
                           extras=extras)  # fmt: skip
         tokens = _host_tokens(device_capacity_tokens, host_to_device_ratio, host_size, page_size)
-        core = _core(view, tokens, buffers[0][0].nbytes * len(buffers), label, pin_memory)
+        core = _core(view, tokens, buffers[0][0].nbytes * len(buffers), label, pin_memory, len(layers))
         super().__init__(core, kv_lora_rank=buffer_info.kv_lora_rank, qk_rope_head_dim=buffer_info.qk_rope_head_dim,
-                         kv_cache_dim=kv_dim, packed_fp8=buffer_info.packed_fp8, view=view, draft_views=[],
-                         device_pool=None, draft_device_pools=(), first_layer=first, device_layer_num=len(layers),
-                         sglang_start_layer=start_layer, sglang_end_layer=end_layer,
+                         kv_cache_dim=kv_dim, packed_fp8=buffer_info.packed_fp8, sglang_start_layer=start_layer,
+                         sglang_end_layer=end_layer,
                          device_capacity_tokens=device_capacity_tokens, pool_label=pool_label)  # fmt: skip
         self._buffers = buffers
         self.page_size = page_size
@@ -273,9 +278,8 @@ class SGLangHiSparseMHAHostPool(_HiSparseSlots, SGLangMHAHostPool):
         view = DeviceView(kind="mha", buffers={"k_buffer": k, "v_buffer": v}, page_size=1, size=device_capacity_tokens,
                           first_layer=first, owned=range(len(k)), device_layer_num=len(k), extras={})  # fmt: skip
         tokens = _host_tokens(device_capacity_tokens, host_to_device_ratio, 0, page_size)
-        core = _core(view, tokens, (k[0][0].nbytes + v[0][0].nbytes) * len(k), label, True)
-        super().__init__(core, view=view, draft_views=[], device_pool=None, draft_device_pools=(), first_layer=first,
-                         device_layer_num=len(k), sglang_start_layer=start_layer, sglang_end_layer=end_layer,
+        core = _core(view, tokens, (k[0][0].nbytes + v[0][0].nbytes) * len(k), label, True, len(k))
+        super().__init__(core, sglang_start_layer=start_layer, sglang_end_layer=end_layer,
                          device_capacity_tokens=device_capacity_tokens, pool_label="hisparse")  # fmt: skip
         self._buffers = k + v
         self.page_size = page_size

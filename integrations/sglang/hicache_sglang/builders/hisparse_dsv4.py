@@ -94,8 +94,9 @@ class SGLangHiSparseDSV4HostPool(_HiSparseSlots):
                                           size=host_words, pin_memory=pin_memory, verify=False, label=label,
                                           host_memory_check=sglang_budget(label))  # fmt: skip
         except hc.UnsupportedCombinationError as exc:
-            exc.add_note(f"(SGLang's HiSparse coordinator asked for the {label}: layout layer_first, io backend "
-                         "kernel)")
+            exc.add_note(
+                f"(SGLang's HiSparse coordinator asked for the {label}: layout layer_first, io backend kernel)"
+            )
             raise
         self.pool_name = self.pool_label = pool_name
         self.device_buffers = buffers

@@ -24,6 +24,7 @@ import hicache_core as hc
 
 from ..errors import NotServedError
 from ..host_memory import sglang_budget
+from ..layers import own_layers
 from ..sidecar import SGLangSidecarHostPool, SidecarView
 
 
@@ -51,11 +52,10 @@ class SGLangMambaHostPool(SGLangSidecarHostPool):
     slot_state_device_tensors: tuple = ()
     slot_state_buffers: tuple = ()
 
-    def __init__(self, core, *, buffer_info: Any, drafts: tuple, view: _MambaView, size: int) -> None:
+    def __init__(self, core, *, buffer_info: Any, drafts: tuple, size: int) -> None:
         layers = core.layer_num
-        super().__init__(core, view=view, draft_views=(), device_pool=None, draft_device_pools=(),
-                         host_layer_of={i: i for i in range(layers)}, draft_layer_base=layers, layer_shard=False,
-                         pool_label="mamba", size=size, page_num=size)  # fmt: skip
+        super().__init__(core, device_pool=None, layer_shard=False, pool_label="mamba", size=size,
+                         page_num=size)  # fmt: skip
         self.buffer_info = buffer_info
         self.mtp_draft_buffer_infos = tuple(drafts)
         self.device_pool = None
@@ -68,14 +68,8 @@ class SGLangMambaHostPool(SGLangSidecarHostPool):
         self.conv_dtype = self.dtype = buffer_info.conv[0].dtype
         self.start_layer, self.end_layer = 0, layers
 
-    def _target(self, device_pool, layer_id, is_draft):
-        # SGLang's MambaPoolHost indexes its own concatenated target+draft layers by layer_id.
-        if not 0 <= int(layer_id) < self.layer_num:
-            raise IndexError(f"layer_id {layer_id} is outside the Mamba host pool's {self.layer_num} layers")
-        return self._view, int(layer_id)
-
     def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend="kernel") -> None:
-        self.core.backup_from_device_all_layer(self._view, host_indices, device_indices, io_backend)
+        super().backup_from_device_all_layer(device_pool, host_indices, device_indices, io_backend)
 
     def load_to_device_per_layer(self, device_pool, host_indices, device_indices, layer_id, io_backend="kernel", *,
                                  is_draft: bool = False) -> None:  # fmt: skip
@@ -148,6 +142,8 @@ def build_mamba_host_pool(mamba_pool: Any, pool_info: Any, *, host_size: float, 
         size = int(capacity * get_memory().hicache_ratio)
     size += 1  # SGLang's padding slot (page size 1)
     view = _MambaView(temporal, conv, size)
+    # SGLang's MambaPoolHost indexes its own concatenated target+draft layers by layer_id.
     core = hc.make_host_pool(view, layout=layout, io_backend=get_memory().hicache_io_backend, page_size=1, size=size,
-                             label=label, host_memory_check=sglang_budget(label))  # fmt: skip
-    return SGLangMambaHostPool(core, buffer_info=info, drafts=tuple(drafts), view=view, size=size)
+                             label=label, host_memory_check=sglang_budget(label),
+                             layer_map=own_layers(len(temporal), what="Mamba"))  # fmt: skip
+    return SGLangMambaHostPool(core, buffer_info=info, drafts=tuple(drafts), size=size)

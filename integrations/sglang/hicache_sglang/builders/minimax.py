@@ -31,20 +31,31 @@ import hicache_core as hc
 from ..build import check_layout_io
 from ..errors import NotServedError
 from ..host_memory import sglang_budget
+from ..layers import own_layers
 from ..sidecar import SGLangSidecarHostPool, SidecarView
 
 _LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
-def _core(view: SidecarView, *, layout: str, page_size: int, size: int, pin_memory: bool, label: str):
+def _core(view: SidecarView, *, layout: str, page_size: int, size: int, pin_memory: bool, label: str, what: str):
     from sglang.srt.runtime_context import get_memory
 
     io_backend = get_memory().hicache_io_backend
     check_layout_io(layout, io_backend, label)
     try:
-        return hc.make_host_pool(view, layout=layout, io_backend=io_backend, page_size=page_size, size=size,
-                                 pin_memory=pin_memory, label=label,
-                                 host_memory_check=sglang_budget(label))  # fmt: skip
+        return hc.make_host_pool(
+            view,
+            layout=layout,
+            io_backend=io_backend,
+            page_size=page_size,
+            size=size,
+            pin_memory=pin_memory,
+            label=label,
+            host_memory_check=sglang_budget(label),
+            layer_map=own_layers(
+                view.layer_num, what=what, drafts_refused=f"{what} HiCache supports only the base model"
+            ),
+        )
     except hc.UnsupportedCombinationError as exc:
         exc.add_note(f"(SGLang asked for the {label} with --hicache-mem-layout {layout} "
                      f"--hicache-io-backend {io_backend})")  # fmt: skip
@@ -55,16 +66,6 @@ class _HostLayerPool(SGLangSidecarHostPool):
     """A MiniMax host pool: ``layer_id`` is its own host layer, drafts are refused, the device pool is SGLang's."""
 
     _what = "MiniMax"
-
-    def _target(self, device_pool, layer_id, is_draft):
-        if is_draft:
-            raise ValueError(f"{self._what} HiCache supports only the base model (is_draft=True)")
-        if not 0 <= int(layer_id) < self.layer_num:
-            raise ValueError(f"{self._what} HiCache layer {layer_id} is out of range [0, {self.layer_num})")
-        return self._view, int(layer_id)
-
-    def backup_from_device_all_layer(self, device_pool, host_indices, device_indices, io_backend) -> None:
-        self.core.backup_from_device_all_layer(self._view, host_indices, device_indices, io_backend)
 
     def prepare_layer_loader(self, device_pool, host_indices, device_indices, io_backend):
         """One loader per submission, called per layer (SGLang's page-row pools offer it)."""
@@ -110,10 +111,11 @@ class SGLangMiniMaxM3Nvfp4IndexKPoolHost(_HostLayerPool):
         self.device_slots = buffer_info.num_pages * buffer_info.page_size
         view = SidecarView(kind="nvfp4_page_rows", attr="rows", buffers=rows, page_size=page_size,
                            size=self.device_slots)  # fmt: skip
-        core = _core(view, layout=layout, page_size=page_size, size=size, pin_memory=pin_memory, label=label)
-        super().__init__(core, view=view, draft_views=(), device_pool=None, draft_device_pools=(),
-                         host_layer_of={i: i for i in range(len(rows))}, draft_layer_base=len(rows),
-                         layer_shard=False, pool_label=pool_label, size=size, page_num=page_num)  # fmt: skip
+        core = _core(
+            view, layout=layout, page_size=page_size, size=size, pin_memory=pin_memory, label=label, what=self._what
+        )
+        super().__init__(core, device_pool=None, layer_shard=False, pool_label=pool_label, size=size,
+                         page_num=page_num)  # fmt: skip
         self.dtype = torch.uint8
         self.size_per_token = self.page_bytes // page_size
 
@@ -223,10 +225,9 @@ class SGLangKOnlyHostPool(_HostLayerPool):
         view = SidecarView(kind="mha_k_only", attr="k_buffer", buffers=k, page_size=anchor_host.page_size,
                            size=k[0].shape[0])  # fmt: skip
         core = _core(view, layout=layout, page_size=anchor_host.page_size, size=anchor_host.size,
-                     pin_memory=pin_memory, label=label)  # fmt: skip
-        super().__init__(core, view=view, draft_views=(), device_pool=device_pool, draft_device_pools=(),
-                         host_layer_of={i: i for i in range(len(k))}, draft_layer_base=len(k), layer_shard=False,
-                         pool_label="indexer", size=anchor_host.size, page_num=anchor_host.page_num)  # fmt: skip
+                     pin_memory=pin_memory, label=label, what=self._what)  # fmt: skip
+        super().__init__(core, device_pool=device_pool, layer_shard=False, pool_label="indexer", size=anchor_host.size,
+                         page_num=anchor_host.page_num)  # fmt: skip
         self.dtype = device_pool.store_dtype
         self.start_layer, self.end_layer = device_pool.start_layer, device_pool.end_layer
         self.size_per_token = self.layout_dim
