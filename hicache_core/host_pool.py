@@ -603,7 +603,7 @@ class HostPool(PageAccess):
                     or (layer := host_of[layer_id]) is None
                     or (pool is not None and device_pool is not pool)
                 ):
-                    layer = self._host_layer(device_pool, layer_id, is_draft)  # fmt: skip
+                    layer = self._host_layer(device_pool, layer_id, is_draft)
                 h, d = self._indices(op, layer_id, host_indices, device_indices, entry, layer)
                 if h is None:
                     return
