@@ -303,7 +303,8 @@ def test_a_layer_this_rank_does_not_own_is_reported_under_validation(direct_only
                              registry=direct_only)  # fmt: skip
     with pytest.raises(
         ValueError,
-        match=r"layer_id 0 is not owned by this rank \(it owns layers \[1, 3\) of 3; hicache's layer ids are absolute\)",
+        match=r"layer_id 0 is not owned by this rank \(it owns layers \[1, 3\) of 3; hicache's layer ids "
+        r"are absolute\)",
     ):
         host.load_to_device_per_layer(dev, torch.arange(4), torch.arange(4), 0, "direct")
 
