@@ -104,6 +104,12 @@ GEOMETRIES: dict[str, Geometry] = {
     "nvfp4_page_rows": Geometry(
         60, {"row": (64 * 8 * 72,)}, "MiniMax-M3-like NVFP4 K (assumed): 8 heads x (64 + 8) bytes a token"
     ),
+    "vllm_page": Geometry(
+        32,
+        {"page": (16 * 2 * 8 * 128 * 2,)},
+        "vLLM's KV block of Llama-3-8B (hicache-vllm): 16 tokens x (K, V) x 8 heads x 128 bf16, 64 KiB a block",
+        page=16,
+    ),
     "kv_scale_pages": Geometry(
         32, {"k_scale": (64 * 32,), "v_scale": (64 * 32,)}, "MXFP8 scales of Llama-3-8B: one E8M0 per 32 elements"
     ),

@@ -56,6 +56,30 @@ import torch
 from .variables import LOAD_TIMEOUT as TIMEOUT
 
 DEFAULT_TIMEOUT_S: float = TIMEOUT.default
+
+#: On a loader's thread, what the steps of the job it runs asked to run when that job stops (:func:`at_load_end`).
+_stepping = threading.local()
+
+
+def at_load_end(callback: Callable[[bool], None]) -> bool:
+    """From inside a layer-loader step: run ``callback(failed)`` on the loader's thread when this load stops.
+
+    When a step raises, at once and before the load's consumers learn of the error (``failed`` True: they may
+    reuse its rows once they do); else after the last step, before the job's ``finish``. A callback registered
+    again (an equal one) runs once. Outside a step: nothing is registered, and False is returned. A host pool's
+    verification uses it to check a run of per-layer loads that a step left open (a step may load layers itself
+    and fail, or stop, before the pool's last layer)."""
+    ends = getattr(_stepping, "ends", None)
+    if ends is None:
+        return False
+    if callback not in ends:
+        ends.append(callback)
+    return True
+
+
+def _run_ends(ends: list[Callable[[bool], None]], failed: bool) -> None:
+    while ends:
+        ends.pop(0)(failed)
 ENV_TIMEOUT = TIMEOUT.name
 
 
@@ -523,21 +547,32 @@ class LayerLoader:
             if load.timing:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(stream)
-        for layer in range(load.layers):
-            if load._cancel is not None:
-                load._fail(layer, LayerLoadCancelled(f"{load._cancel} before layer {layer} was submitted"))
-                break
-            self._current = (load, layer, time.monotonic())
-            try:
-                job.step(layer)
-            except BaseException as exc:  # noqa: BLE001 - raised by the consumer's wait, not here
-                load._fail(layer, exc)
-                break
-            event = None
-            if stream is not None:
-                event = torch.cuda.Event()
-                event.record(stream)
-            load._layer_done(event)
+        ends = _stepping.ends = []
+        try:
+            for layer in range(load.layers):
+                if load._cancel is not None:
+                    try:
+                        _run_ends(ends, failed=True)
+                    finally:
+                        load._fail(layer, LayerLoadCancelled(f"{load._cancel} before layer {layer} was submitted"))
+                    break
+                self._current = (load, layer, time.monotonic())
+                try:
+                    job.step(layer)
+                except BaseException as exc:  # noqa: BLE001 - raised by the consumer's wait, not here
+                    try:
+                        _run_ends(ends, failed=True)
+                    finally:
+                        load._fail(layer, exc)
+                    break
+                event = None
+                if stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                load._layer_done(event)
+            _run_ends(ends, failed=False)
+        finally:
+            _stepping.ends = None
         if job.finish is not None:
             try:
                 job.finish()
@@ -643,5 +678,6 @@ __all__ = [
     "LayerLoader",
     "PendingEvent",
     "SettledEvent",
+    "at_load_end",
     "layer_loader",
 ]

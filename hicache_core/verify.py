@@ -54,6 +54,7 @@ import torch
 
 from . import metrics as _metrics
 from .host_memory import host_tensor
+from .layer_loads import at_load_end
 from .page_checksum import ENTRY_COLUMNS, NO_CHECKSUM, checksum_rows, groups_per_page, row_words, seed, tile_shape
 from .variables import VERIFY
 
@@ -345,6 +346,9 @@ class PageVerifier:
                     self._close_run()
                 run = self._run = CheckBatch(self, self.num_layers, raw_stream=raw)
                 run.add(hidx, didx, layer, seq)
+                # A layer-loader step that stops short of the last layer leaves the run open: it is checked when
+                # the load stops, before its consumers may reuse the rows (and a failed load's, waited on).
+                at_load_end(self.close_run)
             if layer in self._run_ends:
                 self._close_run()
 

@@ -434,6 +434,45 @@ def test_a_run_abandoned_on_an_error_is_checked_before_the_caller_can_reuse_its_
     assert info.value.pages == [bad_page] and info.value.layer_ids == [0]
 
 
+def test_a_run_a_loader_step_leaves_open_is_checked_when_the_load_stops():
+    """A caller's own step that loads layers itself and fails, or stops, before the pool's last layer leaves a run
+    of per-layer loads open: it is checked when the load stops, before the consumers may reuse the rows (the GPU
+    gate's stress found such a run checked later, against rows zeroed since: a false alarm)."""
+    dp, host = _pool("mha", "page_first")
+    p = host.page_size
+    slots = host.alloc(2 * p)
+    dev = torch.arange(p, 3 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
+    bad_page = int(slots[p]) // p
+    _flip_host_byte(host, bad_page, layer=0)
+
+    def step(layer):
+        if layer == 1:
+            raise RuntimeError("planted")
+        host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
+
+    load = hc.layer_loads.layer_loader(DEVICE).submit(LAYERS, step, what="a failing job")
+    with pytest.raises(LayerLoadError, match="planted"):
+        load.result(10)
+    for t in dp.k_buffer + dp.v_buffer:  # the caller reuses the rows
+        t.zero_()
+    with pytest.raises(PageVerificationError) as info:
+        host.check_verified()  # the flipped byte, caught when the load stopped, not the rows zeroed since
+    assert info.value.pages == [bad_page] and info.value.layer_ids == [0]
+
+    # A job that loads one layer and ends without an error: its run is checked when it ends as well.
+    slots = host.alloc(2 * p)
+    fill_random(dp.k_buffer + dp.v_buffer, seed=7)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
+    hc.layer_loads.layer_loader(DEVICE).submit(1, lambda layer: host.load_to_device_per_layer(
+        dp, slots, dev, 0, "auto"), what="a short job").result(10)  # fmt: skip
+    for t in dp.k_buffer + dp.v_buffer:
+        t.zero_()
+    host.check_verified()  # no false alarm: layer 0 was checked when the job ended
+
+
 def test_a_verifying_pool_refuses_part_of_a_page_before_any_byte_moves():
     dp, host = _pool("mha", "layer_first")
     p = host.page_size
