@@ -16,7 +16,6 @@ import time
 import pytest
 import workload
 from conftest import BY_NAME, PARALLEL, STORAGE_CASES, need
-from server import start_all
 
 
 def _stored(fleet, case) -> int:
@@ -28,37 +27,61 @@ def _stored(fleet, case) -> int:
     return sum(len(files) for _, _, files in os.walk(fleet.storage_dir(case.name)))
 
 
-def _settled(count, at_least: int, timeout: float = 90.0) -> int:
-    """The number of stored objects once SGLang's backup thread stopped adding any (and at least ``at_least``)."""
+def _settle_all(counts: dict[str, tuple], timeout: float = 90.0):
+    """Each store's object count once SGLang's backup thread stopped adding to it (and it holds at least its
+    minimum), yielded as ``name`` as soon as that store settles: all stores are watched at once.
+
+    ``counts`` maps a name to ``(count, at_least)``; a store not settled within ``timeout`` fails the fixture."""
     deadline = time.monotonic() + timeout
-    last, stable_since = -1, time.monotonic()
-    while time.monotonic() < deadline:
-        n = count()
-        if n != last:
-            last, stable_since = n, time.monotonic()
-        elif n >= at_least and time.monotonic() - stable_since > 3:
-            return n
+    last = {name: -1 for name in counts}
+    since = {name: time.monotonic() for name in counts}
+    while last:
+        now = time.monotonic()
+        for name in list(last):
+            count, at_least = counts[name]
+            n = count()
+            if n != last[name]:
+                last[name], since[name] = n, now
+            elif n >= at_least and now - since[name] > 3:
+                del last[name]
+                yield name
+        if not last:
+            return
+        if time.monotonic() > deadline:
+            left = ", ".join(f"{n}: {last[n]} objects, expected at least {counts[n][1]}" for n in last)
+            raise AssertionError(f"stores not settled after {timeout:.0f} s: {left}")
         time.sleep(0.5)
-    raise AssertionError(f"{last} objects stored after {timeout:.0f} s, expected at least {at_least}, settled")
 
 
 @pytest.fixture(scope="module")
 def restarted(fleet):
-    """Every storage server, after its workload and its store settled, stopped and started again (in parallel)."""
+    """Every storage server, after its workload and its store settled, stopped and started again.
+
+    The stores settle side by side, and each server is restarted as soon as its own store settled (at most
+    ``PARALLEL`` starting at once), so one store's wait overlaps another server's start."""
     present = [c for c in STORAGE_CASES if c.name in fleet.servers]
     fresh: dict[str, object] = {}
+    waiting: dict[str, tuple] = {}
     for case in present:
         try:
             fleet.outcome(case.name)
-            first = fleet.server(case.name)
+            fleet.server(case.name)
         except AssertionError as exc:  # that case's test reports it; the others still run
             fresh[case.name] = exc
             continue
-        _settled(lambda case=case: _stored(fleet, case), workload.PREFIX_TOKENS // case.page_size)
+        waiting[case.name] = (lambda case=case: _stored(fleet, case), workload.PREFIX_TOKENS // case.page_size)
+    starting: list = []
+    for name in _settle_all(waiting):
+        case = BY_NAME[name]
+        first = fleet.servers[name]
         first.stop()
         first.error = "stopped by test_e2e_storage (restarted on the same store)"
-        fresh[case.name] = fleet.servers[f"{case.name}-restart"] = fleet.new_server(f"{case.name}-restart", case)
-    start_all([s for s in fresh.values() if not isinstance(s, AssertionError)], PARALLEL)
+        while len(starting) >= PARALLEL:
+            starting.pop(0).wait_ready()
+        fresh[name] = fleet.servers[f"{name}-restart"] = fleet.new_server(f"{name}-restart", case).start()
+        starting.append(fresh[name])
+    for srv in starting:
+        srv.wait_ready()
     return fresh
 
 
