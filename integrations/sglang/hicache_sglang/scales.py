@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 import hicache_core as hc
+from hicache_core.host_pool import HostPool
+from hicache_core.layer_map import LayerMap
 
 from .errors import NotServedError
 from .host_memory import sglang_budget
@@ -84,7 +86,9 @@ def scale_bytes_per_token(info: Any) -> int:
     return sum(t[0].nbytes for t in (*k, *v)) // info.page_size
 
 
-def make_scale_core(info: Any, *, layout: str, io_backend: str, tokens: int, label: str, layer_map: Any) -> Any:
+def make_scale_core(
+    info: Any, *, layout: str, io_backend: str, tokens: int, label: str, layer_map: LayerMap
+) -> HostPool:
     """hicache's pool for the scales: ``tokens`` host slots, the payload's, in the payload's layout and layer map."""
     view = ScaleView(list(info.scales.k), list(info.scales.v), page_size=info.page_size)
     try:
