@@ -552,7 +552,7 @@ class HostPool(PageAccess):
         a layer's error is raised there. Arguments are checked here, before anything is queued.
         ``timing``: the load's start and finish events time it (``load.start_event.elapsed_time``).
         """
-        ids = [i for i, h in enumerate(self._host_of) if h is not None] if layer_ids is None else list(layer_ids)
+        ids = list(self.layer_map.kept_ids) if layer_ids is None else list(layer_ids)
         part = self.prepare_load(device_pool, host_indices, device_indices, io_backend, ids, after=start_event)
         return submit_loads([part], len(ids), start_event=start_event, timing=timing,
                             what=f"load of {host_indices.shape[0]} slots into {len(ids)} layers")  # fmt: skip

@@ -10,7 +10,7 @@ the same words. ``make_host_pool(..., layer_map=...)`` gives a pool a numbering 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .validation import strict_int
@@ -56,9 +56,12 @@ class LayerMap:
     outside_is_noop: bool = False
     drafts_refused: str | None = None
     drafts_are_layers: bool = False
+    #: The target layer ids the pool keeps, in order: what a load or backup of "every layer" goes through.
+    kept_ids: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        kept = [h for h in self.host_of if h is not None]
+        object.__setattr__(self, "kept_ids", tuple(i for i, h in enumerate(self.host_of) if h is not None))
+        kept = [self.host_of[i] for i in self.kept_ids]
         if len(set(kept)) != len(kept):
             raise ValueError(f"a layer map keeps two layer ids in one host layer: {self.host_of}")
         if self.draft_base is None:
@@ -78,7 +81,7 @@ class LayerMap:
     @property
     def host_layers(self) -> int:
         """The host layers this map addresses: its kept target layers and its drafts."""
-        return sum(h is not None for h in self.host_of) + len(self.draft_pools)
+        return len(self.kept_ids) + len(self.draft_pools)
 
     def host_layer(self, device_pool: Any, layer_id: Any, is_draft: bool, label: str, validate: bool) -> int:
         """The host layer ``layer_id`` names, or :data:`NOT_HERE`; a bad id or pool raises, naming ``label``."""

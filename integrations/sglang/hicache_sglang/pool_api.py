@@ -224,9 +224,8 @@ def backup_all(pool: Any, device_pool: Any, host_indices: torch.Tensor, device_i
         return
     layers = core.layer_map
     layers.check_pool(device_pool, core.label)
-    for layer_id, host in enumerate(layers.host_of):
-        if host is not None:
-            core.backup_from_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend)
+    for layer_id in layers.kept_ids:
+        core.backup_from_device_per_layer(device_pool, host_indices, device_indices, layer_id, io_backend)
     for depth, draft in enumerate(layers.draft_pools):
         core.backup_from_device_per_layer(draft, host_indices, device_indices, layers.draft_base + depth, io_backend,
                                           is_draft=True)  # fmt: skip
