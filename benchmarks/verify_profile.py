@@ -35,7 +35,7 @@ CHECK_KERNEL = "page_checksums"
 #: (TILE_T, BLOCK_W, stages, num_warps) of the check kernel tried alone; the first is the shape it had before.
 #: Pages of one item (a page kind's row, Mamba's request) try tiles along the row: 32 words was their tile before.
 VARIANTS = [(64, 64, 3, 8)] + [(t, w, s, n) for t in (32, 64) for w in (16, 32) for s in (3, 4, 6) for n in (2, 4, 8)]
-VARIANTS += [(1, w, s, n) for w in (32, 256, 1024, 2048) for s in (3, 6) for n in (4, 8)]
+VARIANTS += [(1, w, s, n) for w in (32, 256, 512, 1024, 2048) for s in (2, 4, 6) for n in (2, 4, 8)]
 
 
 def _timeline(trace: dict, loads: int) -> list[dict]:
@@ -147,7 +147,7 @@ def _check_alone(v, hs: torch.Tensor, dev: torch.Tensor, layers: int) -> dict:
     out = {}
     _, group, _ = v._tile
     for tile_t, block_w, stages, warps in VARIANTS:
-        if tile_t > v.tokens:
+        if tile_t > v.tokens or tile_t < group:  # a tile holds whole groups of rows
             continue
 
         def go(tile_t=tile_t, block_w=block_w, stages=stages, warps=warps):
