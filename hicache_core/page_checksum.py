@@ -56,17 +56,23 @@ ENTRY_COLUMNS = 6
 #: 64 x 32 words keeps them in registers with the next tiles' loads in flight; 64 x 64 spilled
 #: (benchmarks/results/verify-check-variants-h200.json).
 TILE_WORDS = 2048
+#: Words a step reads along the row of a page of one item (a page kind's row, a Mamba request): 512 checked
+#: the page kinds' rows of 512 to 2336 words 2.3 times faster than 2048, which holds fewer programs per SM
+#: (benchmarks/results/verify-check-variants-pages-h100.json).
+ROW_TILE_WORDS = 512
 
 
 def tile_shape(tokens: int, row_words: int) -> tuple[int, int, int]:
     """``(TILE_T, GROUP, BLOCK_W)`` for pages of ``tokens`` items whose widest row has ``row_words`` words.
 
     A page of fewer than 64 items (a page kind's page is one row; pages of one token) widens its tile along
-    the row instead, up to :data:`TILE_WORDS`: a 2 MiB Mamba state row read 32 words a step took 16384 steps.
+    the row instead, up to :data:`TILE_WORDS` (:data:`ROW_TILE_WORDS` for a page of one item): a 2 MiB Mamba
+    state row read 32 words a step took 16384 steps.
     """
     tile_t = min(64, 1 << (tokens - 1).bit_length())
     group = min(GROUP_TOKENS, tile_t)
-    block_w = min(TILE_WORDS // tile_t, 1 << max(2, (row_words - 1).bit_length()))
+    widest = ROW_TILE_WORDS if tile_t == 1 else TILE_WORDS // tile_t
+    block_w = min(widest, 1 << max(2, (row_words - 1).bit_length()))
     return tile_t, group, block_w
 
 

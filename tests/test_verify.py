@@ -119,8 +119,8 @@ def test_kernel_tiles_pages_of_any_size_as_the_definition_groups_them(page_size)
 @pytest.mark.parametrize("rows", ["mha 2x40", "mla 512+64", "mha 8x128", "page rows 2088"])
 def test_kernel_sums_rows_wider_than_its_tile_as_the_definition(rows):
     # 64-token pages take tiles of 64 rows by 32 words. 40 words: a full tile of words and a part of one; 288
-    # (MLA's 576 bf16): nine; 512 (llama's 8 x 128): sixteen. A page kind's page is one row, read 2048 words
-    # at a time: 2088 words, one full tile and a part of one.
+    # (MLA's 576 bf16): nine; 512 (llama's 8 x 128): sixteen. A page kind's page is one row, read 512 words
+    # at a time: 2088 words, four full tiles and a part of one.
     pytest.importorskip("triton")
     page_kind = rows.startswith("page")
     if page_kind:
@@ -133,7 +133,7 @@ def test_kernel_sums_rows_wider_than_its_tile_as_the_definition(rows):
     fill_random([t for c in hc.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=5)
     host = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True)
     kernel = host.verification.make_verifier(kernel=True)
-    assert kernel._tile == ((1, 1, 2048) if page_kind else (64, GROUP_TOKENS, 32))
+    assert kernel._tile == ((1, 1, 512) if page_kind else (64, GROUP_TOKENS, 32))
     assert kernel._tile[2] < max(kernel.words)  # the word loop runs more than once
     p = host.page_size
     slots = host.alloc(2 * p)
