@@ -45,7 +45,7 @@ _PINNED = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # removed by identity: two launches may hold equal fields
 class _Launch:
     """A kernel launch whose patch is in place now: its thread, and the ids of the language modules patched
     since it began (its own, and those a nested call's re-patch added: Triton never restores those)."""
