@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from verify_cost import pool_pair, write_result  # noqa: E402
+from verify_cost import host_call_us, pool_pair, write_result  # noqa: E402
 
 import hicache_core.verify as hc_verify  # noqa: E402
 
@@ -46,25 +46,9 @@ STEPS = [
 # (Verification's event methods and index move are bound when the pool is made: a wrapper set later is not called.)
 
 
-def _loop(host, dp, hs, dev, io_backend: str, layers: int) -> list[float]:
-    marks = [time.perf_counter()]
-    for layer in range(layers):
-        host.load_to_device_per_layer(dp, hs, dev, layer, io_backend)
-        marks.append(time.perf_counter())
-    return [(b - a) * 1e6 for a, b in zip(marks, marks[1:])]
-
-
-def _busy() -> None:
-    torch.cuda._sleep(20_000_000)  # the GPU stays busy: the calls measure submission only
-
-
 def _calls(host, dp, hs, dev, io_backend: str, layers: int, repeats: int) -> list[float]:
     """Median host time of the first, a middle and the last call of a load, and of the whole load, in µs."""
-    per: list[list[float]] = []
-    for _ in range(repeats):
-        _busy()
-        per.append(_loop(host, dp, hs, dev, io_backend, layers))
-        torch.cuda.synchronize()
+    per = [host_call_us(host, dp, hs, dev, io_backend, layers) for _ in range(repeats)]
     first = statistics.median(p[0] for p in per)
     middle = statistics.median(statistics.median(p[1:-1]) for p in per)
     last = statistics.median(p[-1] for p in per)
@@ -96,9 +80,7 @@ def _timed_steps(host, dp, hs, dev, io_backend: str, layers: int, repeats: int) 
         for _ in range(repeats):
             for v in spent.values():
                 v.clear()
-            _busy()
-            _loop(host, dp, hs, dev, io_backend, layers)
-            torch.cuda.synchronize()
+            host_call_us(host, dp, hs, dev, io_backend, layers)
             for k, v in spent.items():
                 per_load[k].append((len(v), sum(v)))
     finally:
@@ -114,7 +96,7 @@ def _profile(host, dp, hs, dev, io_backend: str, layers: int, repeats: int) -> d
     for which, layer_of in (("first", 0), ("last", layers - 1)):
         prof = cProfile.Profile()
         for _ in range(repeats):
-            _busy()
+            torch.cuda._sleep(20_000_000)  # the GPU stays busy: the calls measure submission only
             for layer in range(layers):
                 if layer == layer_of:
                     prof.enable()

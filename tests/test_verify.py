@@ -288,6 +288,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _backed_up_mha():
+    """An MHA ``page_first`` pool with two pages backed up: ``(device pool, host pool, host slots, device rows)``."""
+    dp, host = _pool("mha", "page_first")
+    p = host.page_size
+    slots = host.alloc(2 * p)
+    dev = torch.arange(p, 3 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")
+    _sync()
+    return dp, host, slots, dev
+
+
 def _flip_host_byte(host, page: int, layer: int, part: int = 0, at: int = 3) -> None:
     _sync()
     view = host.plan.parts[part].host_layer_view(layer)[page]  # a strided view into the host buffer
@@ -395,12 +406,8 @@ def test_a_run_of_per_layer_loads_is_checked_after_its_last_layer_or_when_anothe
 
 
 def test_a_run_abandoned_on_an_error_is_checked_before_the_caller_can_reuse_its_rows():
-    dp, host = _pool("mha", "page_first")
+    dp, host, slots, dev = _backed_up_mha()
     p = host.page_size
-    slots = host.alloc(2 * p)
-    dev = torch.arange(p, 3 * p)
-    host.backup_from_device_all_layer(dp, slots, dev, "auto")
-    _sync()
     host.load_to_device_per_layer(dp, slots, dev, 0, "auto")  # clean
     with pytest.raises(IndexError):
         host.load_to_device_per_layer(dp, slots, dev, LAYERS + 5, "auto")  # an error leaves the call: the run closes
@@ -438,12 +445,8 @@ def test_a_run_a_loader_step_leaves_open_is_checked_when_the_load_stops():
     """A caller's own step that loads layers itself and fails, or stops, before the pool's last layer leaves a run
     of per-layer loads open: it is checked when the load stops, before the consumers may reuse the rows (the GPU
     gate's stress found such a run checked later, against rows zeroed since: a false alarm)."""
-    dp, host = _pool("mha", "page_first")
+    dp, host, slots, dev = _backed_up_mha()
     p = host.page_size
-    slots = host.alloc(2 * p)
-    dev = torch.arange(p, 3 * p)
-    host.backup_from_device_all_layer(dp, slots, dev, "auto")
-    _sync()
     bad_page = int(slots[p]) // p
     _flip_host_byte(host, bad_page, layer=0)
 
@@ -496,12 +499,8 @@ def test_a_verifying_pool_refuses_part_of_a_page_before_any_byte_moves():
 
 
 def test_check_verified_raises_at_once_and_swapped_pages_are_caught():
-    dp, host = _pool("mha", "page_first")
+    dp, host, slots, dev = _backed_up_mha()
     p = host.page_size
-    slots = host.alloc(2 * p)
-    dev = torch.arange(p, 3 * p)
-    host.backup_from_device_all_layer(dp, slots, dev, "auto")
-    _sync()
     a, b = (int(x) // p for x in slots[::p])
     views_a, views_b = host._page_views(a), host._page_views(b)
     for va, vb in zip(views_a, views_b):  # the two host pages' bytes exchanged (a transfer that misplaced them)
