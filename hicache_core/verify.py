@@ -46,6 +46,7 @@ CPU pools compute the same checksum in torch (:func:`hicache_core.page_checksum.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -137,6 +138,8 @@ class PageVerifier:
         pinned = False
         #: The current stream's handle on a device (CUDA pools; the cheapest way to compare streams).
         self._raw_stream_of: Callable[[int], int] | None = None
+        #: The current stream's handle on this pool's device, 0 where no stream is compared (CPU pools).
+        self._stream_handle: Callable[[], int] = _no_stream
         if self.cuda:
             from .gpu.device import cuda_current_functions, interpreting, triton_available
 
@@ -193,16 +196,18 @@ class PageVerifier:
         # recorded event.
         self._side: Any = None
         self._before: Any = None  # recorded on the caller's stream before a backup's copies
-        # A batched check writes numbers of its own, one per layer (negative, never a call's): they map
-        # back to the layers' calls here: a ring of the newest _BATCH_CALLS numbers, slot -number % size,
-        # each slot holding (number, call). A ring, not a dict trimmed from its front: deleting a dict's oldest
-        # key scans past every key deleted before it (host time growing with the pool's age).
-        self._batch_ring: list[tuple[int, int]] = [(0, 0)] * _BATCH_CALLS
+        # A batched check writes numbers of its own, one per layer (negative, never a call's): they map back to
+        # the layers' calls through a ring of the newest batches, each ``(its first number, its layers' calls)``,
+        # about _BATCH_CALLS numbers in all. One slot a batch: a launch stores one tuple, not one per layer.
+        self._batch_ring: list[tuple[int, list[int]] | None] = [None] * max(1, _BATCH_CALLS // self.num_layers)
+        self._batches = 0
         self._next_batch_number = -1
+        self._all_layers = list(range(self.num_layers))
         if self.kernel:
             self._bind_kernel()
             if self.cuda:
                 self._side = torch.cuda.Stream(self.device)
+                self._stream_handle = functools.partial(self._raw_stream_of, self._device_index)
 
     # ---- the device side --------------------------------------------------------------------
 
@@ -250,9 +255,9 @@ class PageVerifier:
             t = self._entries_layer[layers]
             return t, t.data_ptr() - self._base
         first = layers[0]
+        if layers == self._all_layers:  # a whole load's layers, in order (the common case): no slicing
+            return self._entries_all, self._entries_off_all
         if layers == list(range(first, first + len(layers))):  # a run of layers: a slice of the whole table
-            if len(layers) == self.num_layers:  # a whole load's layers, in order (the common case): no slicing
-                return self._entries_all, self._entries_off_all
             t = self._entries_all[first * len(self.components) : (first + len(layers)) * len(self.components)]
         else:
             t = torch.cat([self._entries_layer[layer] for layer in layers])
@@ -335,13 +340,28 @@ class PageVerifier:
         when it reaches the pool's last layer, on the run's stream after that layer's copies, so what
         the caller enqueues next follows it (a per-layer check beside the next layer's copy kernel
         slowed it by up to 14 %). Any other call closes an open run first."""
-        # The stream's handle (a cheap call) tells whether the run goes on. A server's loop is host-bound when
-        # its copies are small, and then every microsecond here lengthens the load: the common call is a few
-        # comparisons and two appends.
-        raw = self._raw_stream_of(self._device_index) if self._side is not None else 0
-        with self._lock:  # another thread's backup may close the run meanwhile
+        # A server's loop of small per-layer loads is bound by host time, and this runs on each of its calls
+        # (the pool calls it directly: Verification.use): the common call, the next layer of the open run, is
+        # noted inline, a few comparisons and two appends (CheckBatch.extend's test, without its call).
+        raw = self._stream_handle()
+        lock = self._lock
+        lock.acquire()
+        try:
             run = self._run
-            if run is None or not run.extend(hidx, didx, layer, seq, raw):
+            if (
+                run is not None
+                and layer == run._last + 1
+                and hidx is run._hidx
+                and didx is run._didx
+                and raw == run._raw
+                and run._tracked
+                and hidx._version + didx._version == run._version_sum  # versions only grow: both unchanged
+                and run._in_order
+            ):
+                run._layers.append(layer)
+                run._seqs.append(seq)
+                run._last = layer
+            elif run is None or not run.extend(hidx, didx, layer, seq, raw):
                 if run is not None:
                     self._close_run()
                 run = self._run = CheckBatch(self, self.num_layers, raw_stream=raw)
@@ -351,6 +371,14 @@ class PageVerifier:
                 at_load_end(self.close_run)
             if layer in self._run_ends:
                 self._close_run()
+        finally:
+            lock.release()
+
+    def raise_if_flagged(self) -> None:
+        """Raise what the device reported, if it reported anything (the pool calls this before every call's
+        bytes move: one host load when nothing failed)."""
+        if self._flag.value or self._pending is not None:
+            self.raise_if_failed()
 
     def close_run(self, wait_host: bool = False) -> None:
         """Check the open run of per-layer loads now; the current stream and the run's own wait for the check
@@ -387,13 +415,9 @@ class PageVerifier:
         with self._lock:
             first = self._next_batch_number
             self._next_batch_number -= n
-            ring, size = self._batch_ring, len(self._batch_ring)
-            start = -first % size
-            if start + n <= size:  # one slice: a whole load's layers cost one assignment, not one per layer
-                ring[start : start + n] = zip(range(first, first - n, -1), seqs)
-            else:
-                for k, seq in enumerate(seqs):
-                    ring[(k - first) % size] = (first - k, seq)
+            ring = self._batch_ring
+            ring[self._batches % len(ring)] = (first, seqs)
+            self._batches += 1
         step = len(self.components)
         if self._side is None:
             return self._launch(hidx, didx, layers, first, True, step, moved)
@@ -479,9 +503,9 @@ class PageVerifier:
         """The call a failure word names: a batched check's number maps back to its layer's call while in the
         ring; a call's own number (positive), or a batch number too old to know, is returned as it is."""
         if number < 0:
-            held, seq = self._batch_ring[-number % len(self._batch_ring)]
-            if held == number:
-                return seq
+            for batch in self._batch_ring:  # a failure's report: a scan of the ring costs nothing that counts
+                if batch is not None and batch[0] >= number > batch[0] - len(batch[1]):
+                    return batch[1][batch[0] - number]
         return number
 
     def raise_if_failed(self) -> None:
@@ -540,6 +564,10 @@ class PageVerifier:
 _BATCH_CALLS = 1 << 16
 
 
+def _no_stream() -> int:
+    return 0
+
+
 def _version(t: torch.Tensor) -> int:
     """Torch's version counter of ``t`` (inference tensors have none: in-place writes to them cannot be seen)."""
     return 0 if t.is_inference() else t._version
@@ -560,7 +588,7 @@ class CheckBatch:
     """
 
     __slots__ = ("_verifier", "_run", "_in_order", "_stream", "_raw", "_stream_args", "_hidx", "_didx", "_h", "_d",
-                 "_versions", "_tracked", "_layers", "_seqs", "_last", "_done", "_launched")  # fmt: skip
+                 "_version_sum", "_tracked", "_layers", "_seqs", "_last", "_done", "_launched")  # fmt: skip
 
     def __init__(self, verifier: PageVerifier, layers: int, stream: Any = None, engine: str = "sm", *,
                  raw_stream: int = 0) -> None:  # fmt: skip
@@ -580,7 +608,7 @@ class CheckBatch:
         self._didx: torch.Tensor | None = None
         self._h: torch.Tensor | None = None
         self._d: torch.Tensor | None = None
-        self._versions = (0, 0)
+        self._version_sum = 0  # of both index tensors' version counters
         self._tracked = False  # both index tensors have version counters
         self._layers: list[int] = []
         self._seqs: list[int] = []
@@ -598,7 +626,7 @@ class CheckBatch:
             or hidx is not self._hidx
             or didx is not self._didx
             or raw_stream != self._raw
-            or ((hidx._version, didx._version) if self._tracked else (_version(hidx), _version(didx))) != self._versions
+            or (hidx._version + didx._version if self._tracked else _version(hidx) + _version(didx)) != self._version_sum
         ):
             return False
         self._layers.append(layer)
@@ -620,7 +648,7 @@ class CheckBatch:
         if self._hidx is None:
             self._hidx, self._didx = hidx, didx
             self._tracked = not (hidx.is_inference() or didx.is_inference())
-            self._versions = (_version(hidx), _version(didx))
+            self._version_sum = _version(hidx) + _version(didx)
             # The kernel's indices, taken now: host indices handed over are copied now, not at the check.
             v = self._verifier
             self._h, self._d = v._move(hidx, v.device), v._move(didx, v.device)
