@@ -626,7 +626,8 @@ class CheckBatch:
             or hidx is not self._hidx
             or didx is not self._didx
             or raw_stream != self._raw
-            or (hidx._version + didx._version if self._tracked else _version(hidx) + _version(didx)) != self._version_sum
+            or self._version_sum
+            != (hidx._version + didx._version if self._tracked else _version(hidx) + _version(didx))
         ):
             return False
         self._layers.append(layer)
