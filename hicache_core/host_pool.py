@@ -782,7 +782,7 @@ class HostPool(PageAccess):
         # The drop word's memory goes with the pool: nothing may read its address after this.
         self._drops = None  # type: ignore[assignment]
         self._drop_word = ctypes.c_int64(0)
-        self.verification.verifier = None
+        self.verification.use(None)  # its events hold the verifier's methods: they go with it
         self._on = PoolEvents()
         self.implementations = {}
         for attr in [b.attr for b in self.spec.buffers] + [a.attr for a in self.spec.aliases]:

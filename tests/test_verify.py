@@ -847,3 +847,19 @@ def test_the_default_is_on_for_cuda_pools_that_can_be_verified_and_off_for_cpu_p
     with pytest.raises(ValueError, match=r"verifies its pages \(HICACHE_VERIFY=1\), but get_contiguous_buf_infos"):
         asked.get_contiguous_buf_infos()  # asked for: the pool refuses rather than stop
     assert asked.verify
+
+
+def test_a_destroyed_pool_lets_its_verifier_and_its_pinned_table_go():
+    # The pool's events call the verifier's own methods while it verifies; destroy must drop them with it, or
+    # the checksum table stays allocated (and, on CUDA, pinned and counted) after the pool is gone.
+    import gc
+    import weakref
+
+    dp, host = _pool("mha", "page_first")
+    verifier = weakref.ref(host.verifier)
+    table = weakref.ref(host.verifier.table)
+    assert host.verifier.check in host._on.after_load  # the pool calls the verifier directly
+    host.destroy()
+    gc.collect()
+    assert verifier() is None and table() is None
+    assert host.verification.__dict__.keys().isdisjoint({"before_call", "after_load"})
