@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 import hicache_core as hc
-import hicache_core.verify as hc_verify
+import hicache_core.check_batch as hc_check_batch
 from hicache_core.device_pools import DeclaredDevicePool
 from hicache_core.registry import get_registry
 
@@ -290,12 +290,12 @@ def main() -> None:
     if not args.out:
         raise SystemExit("--out is required (or --list)")
     if args.copy_engine_runs is not None:
-        hc_verify.CHECK_RUNS_COPY_ENGINE = args.copy_engine_runs
+        hc_check_batch.CHECK_RUNS_COPY_ENGINE = args.copy_engine_runs
     if not torch.cuda.is_available():
         raise SystemExit("verify_cost.py measures the GPU: run it on the GPU machine")
     what = (
         "host-tier verification cost: verified vs unverified, same run; goal <= 0.03 at 4096 and 32768 tokens; "
-        f"copy-engine loads checked in {hc_verify.CHECK_RUNS_COPY_ENGINE} run(s)"
+        f"copy-engine loads checked in {hc_check_batch.CHECK_RUNS_COPY_ENGINE} run(s)"
     )
     rows = []
     for tokens, kind, layout, io in cases:

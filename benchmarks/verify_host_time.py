@@ -30,15 +30,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from verify_cost import host_call_us, pool_pair, write_result  # noqa: E402
 
+import hicache_core.check_batch as hc_check_batch  # noqa: E402
 import hicache_core.verify as hc_verify  # noqa: E402
 
 #: (module, class or None, function) of each timed step.
 STEPS = [
     (hc_verify, "PageVerifier", "check"),
-    (hc_verify, "CheckBatch", "__init__"),
-    (hc_verify, "CheckBatch", "add"),
-    (hc_verify, "CheckBatch", "extend"),
-    (hc_verify, "CheckBatch", "flush"),
+    (hc_check_batch, "CheckBatch", "__init__"),
+    (hc_check_batch, "CheckBatch", "add"),
+    (hc_check_batch, "CheckBatch", "extend"),
+    (hc_check_batch, "CheckBatch", "flush"),
     (hc_verify, "PageVerifier", "_check_layers"),
     (hc_verify, "PageVerifier", "_launch"),
     (hc_verify, None, "at_load_end"),

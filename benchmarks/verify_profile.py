@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from verify_cost import device_pool, items_and_page, write_result  # noqa: E402
 
 import hicache_core as hc  # noqa: E402
-from hicache_core import verify as hc_verify  # noqa: E402
+from hicache_core import check_batch as hc_check_batch  # noqa: E402
 
 CHECK_KERNEL = "page_checksums"
 #: (TILE_T, BLOCK_W, stages, num_warps) of the check kernel tried alone; the first is the shape it had before.
@@ -90,7 +90,7 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, check_only: b
     dp = device_pool(kind, items, page)
     layers = dp.layer_num
     result: dict = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens, "items": items}
-    defaults = hc_verify.CHECK_RUNS, hc_verify.CHECK_RUNS_COPY_ENGINE
+    defaults = hc_check_batch.CHECK_RUNS, hc_check_batch.CHECK_RUNS_COPY_ENGINE
     for verify in (True,) if check_only else (False, True):
         host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (items + 4 * page))
         slots = host.alloc(items)
@@ -108,7 +108,7 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, check_only: b
         for runs in runs_list if verify else (None,):
             tag = "plain" if runs is None else "verified" if runs == runs_list[0] else f"verified_r{runs}"
             if runs is not None:
-                hc_verify.CHECK_RUNS = hc_verify.CHECK_RUNS_COPY_ENGINE = runs
+                hc_check_batch.CHECK_RUNS = hc_check_batch.CHECK_RUNS_COPY_ENGINE = runs
             _timelines(result, tag, () if check_only else (("layerwise", layerwise), ("per_layer", per_layer)))
         if verify and host.verifier is not None and host.verifier.kernel:
             if host.geometry.items_are_pages:  # the verifier takes a page kind's page rows, as the pool hands them
@@ -116,7 +116,7 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, check_only: b
             result["check_alone"] = _check_alone(host.verifier, hs, dev, layers)
         host.check_verified()
         host.destroy()
-    hc_verify.CHECK_RUNS, hc_verify.CHECK_RUNS_COPY_ENGINE = defaults
+    hc_check_batch.CHECK_RUNS, hc_check_batch.CHECK_RUNS_COPY_ENGINE = defaults
     return result
 
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from .check_batch import CheckBatch
 from .pool_events import PoolObserver
-from .verify import ENV_VERIFY, CheckBatch, PageVerifier, host_rows, verify_default
+from .verify import ENV_VERIFY, PageVerifier, host_rows, verify_default
 
 _log = logging.getLogger("hicache")
 
@@ -129,7 +130,7 @@ class Verification(PoolObserver):
         self.verifier.check(h, d, layer, seq)
 
     def load_started(self, layers: int, engine: str) -> CheckBatch:
-        # A layer-wise load's layers are checked in one launch after the last (verify.CheckBatch).
+        # A layer-wise load's layers are checked in one launch after the last (check_batch.CheckBatch).
         self.verifier.close_run()
         return self.verifier.batch(layers, engine)
 

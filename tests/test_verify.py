@@ -10,6 +10,7 @@ import torch
 from core_helpers import DEVICE, device_pool, fill_random
 
 import hicache_core as hc
+import hicache_core.check_batch
 import hicache_core.verify
 from hicache_core.layer_loads import LayerLoadError
 from hicache_core.page_checksum import GROUP_TOKENS, M2, NO_CHECKSUM, checksum_bytes_reference, checksum_rows, seed
@@ -169,8 +170,8 @@ def _record_checked_layers(host) -> list[list[int]]:
 
 
 def test_a_load_is_checked_in_one_run_after_its_last_layer_or_in_the_runs_set(monkeypatch):
-    assert hicache_core.verify.check_runs("copy_engine") == 1 and hicache_core.verify.check_runs("sm") == 1
-    monkeypatch.setattr(hicache_core.verify, "CHECK_RUNS_COPY_ENGINE", 4)
+    assert hicache_core.check_batch.check_runs("copy_engine") == 1 and hicache_core.check_batch.check_runs("sm") == 1
+    monkeypatch.setattr(hicache_core.check_batch, "CHECK_RUNS_COPY_ENGINE", 4)
     dp, host = _pool("mha", "page_first")
     calls = _record_checked_layers(host)
     slots = host.alloc(host.page_size)
@@ -206,8 +207,8 @@ def test_a_layer_wise_loads_checks_run_in_runs_of_layers_naming_each_failing_lay
     _flip_host_byte(host, first, layer=0)
     _flip_host_byte(host, last, layer=1, part=1)
     calls = _record_checked_layers(host)
-    monkeypatch.setattr(hicache_core.verify, "CHECK_RUNS", 2)
-    monkeypatch.setattr(hicache_core.verify, "CHECK_RUNS_COPY_ENGINE", 2)  # "auto" may be the copy engine on CUDA
+    monkeypatch.setattr(hicache_core.check_batch, "CHECK_RUNS", 2)
+    monkeypatch.setattr(hicache_core.check_batch, "CHECK_RUNS_COPY_ENGINE", 2)  # "auto" may be the copy engine on CUDA
     seq = host._drops.seq
     load = host.submit_load(dp, slots, dev, "auto")
     try:
