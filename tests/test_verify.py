@@ -96,6 +96,7 @@ def test_kernel_matches_the_torch_definition(kind, layout):
         else (slots[:: host.page_size] // host.page_size, dev[:: host.page_size] // host.page_size)
     )
     kernel.backup(h, d, None, 1)
+    _sync()  # on CUDA both tables are written by kernels still running: pinned memory, read by the host
     assert torch.equal(kernel.table, host.verifier.table) and host.verifier.table.any()
     kernel.check(h, d, 1, 2)
     assert not kernel.flagged()
@@ -143,6 +144,7 @@ def test_kernel_sums_rows_wider_than_its_tile_as_the_definition(rows):
     # What the pool hands its verifier: a page kind's indices are its page rows.
     h, d = (slots.reshape(-1, p)[:, 0] // p, dev.reshape(-1, p)[:, 0] // p) if page_kind else (slots, dev)
     kernel.backup(h, d, None, 1)
+    _sync()  # on CUDA both tables are written by kernels still running: pinned memory, read by the host
     assert torch.equal(kernel.table, host.verifier.table) and host.verifier.table.any()
     kernel.check(h, d, 1, 2)
     assert not kernel.flagged()
