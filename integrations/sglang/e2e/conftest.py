@@ -102,6 +102,18 @@ class Fleet:
             self.outcomes[name] = workload.run(self.server(name), self.prompts)
         return self.outcomes[name]
 
+    def retire(self, names: list[str]) -> None:
+        """Stop the servers ``names`` once no later test needs them live, to free their memory (~2 GiB each,
+        which CI's other stages use meanwhile). A baseline's outcome is kept: it is what later tests compare
+        with. A retired server that is asked for again fails its test with why (``check_up``)."""
+        live = [n for n in names if n in self.servers and self.servers[n].error is None]
+        for name in live:
+            if name.startswith("base-"):
+                self.outcome(name)
+        stop_all([self.servers[n] for n in live])
+        for name in live:
+            self.servers[name].error = f"{name} was stopped after its last test (Fleet.retire)"
+
     def corrupt_flag(self, name: str) -> str:
         return os.path.join(self.root, f"{name}.corrupt")
 
