@@ -149,7 +149,8 @@ def selected(names: list[str]) -> list[str]:
 
 
 def _interrupt_on_sigterm() -> None:
-    """SIGTERM (a CI timeout, ``timeout``) ends the session like Ctrl-C, so every server is still stopped."""
+    """SIGTERM (a CI timeout, ``timeout``, CI stopping its background jobs) ends the session like Ctrl-C, so every
+    server is still stopped: each runs in a session of its own, which a signal to the suite's group misses."""
 
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -157,9 +158,13 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def pytest_configure(config):
+    # for every module (the refusals' servers too), not only once the fleet starts
+    _interrupt_on_sigterm()
+
+
 @pytest.fixture(scope="session")
 def fleet():
-    _interrupt_on_sigterm()
     root = tempfile.mkdtemp(prefix="hicache-sglang-e2e-")
     log_dir = os.environ.get("HICACHE_E2E_LOG_DIR")
     if log_dir:
