@@ -102,6 +102,18 @@ class Fleet:
             self.outcomes[name] = workload.run(self.server(name), self.prompts)
         return self.outcomes[name]
 
+    def retire(self, names: list[str]) -> None:
+        """Stop the servers ``names`` once no later test needs them live, to free their memory (~2 GiB each,
+        which CI's other stages use meanwhile). A baseline's outcome is kept: it is what later tests compare
+        with. A retired server that is asked for again fails its test with why (``check_up``)."""
+        live = [n for n in names if n in self.servers and self.servers[n].error is None]
+        for name in live:
+            if name.startswith("base-"):
+                self.outcome(name)
+        stop_all([self.servers[n] for n in live])
+        for name in live:
+            self.servers[name].error = f"{name} was stopped after its last test (Fleet.retire)"
+
     def corrupt_flag(self, name: str) -> str:
         return os.path.join(self.root, f"{name}.corrupt")
 
@@ -137,7 +149,8 @@ def selected(names: list[str]) -> list[str]:
 
 
 def _interrupt_on_sigterm() -> None:
-    """SIGTERM (a CI timeout, ``timeout``) ends the session like Ctrl-C, so every server is still stopped."""
+    """SIGTERM (a CI timeout, ``timeout``, CI stopping its background jobs) ends the session like Ctrl-C, so every
+    server is still stopped: each runs in a session of its own, which a signal to the suite's group misses."""
 
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -145,9 +158,13 @@ def _interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def pytest_configure(config):
+    # for every module (the refusals' servers too), not only once the fleet starts
+    _interrupt_on_sigterm()
+
+
 @pytest.fixture(scope="session")
 def fleet():
-    _interrupt_on_sigterm()
     root = tempfile.mkdtemp(prefix="hicache-sglang-e2e-")
     log_dir = os.environ.get("HICACHE_E2E_LOG_DIR")
     if log_dir:

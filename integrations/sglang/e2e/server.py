@@ -98,6 +98,12 @@ class Server:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN, env.get("PYTHONPATH")) if p)
         # SGLang keeps 10 GiB of host memory back from HiCache; a 2-core CI machine may have less in all.
         env.setdefault("HICACHE_SGLANG_HOST_RESERVE_GIB", "0.5")
+        # When a child process ends (the suite stops every server by its process group, and the refusals end
+        # the scheduler), SGLang's launcher sleeps 5 s "to let GPU activity settle" before py-spy and CUDA
+        # core dumps; there is no GPU here and no py-spy in the environment, so the sleep only delays the exit
+        # (measured: 5 of the 6 s each stop took). The dumps stay on where asked for.
+        env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
+        env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
         env.update(self.env)
         return env
 

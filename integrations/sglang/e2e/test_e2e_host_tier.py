@@ -7,10 +7,20 @@ import re
 
 import pytest
 import workload
-from conftest import BY_NAME, CASE_IDS, need
+from conftest import BY_NAME, CASE_IDS, CASES, need
 from hicache_sglang.identity import PREFIX
 
 OPS = ("backup_from_device_all_layer", "backup_from_device_per_layer", "load_to_device_per_layer")
+#: The fleet's servers no later module needs live: the cases without L3 (test_e2e_storage restarts the others)
+#: and the page-size-1 baseline, whose outcome the storage tests compare with (the peer and weight-update
+#: modules use base-p16's server).
+DONE_AFTER_THIS_MODULE = ["base-p1", *(c.name for c in CASES if not c.storage)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _retire_servers_done_here(fleet):
+    yield
+    fleet.retire(DONE_AFTER_THIS_MODULE)
 
 
 def _whole_pages(tokens: int, page_size: int) -> int:

@@ -4,12 +4,14 @@ Two checkpoints of the same architecture with different random weights. ``wv-upd
 first with hicache's ``file://`` L3 tier (write_through): a prompt's pages reach the store, and load
 from it after a flush (so this server does load that prefix from L3 when nothing stops it). Then
 ``POST /update_weights_from_disk`` switches it to the second checkpoint. The same prompt must give,
-token for token, what ``wv-fresh`` (a server started on the second checkpoint) gives, and neither
-the host tier nor L3 may load a page of the first: SGLang's accounting shows no cached token,
-hicache's metrics no L3 read and no host-to-device load, and the miss is counted under its reason,
+token for token, what a server started on the second checkpoint gives, and neither the host tier
+nor L3 may load a page of the first: SGLang's accounting shows no cached token, hicache's metrics
+no L3 read and no host-to-device load, and the miss is counted under its reason,
 ``old_weight_version``.
 
-Two servers only, started together, for this module (each start costs ~25 CPU-seconds).
+The second checkpoint is the fleet's own model, so the server started on it is the fleet's server
+without HiCache of the same page size (``base-p16``): this module starts one server of its own
+(each start costs ~25 CPU-seconds), not two.
 """
 
 from __future__ import annotations
@@ -19,34 +21,36 @@ import time
 
 import pytest
 import workload
-from conftest import Case, selected
+from conftest import Case, need, selected
 from server import Server, start_all, stop_all
 from tiny_model import make_llama
 
 CASE = Case("wv-lf-direct-p16-wt-hfile", "layer_first", "direct", 16, "write_through", storage="hicache-file")
-NAMES = ("wv-updated", "wv-fresh")
+NAMES = ("wv-updated",)
 #: hicache's figures reach /metrics every second here (default 5); a wait covers a few syncs.
 METRICS_INTERVAL = 1.0
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def servers(fleet, tmp_path_factory):
     if selected(list(NAMES)) != list(NAMES):
         pytest.skip(f"HICACHE_E2E_ONLY leaves out server(s) {', '.join(NAMES)}")
+    need(fleet, f"base-p{CASE.page_size}")
     root = tmp_path_factory.mktemp("weight-update")
-    first = make_llama(str(root / "checkpoint-1"), seed=0)
-    second = make_llama(str(root / "checkpoint-2"), seed=1)
+    # the fleet's model is make_llama's seed 0: the first checkpoint is the same architecture, other weights
+    first = make_llama(str(root / "checkpoint-1"), seed=1)
+    second = fleet.model
+    fresh = fleet.servers[f"base-p{CASE.page_size}"]  # started on the second checkpoint, without HiCache
     store = root / "l3"
     store.mkdir()
     log_dir = os.environ.get("HICACHE_E2E_LOG_DIR") or str(root)
     env = {"HICACHE_METRICS_INTERVAL": str(METRICS_INTERVAL)}
     updated = Server(NAMES[0], first, CASE.args(f"file://{store}"), log_dir, env=env)
-    fresh = Server(NAMES[1], second, ["--page-size", str(CASE.page_size)], log_dir)
     try:
-        start_all([updated, fresh], 2)
+        start_all([updated], 1)
         yield updated, fresh, second, store
     finally:
-        stop_all([updated, fresh])
+        stop_all([updated])
 
 
 def _namespaces(store) -> dict[str, int]:

@@ -4,6 +4,7 @@ the GPU machine, which has no vLLM: the block mover's tests need none, the engin
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,17 @@ DEVICE = os.environ.get("HICACHE_TEST_DEVICE", "cpu")
 sys.path.insert(0, str(Path(__file__).parent))
 #: storage-s3's test helpers (its SeaweedFS server), as benchmarks/s3_bench.py takes them.
 S3_TESTS = Path(__file__).resolve().parents[3] / "plugins" / "storage-s3" / "tests"
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI timeout, CI stopping its background jobs) ends the session like Ctrl-C, so the engines, the
+    server and SeaweedFS are still stopped by their fixtures: each runs in a session of its own, which a signal
+    to the suite's process group misses."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 @pytest.fixture(scope="session")
