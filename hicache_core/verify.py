@@ -14,8 +14,8 @@ host, verification checks the bytes, and costs a table and a pass of device time
   pinned on CUDA, next to the host buffers, reached by the kernel through UVA.
 * **After a load**, a kernel checksums the device rows that were just loaded and compares them with
   the table, once for all the layers of a load, after the last one
-  (:class:`~hicache_core.check_batch.CheckBatch`), in order on the stream its copies went on: a layer-
-  wise load's (``HostPool.submit_load``) on the loader's stream once the last layer's event is
+  (:class:`~hicache_core.check_batch.CheckBatch`), in order on the stream its copies went on: a
+  layer-wise load's (``HostPool.submit_load``) on the loader's stream once the last layer's event is
   recorded, and a server's loop of per-layer loads (consecutive layers, the same indices, one stream:
   a *run*) when the run reaches the pool's last layer, on the caller's stream. The layers' consumers
   do not wait for it; what follows the last layer on the caller's stream and on the copies' stream
