@@ -291,9 +291,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _backed_up_mha():
-    """An MHA ``page_first`` pool with two pages backed up: ``(device pool, host pool, host slots, device rows)``."""
-    dp, host = _pool("mha", "page_first")
+def _backed_up_mha(layout: str = "page_first"):
+    """An MHA pool (``layout``) with two pages backed up: ``(device pool, host pool, host slots, device rows)``."""
+    dp, host = _pool("mha", layout)
     p = host.page_size
     slots = host.alloc(2 * p)
     dev = torch.arange(p, 3 * p)
@@ -480,12 +480,8 @@ def test_a_run_a_loader_step_leaves_open_is_checked_when_the_load_stops():
 
 
 def test_a_verifying_pool_refuses_part_of_a_page_before_any_byte_moves():
-    dp, host = _pool("mha", "layer_first")
+    dp, host, slots, dev = _backed_up_mha("layer_first")
     p = host.page_size
-    slots = host.alloc(2 * p)
-    dev = torch.arange(p, 3 * p)
-    host.backup_from_device_all_layer(dp, slots, dev, "auto")
-    _sync()
     before = [t.view(torch.uint8).clone() for t in dp.k_buffer + dp.v_buffer]  # random bytes: NaNs among them
     moved = rf"\(verify=True\), but a call moved {2 * p - 1} slots, part of a page \(page_size {p}\)"
     with pytest.raises(ValueError, match=moved):
