@@ -205,14 +205,15 @@ def _have(module: str) -> bool:
 
 def suite_step(py: str, cuda: dict):
     """The suite on CUDA pools. Workers in parallel where pytest-xdist is there: the first call of each
-    kernel specialisation compiles, and compiling is what takes the time."""
+    kernel specialisation compiles, and compiling is what takes the time. Beside the other functional steps
+    it reached 260 s at 97 % on an H100 host: bounded at 330 s, which the gate's 600 s still holds."""
 
     def make() -> list[dict]:
         junit = RESULTS / "gpu-check-suite.xml"
         parallel = ["-n", "8"] if _have("xdist") else []
         live_args, live_env = live("suite")
         step = run("suite", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *parallel, *live_args, "tests",
-                             "plugins", f"--junitxml={junit}"], 260, cuda | live_env)  # fmt: skip
+                             "plugins", f"--junitxml={junit}"], 330, cuda | live_env)  # fmt: skip
         return [step | (junit_counts(junit) or live_summary("suite"))]
 
     return make
