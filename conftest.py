@@ -14,6 +14,13 @@ a kernel that imports only ``triton.language``) runs Triton's own ``_patch_lang`
 launch; Triton never restores that patch, so later calls in the same launch skip it too. Nested calls
 with no launch active or with another thread's launch beside it run Triton's own ``_patch_lang``.
 
+Second, Triton's overflow sanitizer (``TritonSemantic.binary_op_sanitize_overflow_impl``) recomputes every
+add, subtract and multiply of integers narrower than 64 bits in int64 and hands the range check to
+``device_assert``, which returns at once unless the builder's options ask for debug; the interpreter's
+never do (``InterpreterOptions()``). The check was computed and dropped on every such operation, about a
+fifth of the kernel conformance suite's interpreter time; it now runs only where ``device_assert`` would
+act on it.
+
 It leans on the interpreter's internals, so it is pinned: triton 3.6.0 (scripts/dev's pin), and the
 source of each function it replaces or relies on is hashed and compared before it is installed. On
 any other triton it is not installed (the SGLang environment has triton 3.8.0 and loads this file
@@ -42,6 +49,8 @@ _PINNED = {
     "_LangPatchScope": "1b26f629cd7367a8d24ead385f65b25b7bac0c2e3afeecb939900c00c356efd8",
     "GridExecutor.__call__": "a8a9450a0a0406a335b61e41b531dfec7b8976ff394f286affa49ebb987f3d2f",
     "InterpretedFunction.__call__": "f2446df46264004916b677478c2eef6ef349bd2c04a99da9eade596b78cd54d8",
+    "TritonSemantic.binary_op_sanitize_overflow_impl": "1ad65a10738d191c7a22b4ba157b323c9e7fa1744280946f33716d86ec3de5a2",
+    "TritonSemantic.device_assert": "903c1a211e4087202be7bd766a739d01c5356b24318ff6db1037a81e4c2623d6",
 }
 
 
@@ -136,9 +145,18 @@ def install() -> None:
 
     # InterpretedFunction.__call__ calls _patch_lang then runs the rewritten function; device_call does the
     # same minus the redundant patch, so it replaces the method.
-    _replaced.update({"_patch_lang": patch_lang, "InterpretedFunction.__call__": rewrite_call})
+    sanitize = interpreter.TritonSemantic.binary_op_sanitize_overflow_impl
+
+    def sanitize_where_asserted(self, lhs, rhs, binary_op):
+        # its one effect is a device_assert, which does nothing without debug (pinned above)
+        if self.builder.options.debug:
+            return sanitize(self, lhs, rhs, binary_op)
+
+    _replaced.update({"_patch_lang": patch_lang, "InterpretedFunction.__call__": rewrite_call,
+                      "TritonSemantic.binary_op_sanitize_overflow_impl": sanitize})  # fmt: skip
     interpreter._patch_lang = launch_patch_lang
     interpreter.InterpretedFunction.__call__ = device_call
+    interpreter.TritonSemantic.binary_op_sanitize_overflow_impl = sanitize_where_asserted
     installed = True
 
 

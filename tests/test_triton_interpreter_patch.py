@@ -1,7 +1,8 @@
 """The root conftest's speed-up of Triton's interpreter: same results, same patch state after a launch.
 
 It skips a nested device function's redundant ``_patch_lang`` while the kernel launch around it has
-patched the same modules (conftest.py says why that is safe, and is pinned to triton 3.6.0).
+patched the same modules, and Triton's overflow check where nothing would act on its result (conftest.py
+says why both are safe, and is pinned to triton 3.6.0).
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def nested_kernel(src, dst, total, N: tl.constexpr):
     offsets = tl.arange(0, N)
     tl.store(dst + offsets, plus_one(src, offsets) + double_at(src, offsets) + double_at(src, offsets))
     tl.store(total, row_sum(src, offsets))
+
+
+@triton.jit
+def add_int32(a_ptr, b_ptr, out_ptr, N: tl.constexpr):
+    offsets = tl.arange(0, N)
+    tl.store(out_ptr + offsets, tl.load(a_ptr + offsets) + tl.load(b_ptr + offsets))
 
 
 def _lang_state() -> dict[str, object]:
@@ -125,3 +132,23 @@ def test_builtins_outside_a_launch_are_triton_s(speedup):
     _run()
     with pytest.raises(ValueError, match="Did you forget to add @triton.jit"):
         tl.arange(0, 8)
+
+
+def _add_past_int32_max() -> list[int]:
+    a = torch.tensor([2**31 - 1, 5], dtype=torch.int32)
+    out = torch.zeros(2, dtype=torch.int32)
+    add_int32[(1,)](a, torch.ones(2, dtype=torch.int32), out, N=2)
+    return out.tolist()
+
+
+def test_the_overflow_check_acts_as_triton_s_without_debug_and_with_it(speedup, monkeypatch):
+    # without debug (the interpreter's options) an int32 overflow wraps, as with Triton's own check
+    assert _add_past_int32_max() == [-(2**31), 6]
+    with monkeypatch.context() as m:
+        m.setattr(interpreter.TritonSemantic, "binary_op_sanitize_overflow_impl",
+                  speedup._replaced["TritonSemantic.binary_op_sanitize_overflow_impl"])  # fmt: skip
+        assert _add_past_int32_max() == [-(2**31), 6]
+    # with debug the check runs and Triton's assert reports the overflow
+    monkeypatch.setattr(interpreter.interpreter_builder, "options", interpreter.InterpreterOptions(debug=True))
+    with pytest.raises(Exception, match="int32 overflow detected for operation add"):
+        _add_past_int32_max()
