@@ -49,7 +49,9 @@ _PINNED = {
     "_LangPatchScope": "1b26f629cd7367a8d24ead385f65b25b7bac0c2e3afeecb939900c00c356efd8",
     "GridExecutor.__call__": "a8a9450a0a0406a335b61e41b531dfec7b8976ff394f286affa49ebb987f3d2f",
     "InterpretedFunction.__call__": "f2446df46264004916b677478c2eef6ef349bd2c04a99da9eade596b78cd54d8",
-    "TritonSemantic.binary_op_sanitize_overflow_impl": "1ad65a10738d191c7a22b4ba157b323c9e7fa1744280946f33716d86ec3de5a2",
+    "TritonSemantic.binary_op_sanitize_overflow_impl": (
+        "1ad65a10738d191c7a22b4ba157b323c9e7fa1744280946f33716d86ec3de5a2"
+    ),
     "TritonSemantic.device_assert": "903c1a211e4087202be7bd766a739d01c5356b24318ff6db1037a81e4c2623d6",
 }
 
