@@ -14,19 +14,21 @@ a kernel that imports only ``triton.language``) runs Triton's own ``_patch_lang`
 launch; Triton never restores that patch, so later calls in the same launch skip it too. Nested calls
 with no launch active or with another thread's launch beside it run Triton's own ``_patch_lang``.
 
-Second, Triton's overflow sanitizer (``TritonSemantic.binary_op_sanitize_overflow_impl``) recomputes every
-add, subtract and multiply of integers narrower than 64 bits in int64 and hands the range check to
-``device_assert``, which returns at once unless the builder's options ask for debug; the interpreter's
-never do (``InterpreterOptions()``). The check was computed and dropped on every such operation, about a
-fifth of the kernel conformance suite's interpreter time; it now runs only where ``device_assert`` would
-act on it.
+Second (``install_check``), Triton's overflow check (``TritonSemantic.binary_op_sanitize_overflow_impl``)
+recomputes every add, subtract and multiply of integers narrower than 64 bits in int64 and hands the range
+check to ``device_assert``, which returns at once unless the builder's options ask for debug; the
+interpreter's never do (``InterpreterOptions()``). The check was computed and dropped on every such
+operation, a fifth of the kernel conformance suite's interpreter time and of SGLang's suite's; it now runs
+only where ``device_assert`` would act on it. It is pinned per triton on its own (``_CHECK_PINNED``: the
+core's 3.6.0 and the SGLang environment's 3.8.0).
 
-It leans on the interpreter's internals, so it is pinned: triton 3.6.0 (scripts/dev's pin), and the
-source of each function it replaces or relies on is hashed and compared before it is installed. On
+Both lean on the interpreter's internals, so they are pinned. The first: triton 3.6.0 (scripts/dev's pin),
+and the source of each function it replaces or relies on is hashed and compared before it is installed. On
 any other triton it is not installed (the SGLang environment has triton 3.8.0 and loads this file
 too), and tests/test_triton_interpreter_patch.py, in the core suite, fails naming what differs: a
 triton change in scripts/dev fails CI loudly until the new interpreter is read and ``_PINNED``
-updated. GPU runs (no ``TRITON_INTERPRET``) never install it.
+updated; the second likewise, in each of its environments (the SGLang suite's
+test_triton_interpreter_check.py). GPU runs (no ``TRITON_INTERPRET``) install neither.
 """
 
 from __future__ import annotations
@@ -49,11 +51,17 @@ _PINNED = {
     "_LangPatchScope": "1b26f629cd7367a8d24ead385f65b25b7bac0c2e3afeecb939900c00c356efd8",
     "GridExecutor.__call__": "a8a9450a0a0406a335b61e41b531dfec7b8976ff394f286affa49ebb987f3d2f",
     "InterpretedFunction.__call__": "f2446df46264004916b677478c2eef6ef349bd2c04a99da9eade596b78cd54d8",
-    "TritonSemantic.binary_op_sanitize_overflow_impl": (
-        "1ad65a10738d191c7a22b4ba157b323c9e7fa1744280946f33716d86ec3de5a2"
-    ),
-    "TritonSemantic.device_assert": "903c1a211e4087202be7bd766a739d01c5356b24318ff6db1037a81e4c2623d6",
 }
+_CHECK = "TritonSemantic.binary_op_sanitize_overflow_impl"
+_ASSERT = "TritonSemantic.device_assert"
+#: The overflow check's speed-up, per triton (the core's 3.6.0 and the SGLang environment's 3.8.0): sha256 of the
+#: check it replaces and of the assert its equivalence rests on.
+_CHECK_PINNED = {
+    "3.6.0": {_CHECK: "1ad65a10738d191c7a22b4ba157b323c9e7fa1744280946f33716d86ec3de5a2",
+              _ASSERT: "903c1a211e4087202be7bd766a739d01c5356b24318ff6db1037a81e4c2623d6"},
+    "3.8.0": {_CHECK: "bdd7f3e24aa645ab7d9560d3c8df63c971f33d54937cb3ed5851e3c7d2eb9467",
+              _ASSERT: "903c1a211e4087202be7bd766a739d01c5356b24318ff6db1037a81e4c2623d6"},
+}  # fmt: skip
 
 
 @dataclass(eq=False)  # removed by identity: two launches may hold equal fields
@@ -67,15 +75,16 @@ class _Launch:
 
 _active: list[_Launch] = []
 installed = False
-#: Triton's own functions that install() replaced, by their _PINNED names.
+check_installed = False
+#: Triton's own functions that install() replaced, by their _PINNED and _CHECK_PINNED names.
 _replaced: dict[str, object] = {}
 
 
-def _sources(interpreter) -> dict[str, str]:
+def _sources(interpreter, names=_PINNED) -> dict[str, str]:
     # what is replaced, and what the skip's equivalence rests on: which attributes a patch sets, and how
     # a launch restores them
     sources = {}
-    for name in _PINNED:
+    for name in names:
         obj = interpreter
         for part in name.split("."):
             obj = getattr(obj, part)
@@ -95,6 +104,38 @@ def mismatches(version: str, interpreter) -> list[str]:
         if hashlib.sha256(source.encode()).hexdigest() != _PINNED[name]:
             mismatched.append(name)
     return mismatched
+
+
+def check_mismatches(version: str, interpreter) -> list[str]:
+    """What differs from the tritons the overflow check's speed-up was written for (empty: a pinned one)."""
+    pinned = _CHECK_PINNED.get(version)
+    if pinned is None:
+        return [f"triton {version}"]
+    return [name for name, source in _sources(interpreter, pinned).items()
+            if hashlib.sha256(source.encode()).hexdigest() != pinned[name]]  # fmt: skip
+
+
+def install_check() -> None:
+    """Run Triton's overflow check only where its assert acts (once), on a pinned triton only."""
+    global check_installed
+    if check_installed:
+        return
+    import triton
+    from triton.runtime import interpreter
+
+    if check_mismatches(triton.__version__, interpreter):
+        return  # Triton's own check runs; the core suite's test of this speed-up fails, naming what differs
+    check = interpreter.TritonSemantic.binary_op_sanitize_overflow_impl
+
+    def check_where_asserted(self, lhs, rhs, binary_op):
+        # Besides two asserts of what its caller already made so (equal integer operand types), its one effect
+        # is a device_assert, which does nothing without debug (pinned above).
+        if self.builder.options.debug:
+            return check(self, lhs, rhs, binary_op)
+
+    _replaced[_CHECK] = check
+    interpreter.TritonSemantic.binary_op_sanitize_overflow_impl = check_where_asserted
+    check_installed = True
 
 
 def install() -> None:
@@ -147,18 +188,9 @@ def install() -> None:
 
     # InterpretedFunction.__call__ calls _patch_lang then runs the rewritten function; device_call does the
     # same minus the redundant patch, so it replaces the method.
-    sanitize = interpreter.TritonSemantic.binary_op_sanitize_overflow_impl
-
-    def sanitize_where_asserted(self, lhs, rhs, binary_op):
-        # its one effect is a device_assert, which does nothing without debug (pinned above)
-        if self.builder.options.debug:
-            return sanitize(self, lhs, rhs, binary_op)
-
-    _replaced.update({"_patch_lang": patch_lang, "InterpretedFunction.__call__": rewrite_call,
-                      "TritonSemantic.binary_op_sanitize_overflow_impl": sanitize})  # fmt: skip
+    _replaced.update({"_patch_lang": patch_lang, "InterpretedFunction.__call__": rewrite_call})
     interpreter._patch_lang = launch_patch_lang
     interpreter.InterpretedFunction.__call__ = device_call
-    interpreter.TritonSemantic.binary_op_sanitize_overflow_impl = sanitize_where_asserted
     installed = True
 
 
@@ -169,3 +201,4 @@ def pytest_configure(config) -> None:
         except ImportError:
             return
         install()
+        install_check()

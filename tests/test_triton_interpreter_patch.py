@@ -92,12 +92,18 @@ def test_pinned_triton_matches(speedup):
     # scripts/dev installs triton==3.6.0; a change there fails here until conftest.py's _PINNED is updated
     assert speedup.mismatches(triton.__version__, interpreter) == []
     assert interpreter.InterpretedFunction.__call__.__name__ == "device_call"
+    assert speedup.check_mismatches(triton.__version__, interpreter) == []
+    assert speedup.check_installed
+    assert interpreter.TritonSemantic.binary_op_sanitize_overflow_impl.__name__ == "check_where_asserted"
 
 
 def test_a_changed_interpreter_is_refused(speedup, monkeypatch):
     monkeypatch.setitem(speedup._PINNED, "_patch_lang", "0" * 64)
     assert speedup.mismatches(triton.__version__, interpreter) == ["_patch_lang"]
     assert speedup.mismatches("3.7.0", interpreter)[0] == "triton 3.7.0"
+    assert speedup.check_mismatches("3.7.0", interpreter) == ["triton 3.7.0"]
+    monkeypatch.setitem(speedup._CHECK_PINNED[triton.__version__], speedup._ASSERT, "0" * 64)
+    assert speedup.check_mismatches(triton.__version__, interpreter) == [speedup._ASSERT]
 
 
 def test_nested_calls_compute_and_the_launch_restores(speedup):
