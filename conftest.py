@@ -124,7 +124,7 @@ def install_check() -> None:
     from triton.runtime import interpreter
 
     if check_mismatches(triton.__version__, interpreter):
-        return  # Triton's own check runs; the core suite's test of this speed-up fails, naming what differs
+        return  # Triton's own check runs; this environment's test of the speed-up fails, naming what differs
     check = interpreter.TritonSemantic.binary_op_sanitize_overflow_impl
 
     def check_where_asserted(self, lhs, rhs, binary_op):
