@@ -63,6 +63,27 @@ def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = Non
             time.sleep(0.05)
 
 
+def stop_process(pid: int, bound_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads is stopped (bounded).
+
+    ``kill`` returns before the signal has landed: on a busy machine the threads stop one by one, and one
+    that runs meanwhile may still answer a request sent right after."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue
+        if states and all(s in "Tt" for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} was not stopped {bound_s} s after SIGSTOP")
+
+
 class ServerProcess:
     """One server process: ``argv_for(port)`` is its command line; its output goes to ``log``."""
 
@@ -102,9 +123,9 @@ class ServerProcess:
             self.proc.wait(10)
 
     def pause(self) -> None:
-        """SIGSTOP: the server stops answering (a slow or hung store)."""
+        """SIGSTOP: the server stops answering (a slow or hung store); returns once it has stopped."""
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        stop_process(self.proc.pid)
 
     def resume(self) -> None:
         assert self.proc is not None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_core.testing.servers import start_redis
+from hicache_core.testing.servers import start_redis, stop_process
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_proc import TEST_OPTIONS  # noqa: E402
@@ -78,7 +78,11 @@ class Proc:
         return text[-3000:]
 
     def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
+        """Send ``sig``; SIGSTOP returns once every thread has stopped (until then one may still serve a read)."""
+        if sig == signal.SIGSTOP:
+            stop_process(self.proc.pid)
+        else:
+            os.kill(self.proc.pid, sig)
 
     def stop(self, timeout: float = 30.0) -> dict:
         (self.workdir / "stop").write_text("1")
