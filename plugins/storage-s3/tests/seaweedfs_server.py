@@ -81,6 +81,11 @@ class SeaweedFS(ServerProcess):
                     "-s3.port.lance=0", f"-s3.config={workdir / 's3.json'}", "-s3.autoCreateBucket=false",
                     f"-master.volumeSizeLimitMB={volume_size_mb}", f"-volume.max={volume_max}",
                     "-volume.preStopSeconds=0", "-master.electionTimeout=1s",
+                    # By default a volume server below 1 % free disk marks every volume read-only and a write
+                    # hangs until the client times out ("HTTP 0 timed out"): on a 252 GB CI disk that is 2.5 GB,
+                    # which a run that fills its disk with three Python environments crossed. The tests write
+                    # megabytes; a full store is tested with small volumes (test_s3_faults), not a full disk.
+                    "-volume.minFreeSpace=64MiB",
                     # A restart keeps the data; a master that resumed its raft state took 8 s more to take writes.
                     "-master.resumeState=false", f"-filer.localSocket={workdir / 'filer.sock'}",
                     f"-s3.localSocket={workdir / 's3.sock'}", *extra]  # fmt: skip
