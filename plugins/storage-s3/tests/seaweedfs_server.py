@@ -90,6 +90,7 @@ class SeaweedFS(ServerProcess):
                     "-master.resumeState=false", f"-filer.localSocket={workdir / 'filer.sock'}",
                     f"-s3.localSocket={workdir / 's3.sock'}", *extra]  # fmt: skip
 
+        self.data_dir = workdir / "data"
         self.buckets: list[str] = []
         super().__init__(argv, workdir / f"weed-{uuid.uuid4().hex[:6]}.log", port=_port_pair(),
                          start_timeout=start_timeout)  # fmt: skip
@@ -115,8 +116,15 @@ class SeaweedFS(ServerProcess):
                 return self
             if time.monotonic() > deadline or (self.proc is not None and self.proc.poll() is not None):
                 self.kill()
-                raise RuntimeError(f"SeaweedFS S3 did not answer in {self.start_timeout} s: {status} {body[:300]!r}")
+                raise RuntimeError(
+                    f"SeaweedFS S3 did not answer in {self.start_timeout} s: {status} {body[:300]!r}"
+                    f" ({self.free_disk()})"
+                )
             time.sleep(0.2)
+
+    def free_disk(self) -> str:
+        """The free space of the data folder's disk, for errors: a write that hangs may be a full disk."""
+        return f"{shutil.disk_usage(self.data_dir).free / 2**20:.0f} MiB free on the data folder's disk"
 
     def stop(self, timeout: float = 1.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``: weed's graceful stop takes over ten seconds (data is on disk)."""
@@ -144,7 +152,7 @@ class SeaweedFS(ServerProcess):
             if status == 200:
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"PUT {name}/ready-probe: HTTP {status} {body[:300]!r}")
+                raise RuntimeError(f"PUT {name}/ready-probe: HTTP {status} {body[:300]!r} ({self.free_disk()})")
             time.sleep(0.2)
         self.buckets.append(name)
         return name
