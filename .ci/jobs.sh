@@ -21,12 +21,17 @@ stage_table() {
   done <"$CI_STAGE_TIMES"
   echo "total: $(($(date +%s) - ci_start)) s wall"
 }
+ended() {  # ended PID: the job is gone, or a zombie not reaped yet
+  local state
+  state=$(ps -o stat= -p "$1" 2>/dev/null || true)
+  [ -z "$state" ] || [ "${state:0:1}" = Z ]
+}
 failed_background() {  # on an early exit: the end of every log of a background job that failed and was not printed
   local i pid status
   for i in "${!bg_pids[@]}"; do
     pid=${bg_pids[$i]}
     case "$awaited" in *" ${bg_names[$i]} "*) continue ;; esac
-    if kill -0 "$pid" 2>/dev/null && [ "$(ps -o stat= -p "$pid" | cut -c1)" != Z ]; then
+    if ! ended "$pid"; then
       echo "--- background job ${bg_names[$i]}: still running, stopped ---"
       continue
     fi
@@ -67,10 +72,9 @@ await() {  # await NAME: waits for the background job NAME, prints its log, fail
   fi
 }
 ready() {  # ready NAME JOB: waits until the background job JOB has written $bg_logs/NAME.ready; fails CI if JOB ended first
-  local name=$1 var="bg_pid_${2//-/_}" state
+  local name=$1 var="bg_pid_${2//-/_}"
   while [ ! -f "$bg_logs/$name.ready" ]; do
-    state=$(ps -o stat= -p "${!var}" 2>/dev/null || true)  # gone, or a zombie not reaped yet: it ended
-    if { [ -z "$state" ] || [ "${state:0:1}" = Z ]; } && [ ! -f "$bg_logs/$name.ready" ]; then
+    if ended "${!var}" && [ ! -f "$bg_logs/$name.ready" ]; then
       await "$2"
       echo "FAILED: background job $2 ended without $name" >&2
       exit 1
