@@ -4,9 +4,13 @@ obstore starts and completes multipart uploads but never aborts one it was stopp
 upload's parts stay on the server, billed, until a lifecycle rule removes them), and it has no call to
 abort or list them. An upload is therefore made here with botocore's S3 client (the AWS SDK, with the
 same endpoint, region, credentials and timeouts as the backend's obstore client): every part in its
-own request, and on any failure, and on cancellation at the batch's deadline,
-``AbortMultipartUpload``, once at once and once more after the parts still in flight have ended (a
-part that lands after an abort makes the upload exist again on some servers).
+own request, and on any failure, and on cancellation at the batch's deadline, ``AbortMultipartUpload``.
+
+A part that lands after an abort makes the upload exist again on some servers, so the abort comes last:
+first no part request may start any more (each checks, in its thread, right before it is sent, under the
+lock that stopping takes: a part queued behind the concurrency bound or behind the shared thread pool is
+then never sent), then the part tasks are cancelled and the requests already sent are waited for (each
+bounded by its timeout), and only then is the upload aborted; once more if a sent part outlived that wait.
 """
 
 from __future__ import annotations
@@ -74,46 +78,60 @@ class MultipartUploader:
             return fut
 
         create = call(client.create_multipart_upload)
-        parts: list[asyncio.Future] = []
+        parts = _Parts()
+        tasks: list[asyncio.Task] = []
         try:
             upload_id = (await asyncio.shield(create))["UploadId"]
             gate = asyncio.Semaphore(concurrency)
 
             async def part(number: int, start: int) -> dict[str, Any]:
                 async with gate:
-                    fut = call(client.upload_part, UploadId=upload_id, PartNumber=number,
-                               Body=bytes(body[start : start + part_size]))  # fmt: skip
-                    parts.append(fut)
-                    answer = await asyncio.shield(fut)
+                    request = functools.partial(client.upload_part, Bucket=self.bucket, Key=key,
+                                                UploadId=upload_id, PartNumber=number,
+                                                Body=bytes(body[start : start + part_size]))  # fmt: skip
+                    answer = await asyncio.shield(parts.submit(loop, self._pool, request))
                 return {"ETag": answer["ETag"], "PartNumber": number}
 
-            done = await asyncio.gather(*[part(i + 1, off) for i, off in enumerate(range(0, len(body), part_size))])
+            sizes = range(0, len(body), part_size)
+            tasks = [asyncio.ensure_future(part(i + 1, off)) for i, off in enumerate(sizes)]
+            done = await asyncio.gather(*tasks)
             await asyncio.shield(call(client.complete_multipart_upload, UploadId=upload_id,
                                       MultipartUpload={"Parts": list(done)}))  # fmt: skip
         except BaseException:
+            # Before any await: gather leaves the other parts running after one fails, and a part waiting for
+            # the gate or for a pool thread would otherwise be sent after the abort.
+            sent = parts.stop()
+            for t in tasks:
+                t.cancel()
             # Shielded: a second cancellation (the batch giving up on its cleanup) must not stop the abort.
-            await asyncio.shield(self._abort(client, key, create, parts))
+            await asyncio.shield(self._abort(client, key, create, tasks, sent))
             raise
 
-    async def _abort(self, client: Any, key: str, create: asyncio.Future, parts: list[asyncio.Future]) -> None:
+    async def _abort(self, client: Any, key: str, create: asyncio.Future, tasks: list[asyncio.Task],
+                     sent: list[asyncio.Future]) -> None:  # fmt: skip
         loop = asyncio.get_running_loop()
+        bound = self.timeout + self.connect_timeout
+        if tasks:
+            await asyncio.wait(tasks, timeout=bound)
         try:
             # The create request may still be on its way: its upload is aborted as soon as it is known.
-            created = await asyncio.wait_for(asyncio.shield(create), self.timeout + self.connect_timeout)
+            created = await asyncio.wait_for(asyncio.shield(create), bound)
         except BaseException:  # noqa: BLE001 - no upload was made (or none can be known): nothing to abort
             return
+        if sent:
+            await asyncio.wait(sent, timeout=bound)
         abort = functools.partial(client.abort_multipart_upload, Bucket=self.bucket, Key=key,
                                   UploadId=created["UploadId"])  # fmt: skip
-        first = loop.run_in_executor(self._pool, abort)
-        first.add_done_callback(_retrieved)
-        await asyncio.wait([first], timeout=self.timeout + self.connect_timeout)
-        in_flight = [p for p in parts if not p.done()]
-        if in_flight:
-            await asyncio.wait(in_flight, timeout=self.timeout + self.connect_timeout)
-            again = loop.run_in_executor(self._pool, abort)
-            again.add_done_callback(_retrieved)  # NoSuchUpload when the first abort took it all: fine
-            await asyncio.wait([again], timeout=self.timeout + self.connect_timeout)
-        if first.done() and first.exception() is None:
+        attempts = [loop.run_in_executor(self._pool, abort)]
+        attempts[0].add_done_callback(_retrieved)
+        await asyncio.wait(attempts, timeout=bound)
+        late = [p for p in sent if not p.done()]
+        if late:  # a part past its own timeout (a stuck thread) may still land: abort again once it has ended
+            await asyncio.wait(late, timeout=bound)
+            attempts.append(loop.run_in_executor(self._pool, abort))
+            attempts[1].add_done_callback(_retrieved)  # NoSuchUpload when the first abort took it all: fine
+            await asyncio.wait(attempts[1:], timeout=bound)
+        if any(a.done() and not a.cancelled() and a.exception() is None for a in attempts):
             self.aborted += 1
 
     def close(self) -> None:
@@ -121,6 +139,42 @@ class MultipartUploader:
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             self._client.close()
+
+
+class _NotSent(Exception):
+    """A part request that found its upload stopped when its turn came: it was never sent."""
+
+
+class _Parts:
+    """One upload's part requests, and the point after which none of them is sent."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._sent: list[list[asyncio.Future]] = []
+
+    def submit(self, loop: asyncio.AbstractEventLoop, pool: concurrent.futures.Executor | None,
+               request: Callable[[], Any]) -> asyncio.Future:  # fmt: skip
+        slot: list[asyncio.Future] = []  # filled on the loop before stop() (also on the loop) can read it
+
+        def send() -> Any:
+            with self._lock:
+                if self._stopped:
+                    raise _NotSent
+                self._sent.append(slot)
+            return request()
+
+        fut = loop.run_in_executor(pool, send)
+        fut.add_done_callback(_retrieved)  # a request outlived by its upload must not log "never retrieved"
+        slot.append(fut)
+        return fut
+
+    def stop(self) -> list[asyncio.Future]:
+        """No part request is sent from now on; those already sent and not yet answered."""
+        with self._lock:
+            self._stopped = True
+            sent = [slot[0] for slot in self._sent]
+        return [f for f in sent if not f.done()]
 
 
 def _retrieved(fut: asyncio.Future) -> None:
