@@ -335,18 +335,23 @@ class PageStore:
         target = target_location if target_location is not None else self.host_pool.get_dummy_flat_data_page()
         flat = _flat_bytes(target, pages.page_bytes)
         span = Span(flat.data_ptr(), pages.page_bytes, memoryview(flat.numpy()).cast("B"))
-        full = self.namespace.key(h)
-        if pages.trailer_bytes:
-            # A verifying pool's pages carry their checksum row; a flat page has no place for it (the caller's
-            # set_from_flat_data_page takes the checksums from the bytes): read it into scratch. A page stored
-            # by set() has none: read again without.
-            scratch = bytearray(pages.trailer_bytes)
-            result = self._get([h], [full], [[span, Span(address_of(scratch), len(scratch), memoryview(scratch))]])[0]
-            if result.status is PageStatus.MISMATCH:
-                result = self._get([h], [full], [[span]])[0]
-        else:
-            result = self._get([h], [full], [[span]])[0]
+        result = self._get_flat(h, span)
         return target if result.ok else None
+
+    def _get_flat(self, h: str, span: Span) -> PageResult:
+        """Read page ``h`` into one flat span of its payload, checked as any read is."""
+        full = self.namespace.key(h)
+        trailer = self.pages.trailer_bytes
+        if not trailer:
+            return self._get([h], [full], [[span]])[0]
+        # A verifying pool's pages carry their checksum row; a flat page has no place for it (the caller's
+        # set_from_flat_data_page takes the checksums from the bytes): read it into scratch. A page stored
+        # by set() has none: read again without.
+        scratch = bytearray(trailer)
+        result = self._get([h], [full], [[span, Span(address_of(scratch), trailer, memoryview(scratch))]])[0]
+        if result.status is PageStatus.MISMATCH:
+            result = self._get([h], [full], [[span]])[0]
+        return result
 
     def batch_set(self, keys: Sequence[str], values: Sequence[torch.Tensor] | None = None, **_: Any) -> bool:
         """Store flat pages (SGLang's generic path); true when every page was stored.
@@ -704,7 +709,7 @@ class PageStore:
         flat = self.host_pool.get_dummy_flat_data_page().reshape(-1)
         flat = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
         span = Span(flat.data_ptr(), pages.page_bytes, memoryview(flat.numpy()).cast("B"))
-        return self._get([h], [self.namespace.key(h)], [[span]])[0]
+        return self._get_flat(h, span)
 
     def clear(self) -> None:
         """Delete every object the backend can see under its URL."""

@@ -10,7 +10,7 @@ import time
 from hicache_core.storage import make_storage
 from hicache_core.storage.backend import PageStatus
 from hicache_core.testing import storage_faults as F
-from hicache_core.testing.storage_kit import make_pool, slots_of
+from hicache_core.testing.storage_kit import flipped_payload, make_pool, slots_of
 
 
 def test_two_servers_with_two_ranks_share_pages_and_survive_restart(tmp_path):
@@ -52,7 +52,11 @@ def test_writer_killed_mid_backup_leaves_only_whole_pages(tmp_path):
 
 def test_capacity_evicts_least_recently_used_and_refuses_oversized(tmp_path):
     host = make_pool(F.BIG, pages=34)
-    page = 12288 + 4096  # payload + the on-disk header block
+    # One page's bytes on disk: 12288 of payload and the header block, and a verifying pool's checksum row.
+    probe = make_storage(f"file://{tmp_path}/probe", host, model_id="cap")
+    assert probe.write_pages(["f" * 64], slots_of([1], 64))[0].ok
+    page = probe.get_stats().backend["used_bytes"]
+    assert page == 12288 + 4096 + probe.pages.trailer_bytes, page
     backend = make_storage(f"file://{tmp_path}/l3?capacity={10 * page}", host, model_id="cap")
     keys = [f"{i:064x}" for i in range(12)]
     assert all(r.ok for r in backend.write_pages(keys[:10], slots_of(list(range(1, 11)), 64)))
@@ -80,5 +84,6 @@ def test_corrupted_file_is_a_counted_miss_through_the_controller(tmp_path):
     path.write_bytes(bytes(data))
     with StorageController(backend, prefetch_policy="wait_complete") as ctl:
         res = ctl.prefetch(toks).result(30)
-    assert res.completed == 2 and res.results[2].status is PageStatus.CORRUPT
-    assert backend.get_stats().read_corrupt == 1
+    flipped, counter = flipped_payload(backend)
+    assert res.completed == 2 and res.results[2].status is flipped
+    assert getattr(backend.get_stats(), counter) == 1

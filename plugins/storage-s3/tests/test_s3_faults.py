@@ -17,7 +17,7 @@ from seaweedfs_server import start_seaweedfs
 from hicache_core.storage import StorageController, make_storage, page_hashes
 from hicache_core.storage.backend import PageStatus, StorageError
 from hicache_core.testing import storage_faults as F
-from hicache_core.testing.storage_kit import make_pool, page_bytes, pool_image, slots_of
+from hicache_core.testing.storage_kit import flipped_payload, make_pool, page_bytes, pool_image, slots_of
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +109,11 @@ def test_truncated_flipped_and_foreign_objects_are_never_loaded(weed):
     dst = host.alloc(6 * 64)
     pages = [int(dst[i * 64]) // 64 for i in range(6)]
     results = backend.read_pages(keys, dst)
-    assert [r.status for r in results] == [PageStatus.OK, PageStatus.MISMATCH, PageStatus.CORRUPT,
-                                           PageStatus.MISMATCH, PageStatus.OK, PageStatus.MISSING], results  # fmt: skip
+    # With a cluster key, a flipped byte and a page moved under another key both fail the page's MAC.
+    flipped = flipped_payload(backend)[0]
+    moved = PageStatus.AUTH_FAILED if backend.authenticated else PageStatus.MISMATCH
+    assert [r.status for r in results] == [PageStatus.OK, PageStatus.MISMATCH, flipped, moved, PageStatus.OK,
+                                           PageStatus.MISSING], results  # fmt: skip
     assert "bytes" in results[1].detail and "another key" in results[3].detail
     for i in (1, 5):  # a truncated object is never copied; a missing one has no bytes
         assert (page_bytes(host, pages[i]) == _flat(before, host, pages[i])).all()
