@@ -194,3 +194,59 @@ def test_pinned_bytes_are_counted_per_pool_where_cuda_pins():
 def test_a_node_the_kernel_refuses_is_said_so_before_any_pool():
     assert numa.placement_refused(numa.online_nodes()[0]) is None
     assert numa.placement_refused(4095) == "mbind was refused: mbind(node 4095): Invalid argument"
+
+
+def _in_fork(report) -> dict:
+    """``report()`` (a JSON-able dict) in a child made by os.fork(); what it returned, or how it died."""
+    import json
+    import os
+
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 0
+        try:
+            os.write(writer, json.dumps(report()).encode())
+        except BaseException:  # noqa: BLE001 - the exit status says so
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child ended with {os.waitstatus_to_exitcode(status)}"
+    return json.loads(text)
+
+
+def _mapped_in_this_process(address: int, length: int) -> list[dict]:
+    """Every mapping of this process that overlaps the range: its permissions and resident kB (``/proc/self/smaps``)."""
+    out: list[dict] = []
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 2 and not fields[0].endswith(":"):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            current = {"perms": fields[1], "rss_kb": 0} if lo < address + length and address < hi else None
+            if current is not None:
+                out.append(current)
+        elif fields[0] == "Rss:" and out and current is not None:
+            current["rss_kb"] += int(fields[1])
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # Python 3.12+ warns of fork beside threads
+def test_a_forked_child_gets_no_copy_of_a_host_mapping_and_the_parents_bytes_stay():
+    buffer = hm.host_tensor((16 << 20,), torch.uint8, label="fork test", name="buffer", pinned=False, fill=0x5A)
+    address, length = buffer.data_ptr(), buffer.numel()
+    assert [r.dontfork for r in hm.live_records() if r.label == "fork test: buffer"] == [True]
+    assert all(m["rss_kb"] > 0 for m in _mapped_in_this_process(address, length))  # the parent's pages exist
+
+    def report() -> dict:
+        return {"mapped": _mapped_in_this_process(address, length),
+                "records": [r.label for r in hm.live_records() if r.label.startswith("fork test")]}  # fmt: skip
+
+    child = _in_fork(report)
+    # The range is held by an inaccessible placeholder (or nothing): the child neither has nor can read the pages.
+    assert all(m["perms"].startswith("---") and m["rss_kb"] == 0 for m in child["mapped"]), child
+    assert child["records"] == [], "the child counts memory it does not hold"
+    assert bool((buffer == 0x5A).all()) and buffer.numel() == 16 << 20

@@ -567,9 +567,7 @@ def _in_forked_child(run, timeout_s: float = 30.0) -> dict:
 
 @pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning")  # Python 3.12+ warns of fork beside threads
 def test_a_forked_child_gets_a_working_loader_and_a_clear_error_for_the_parents():
-    dev, host = _pools()
-    h = host.alloc(16)
-    host.backup_from_device_all_layer(dev, h, torch.arange(16), "direct")
+    dev, _host = _pools()
     written = _written(dev, torch.arange(16))
     parents = layer_loader("cpu")
     parents.submit(1, lambda layer: None).result()  # the parent's loader thread is running
@@ -584,6 +582,10 @@ def test_a_forked_child_gets_a_working_loader_and_a_clear_error_for_the_parents(
         answers: dict = {"pid": os.getpid()}
         mine = layer_loader("cpu")
         answers["new loader"] = mine is not parents and mine._thread.is_alive()
+        # The parent's host pool is not in a forked child (MADV_DONTFORK): the child builds its own.
+        host = make_host_pool(dev, layout="page_first_direct", io_backend="direct")
+        h = host.alloc(16)
+        host.backup_from_device_all_layer(dev, h, torch.arange(16), "direct")
         dst = torch.arange(64, 80)
         t0 = time.monotonic()
         load = host.submit_load(dev, h, dst, "direct")  # through layer_loader(): the child's own loader

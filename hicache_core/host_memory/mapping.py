@@ -8,14 +8,25 @@ is what makes the kernel allocate, and one thread is the bottleneck of a large p
 with CUDA in chunks (one registration call fails at a few hundred GiB), each chunk ending on a whole
 ``granule`` so that no copy of one granule spans two registrations. The mapping lives as long as any
 tensor over it: the last one to go unregisters and unmaps it, so nothing stays pinned.
+
+Every mapping is left out of children made by ``fork()`` (``MADV_DONTFORK``): without it a fork copies
+the page tables of the whole pool, and the kernel copies every pinned page into the child at once
+(docs/host-memory.md has the figures). A child that touches a host pool's address range gets
+``SIGSEGV``: build host pools in the process that uses them. In a child forked by Python (``os.fork``,
+multiprocessing's ``fork``) each such range is held by an inaccessible placeholder, so that the parent's
+mapping objects, when the child drops them, unmap the placeholder and not memory the child mapped since.
+Where the platform has no ``MADV_DONTFORK`` a warning says so once, and the records say ``dontfork=False``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
+import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -25,13 +36,17 @@ from . import numa
 
 PAGE = mmap.PAGESIZE
 _HUGE_PAGES_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+_PROT_NONE = 0
+_MAP_FIXED_NOREPLACE = 0x100000  # Linux >= 4.17; older kernels take the address as a hint, checked below
+_log = logging.getLogger("hicache")
 
 
 @dataclass
 class MappingRecord:
     """What one mapping asked for and what it took (live records: :func:`live_records`).
 
-    ``placement`` maps a NUMA node to how many sampled pages live there.
+    ``placement`` maps a NUMA node to how many sampled pages live there. ``dontfork``: children made by
+    ``fork()`` do not get it (``MADV_DONTFORK``); ``False`` where the platform could not say so.
     """
 
     label: str
@@ -41,6 +56,7 @@ class MappingRecord:
     node: int | None
     huge_pages: bool
     chunks: int = 0
+    dontfork: bool = False
     placement: dict[int, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -51,6 +67,8 @@ class MappingRecord:
 
 _LIVE: dict[int, MappingRecord] = {}
 _LIVE_LOCK = threading.Lock()
+_MAPPINGS: weakref.WeakSet[HostMapping] = weakref.WeakSet()
+_WARNED: set[str] = set()
 
 
 def live_records() -> list[MappingRecord]:
@@ -76,6 +94,7 @@ class HostMapping(mmap.mmap):
     """
 
     record: MappingRecord
+    _address: int
     _registered: list[int]
     _unregister: object
 
@@ -108,6 +127,8 @@ def map_host_memory(nbytes: int, *, label: str, pin: bool, node: int | None, hug
     mapping._registered = []
     mapping.record = record
     tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=mapped)
+    mapping._address = tensor.data_ptr()
+    _MAPPINGS.add(mapping)
     try:
         _prepare(mapping, tensor.data_ptr(), record, touch_threads, chunk_bytes, granule)
     except BaseException:
@@ -121,6 +142,7 @@ def map_host_memory(nbytes: int, *, label: str, pin: bool, node: int | None, hug
 def _prepare(mapping: HostMapping, address: int, record: MappingRecord, touch_threads: int, chunk_bytes: int,
              granule: int) -> None:  # fmt: skip
     start = time.perf_counter()
+    _leave_out_of_children(mapping, record)
     if record.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE)
     if record.node is not None:
@@ -133,6 +155,53 @@ def _prepare(mapping: HostMapping, address: int, record: MappingRecord, touch_th
         record.chunks = len(mapping._registered)
         record.seconds["register"] = time.perf_counter() - start
     record.placement = numa.nodes_of(address, record.mapped)
+
+
+def _leave_out_of_children(mapping: HostMapping, record: MappingRecord) -> None:
+    advice = getattr(mmap, "MADV_DONTFORK", None)
+    if advice is None:
+        _warn_inherited("this platform has no MADV_DONTFORK")
+        return
+    try:
+        mapping.madvise(advice)
+    except OSError as exc:
+        _warn_inherited(f"madvise(MADV_DONTFORK) failed: {exc}")
+        return
+    record.dontfork = True
+
+
+def _warn_inherited(why: str) -> None:
+    if why not in _WARNED:
+        _WARNED.add(why)
+        _log.warning("host memory is inherited by children made by fork() (%s): each fork copies page tables of "
+                     "every host pool, and pinned pages in full. Start child processes with spawn, or before the "
+                     "host pools are built", why)  # fmt: skip
+
+
+def _after_fork_in_child() -> None:
+    """The child holds none of the parent's host mappings that ``fork()`` left out, nor any CUDA registration."""
+    global _LIVE_LOCK
+    _LIVE_LOCK = threading.Lock()  # a parent thread may have held it at the fork; that thread is not here
+    for mapping in list(_MAPPINGS):
+        mapping._registered = []
+        if mapping.record.dontfork and not mapping.closed:
+            _LIVE.pop(id(mapping), None)
+            _hold_range(mapping._address, len(mapping))
+
+
+def _hold_range(address: int, length: int) -> None:
+    """Map ``[address, address + length)`` inaccessible and unbacked, where nothing is mapped there now."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    got = libc.mmap(address, length, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED_NOREPLACE, -1, 0)
+    if got is not None and got != address and got != ctypes.c_void_p(-1).value:
+        libc.munmap(got, length)  # a kernel that took the address as a hint put it elsewhere: not a placeholder
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _touch(address: int, length: int, threads: int) -> None:
