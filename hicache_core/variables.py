@@ -42,6 +42,9 @@ HOST_HUGE_PAGES = flag("HICACHE_HOST_HUGE_PAGES", default=True,
                        doc="ask for transparent huge pages for host pools where the system gives them")  # fmt: skip
 HOST_RESERVE_GIB = number("HICACHE_HOST_RESERVE_GIB", minimum=0, default=0.0, unit="GiB",
                           doc="host memory a new host pool must leave free (refused otherwise)")  # fmt: skip
+HOST_MEMORY_CHECK = flag("HICACHE_HOST_MEMORY_CHECK", default=True,
+                         doc="0 builds a host pool the memory check would refuse, with a warning (for memory the "
+                             "check counts as used that the kernel will give)")  # fmt: skip
 
 # ---- plugins, profiles, metrics ----------------------------------------------------------------------
 
@@ -142,7 +145,7 @@ DEV_NO_APT = Setting("HICACHE_NO_APT", {"1": True, "0": False}.__getitem__, "1 o
 #: Every setting above, for :func:`hicache_core.settings.declared`.
 SETTINGS: list[Setting] = [
     VALIDATE, VERIFY, LOAD_TIMEOUT,
-    HOST_NUMA_NODE, HOST_TOUCH_THREADS, HOST_REGISTER_CHUNK_GIB, HOST_HUGE_PAGES, HOST_RESERVE_GIB,
+    HOST_NUMA_NODE, HOST_TOUCH_THREADS, HOST_REGISTER_CHUNK_GIB, HOST_HUGE_PAGES, HOST_RESERVE_GIB, HOST_MEMORY_CHECK,
     PLUGINS, PROFILE, METRICS_DIR,
     L3_HOST_CHECK, L3_HASH_THREADS, L3_KEY_FILE, L3_KEY,
     KIT_ISOLATE, KIT_CASE_TIMEOUT, KIT_WORKER_FD,

@@ -250,3 +250,47 @@ def test_a_forked_child_gets_no_copy_of_a_host_mapping_and_the_parents_bytes_sta
     assert all(m["perms"].startswith("---") and m["rss_kb"] == 0 for m in child["mapped"]), child
     assert child["records"] == [], "the child counts memory it does not hold"
     assert bool((buffer == 0x5A).all()) and buffer.numel() == 16 << 20
+
+
+def _fake_cgroup(tmp_path, monkeypatch, version: int, *, limit: int, usage: int, inactive: int, active: int) -> None:
+    """This process's cgroup, as ``hicache_core.host_memory.limits`` reads it, made of files under ``tmp_path``."""
+    from hicache_core.host_memory import limits
+
+    root = tmp_path / "cgroup"
+    if version == 2:
+        folder, line = root / "pod", "0::/pod\n"
+        files = {"memory.max": limit, "memory.current": usage}
+        stat = f"anon {usage - inactive - active}\nfile {inactive + active}\nactive_file {active}\ninactive_file " \
+               f"{inactive}\n"  # fmt: skip
+    else:
+        folder, line = root / "memory" / "pod", "4:memory:/pod\n"
+        files = {"memory.limit_in_bytes": limit, "memory.usage_in_bytes": usage}
+        stat = f"cache {inactive + active}\ninactive_file 0\nactive_file 0\ntotal_active_file {active}\n" \
+               f"total_inactive_file {inactive}\n"  # fmt: skip
+    folder.mkdir(parents=True)
+    for name, value in files.items():
+        (folder / name).write_text(f"{value}\n")
+    (folder / "memory.stat").write_text(stat)
+    (tmp_path / "proc-self-cgroup").write_text(line)
+    monkeypatch.setattr(limits, "_CGROUP_ROOT", root)
+    monkeypatch.setattr(limits, "_PROC_CGROUP", tmp_path / "proc-self-cgroup")
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_a_containers_reclaimable_file_cache_is_not_counted_as_used(version, tmp_path, monkeypatch, caplog):
+    mib = 1 << 20
+    # 900 MiB used of 1 GiB, 700 MiB of it the weights just read (inactive file cache), 100 MiB active file cache.
+    _fake_cgroup(tmp_path, monkeypatch, version, limit=1024 * mib, usage=900 * mib, inactive=700 * mib,
+                 active=100 * mib)  # fmt: skip
+    monkeypatch.delenv("HICACHE_HOST_MEMORY_CHECK", raising=False)
+    hm.check_fits(hm.plan_host_memory({"kv": 256 * mib}, label="pool", pinned=True))  # 124 MiB free counting cache
+    assert hm.read_limits().cgroup_free == 824 * mib, "only inactive file cache is reclaimable; active is in use"
+    with pytest.raises(hm.HostMemoryError) as err:
+        hm.check_fits(hm.plan_host_memory({"kv": 900 * mib}, label="pool", pinned=True))
+    assert err.value.limit == 824 * mib
+    assert f"{900 * mib} used, {700 * mib} of it reclaimable file cache" in str(err.value)
+    assert "HICACHE_HOST_MEMORY_CHECK=0 builds the pool anyway" in str(err.value)
+    monkeypatch.setenv("HICACHE_HOST_MEMORY_CHECK", "0")
+    with caplog.at_level("WARNING", logger="hicache"):
+        hm.check_fits(hm.plan_host_memory({"kv": 900 * mib}, label="pool", pinned=True))
+    assert "pool would not fit" in caplog.text and "built all the same (HICACHE_HOST_MEMORY_CHECK=0)" in caplog.text

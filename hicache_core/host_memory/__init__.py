@@ -16,6 +16,7 @@ import torch
 
 from .budget import (
     HUGE_PAGES,
+    MEMORY_CHECK,
     NUMA_NODE,
     REGISTER_CHUNK_GIB,
     RESERVE_GIB,
@@ -25,6 +26,7 @@ from .budget import (
     check_fits,
     check_lockable,
     choose_node,
+    fit_refusal,
     plan_host_memory,
     touch_threads,
 )
@@ -32,9 +34,10 @@ from .limits import MemoryLimits, read_limits
 from .mapping import MappingRecord, live_records, map_host_memory
 
 __all__ = [
-    "HUGE_PAGES", "NUMA_NODE", "REGISTER_CHUNK_GIB", "RESERVE_GIB", "TOUCH_THREADS", "HostMemoryError",
-    "HostMemoryPlan", "MappingRecord", "MemoryLimits", "allocate", "check_fits", "check_lockable", "choose_node",
-    "host_tensor", "live_records", "pinned_bytes_by_label", "plan_host_memory", "read_limits", "touch_threads",
+    "HUGE_PAGES", "MEMORY_CHECK", "NUMA_NODE", "REGISTER_CHUNK_GIB", "RESERVE_GIB", "TOUCH_THREADS",
+    "HostMemoryError", "HostMemoryPlan", "MappingRecord", "MemoryLimits", "allocate", "check_fits", "check_lockable",
+    "choose_node", "fit_refusal", "host_tensor", "live_records", "pinned_bytes_by_label", "plan_host_memory",
+    "read_limits", "touch_threads",
 ]  # fmt: skip
 
 

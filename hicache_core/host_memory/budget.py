@@ -8,6 +8,7 @@ reserve cannot hold, naming the bytes, the limit and the setting to change.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from .limits import MemoryLimits, read_limits
 from .mapping import PAGE, huge_pages_offered
 
 _GIB = 1 << 30
+_log = logging.getLogger("hicache")
 
 
 NUMA_NODE = variables.HOST_NUMA_NODE
@@ -27,6 +29,7 @@ TOUCH_THREADS = variables.HOST_TOUCH_THREADS
 REGISTER_CHUNK_GIB = variables.HOST_REGISTER_CHUNK_GIB
 HUGE_PAGES = variables.HOST_HUGE_PAGES
 RESERVE_GIB = variables.HOST_RESERVE_GIB
+MEMORY_CHECK = variables.HOST_MEMORY_CHECK
 
 
 class HostMemoryError(ValueError):
@@ -122,24 +125,39 @@ def check_fits(plan: HostMemoryPlan, limits: MemoryLimits | None = None) -> None
     """Refuse ``plan`` when the memory it will hold, plus ``HICACHE_HOST_RESERVE_GIB``, is not free.
 
     Pinned pages can be neither swapped nor reclaimed, so what counts is the available memory
-    (``MemAvailable``) and the cgroup's room, whichever is smaller. ``RLIMIT_MEMLOCK`` does not bound
-    CUDA's registration (the driver pins without charging it); it bounds RDMA registrations, which
-    :func:`check_lockable` checks.
+    (``MemAvailable``) and the cgroup's room, whichever is smaller (:meth:`MemoryLimits.bound`).
+    ``RLIMIT_MEMLOCK`` does not bound CUDA's registration (the driver pins without charging it); it bounds
+    RDMA registrations, which :func:`check_lockable` checks. ``HICACHE_HOST_MEMORY_CHECK=0`` turns the
+    refusal into a warning, for memory this check cannot see is free.
 
     :raises HostMemoryError: it would not fit.
     """
+    refused = fit_refusal(plan, limits)
+    if refused is None:
+        return
+    if not MEMORY_CHECK.read():
+        _log.warning("%s; built all the same (%s=0)", refused, MEMORY_CHECK.name)
+        return
+    raise refused
+
+
+def fit_refusal(plan: HostMemoryPlan, limits: MemoryLimits | None = None) -> HostMemoryError | None:
+    """The refusal :func:`check_fits` raises for ``plan``, whatever ``HICACHE_HOST_MEMORY_CHECK`` says, or ``None``."""
     limits = limits or read_limits()
     reserve = int(RESERVE_GIB.read() * _GIB)
     room, which = limits.bound()
-    if plan.mapped + reserve > room:
-        keep = f" and keep {reserve} bytes free ({RESERVE_GIB.name})" if reserve else ""
-        raise HostMemoryError(
-            f"{plan.label} would not fit: it needs {plan.mapped} bytes ({plan.mapped / _GIB:.2f} GiB"
-            f"{', pinned' if plan.pinned else ''}){keep}, but {which} leaves {room} bytes ({room / _GIB:.2f} GiB). "
-            "Nothing was allocated. Ask for a smaller host pool (SGLang: --hicache-size or --hicache-ratio; vLLM: "
-            f"cpu_bytes_to_use){', or lower ' + RESERVE_GIB.name if reserve else ''}; `hicache size` shows what fits.",
-            needed=plan.mapped + reserve, limit=room, limit_name=which,
-        )  # fmt: skip
+    if plan.mapped + reserve <= room:
+        return None
+    keep = f" and keep {reserve} bytes free ({RESERVE_GIB.name})" if reserve else ""
+    return HostMemoryError(
+        f"{plan.label} would not fit: it needs {plan.mapped} bytes ({plan.mapped / _GIB:.2f} GiB"
+        f"{', pinned' if plan.pinned else ''}){keep}, but {which} leaves {room} bytes ({room / _GIB:.2f} GiB). "
+        "Nothing was allocated. Ask for a smaller host pool (SGLang: --hicache-size or --hicache-ratio; vLLM: "
+        f"cpu_bytes_to_use){', or lower ' + RESERVE_GIB.name if reserve else ''}; `hicache size` shows what fits. "
+        f"If you know the memory is there all the same (this check counts active file cache as used), "
+        f"{MEMORY_CHECK.name}=0 builds the pool anyway, with a warning.",
+        needed=plan.mapped + reserve, limit=room, limit_name=which,
+    )  # fmt: skip
 
 
 def check_lockable(nbytes: int, what: str, limits: MemoryLimits | None = None) -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
+_PROC_CGROUP = Path("/proc/self/cgroup")
+_MEMINFO = Path("/proc/meminfo")
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,8 @@ class MemoryLimits:
     :param total: the system's ``MemTotal``.
     :param cgroup_limit: the process's cgroup memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``).
     :param cgroup_usage: what the cgroup already uses (``memory.current`` / ``memory.usage_in_bytes``).
+    :param cgroup_reclaimable: of that, file cache the kernel reclaims before it refuses the cgroup memory
+        (``memory.stat``: v2 ``inactive_file``, v1 ``total_inactive_file``).
     :param cgroup_path: the cgroup's folder, for the error that names it.
     :param memlock: ``RLIMIT_MEMLOCK`` (soft), the cap on memory an RDMA registration may lock.
     """
@@ -32,26 +36,31 @@ class MemoryLimits:
     cgroup_usage: int | None
     cgroup_path: str | None
     memlock: int | None
+    cgroup_reclaimable: int | None = None
 
     @property
     def cgroup_free(self) -> int | None:
-        """What the cgroup can still take (``None``: no cgroup limit)."""
+        """What the cgroup can still take (``None``: no cgroup limit): its limit less what it uses, reclaimable
+        file cache not counted (a model's weights just read are cache the kernel drops for a new pool)."""
         if self.cgroup_limit is None:
             return None
-        return max(0, self.cgroup_limit - (self.cgroup_usage or 0))
+        used = max(0, (self.cgroup_usage or 0) - (self.cgroup_reclaimable or 0))
+        return max(0, self.cgroup_limit - used)
 
     def bound(self) -> tuple[int, str]:
         """The tighter of the system's available memory and the cgroup's room, and which it is."""
         free = self.cgroup_free
         if free is not None and free < self.available:
-            return free, f"the cgroup's limit ({self.cgroup_path}: {self.cgroup_limit} bytes, {self.cgroup_usage} used)"
+            cache = f", {self.cgroup_reclaimable} of it reclaimable file cache" if self.cgroup_reclaimable else ""
+            return free, (f"the cgroup's limit ({self.cgroup_path}: {self.cgroup_limit} bytes, {self.cgroup_usage} "
+                          f"used{cache})")  # fmt: skip
         return self.available, "the system's available memory (MemAvailable in /proc/meminfo)"
 
 
 def read_limits() -> MemoryLimits:
     """The limits now in force for this process."""
     info = _meminfo()
-    limit, usage, path = _cgroup()
+    limit, usage, reclaimable, path = _cgroup()
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return MemoryLimits(
         available=info.get("MemAvailable", info.get("MemFree", 0)),
@@ -60,13 +69,14 @@ def read_limits() -> MemoryLimits:
         cgroup_usage=usage,
         cgroup_path=path,
         memlock=None if soft == resource.RLIM_INFINITY else soft,
+        cgroup_reclaimable=reclaimable,
     )
 
 
 def _meminfo() -> dict[str, int]:
     out: dict[str, int] = {}
     try:
-        text = Path("/proc/meminfo").read_text()
+        text = _MEMINFO.read_text()
     except OSError:
         return out
     for line in text.splitlines():
@@ -77,24 +87,27 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def _cgroup() -> tuple[int | None, int | None, str | None]:
-    """(limit, usage, folder) of the tightest memory limit on this process's cgroup path, v2 or v1."""
+def _cgroup() -> tuple[int | None, int | None, int | None, str | None]:
+    """(limit, usage, reclaimable file cache, folder) of the tightest memory limit on this process's cgroup path,
+    v2 or v1."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = _PROC_CGROUP.read_text().splitlines()
     except OSError:
-        return None, None, None
-    best: tuple[int | None, int | None, str | None] = (None, None, None)
+        return None, None, None, None
+    best: tuple[int | None, int | None, int | None, str | None] = (None, None, None, None)
+    # Only inactive file pages count as reclaimable, as kubelet's working set does (usage less inactive_file):
+    # active ones are read now (a server's mmapped weights), and dropping them for a pool would thrash.
+    v1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
     for line in lines:
         _id, controllers, rel = line.split(":", 2)
         if controllers == "":  # v2: one unified hierarchy; a limit may sit on any ancestor
-            candidates = [(_CGROUP_ROOT / rel.lstrip("/"), "memory.max", "memory.current")]
+            candidates = [(_CGROUP_ROOT / rel.lstrip("/"), ("memory.max", "memory.current", "inactive_file"))]
         elif "memory" in controllers.split(","):
             base = _CGROUP_ROOT / "memory"
-            candidates = [(base / rel.lstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes"),
-                          (base, "memory.limit_in_bytes", "memory.usage_in_bytes")]  # fmt: skip
+            candidates = [(base / rel.lstrip("/"), v1), (base, v1)]
         else:
             continue
-        for folder, limit_file, usage_file in candidates:
+        for folder, (limit_file, usage_file, cache_key) in candidates:
             for d in (folder, *folder.parents):
                 if not str(d).startswith(str(_CGROUP_ROOT)):
                     break
@@ -102,8 +115,21 @@ def _cgroup() -> tuple[int | None, int | None, str | None]:
                 if limit is None or limit >= (1 << 60):  # "max", or v1's "no limit" (a page-rounded LONG_MAX)
                     continue
                 if best[0] is None or limit < best[0]:
-                    best = (limit, _read_int(d / usage_file), str(d))
+                    best = (limit, _read_int(d / usage_file), _stat(d / "memory.stat", cache_key), str(d))
     return best
+
+
+def _stat(path: Path, key: str) -> int | None:
+    """One figure of a cgroup's ``memory.stat`` (``None``: unreadable or absent)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return None
 
 
 def _read_int(path: os.PathLike) -> int | None:

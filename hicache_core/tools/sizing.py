@@ -20,7 +20,7 @@ import torch
 
 from ..geometry import example_geometry, pages_for
 from ..host_layout import host_layout_spec
-from ..host_memory import HostMemoryError, HostMemoryPlan, check_fits, read_limits
+from ..host_memory import HostMemoryPlan, fit_refusal, read_limits
 from ..host_pool import plan_pool_memory
 from ..registry import get_registry
 from ..storage.page_format import HEADER_SIZE
@@ -152,11 +152,10 @@ def size_host_tier(config: dict[str, Any], *, tp_size: int = 1, layout: str = "p
     limits = read_limits()
     available, which = limits.bound()
     refusal = None
-    for p in pools:
-        try:
-            check_fits(p.memory, limits)
-        except HostMemoryError as exc:
-            refusal = str(exc)
+    for p in pools:  # what a server would be refused, even where HICACHE_HOST_MEMORY_CHECK=0 lets it build
+        refused = fit_refusal(p.memory, limits)
+        if refused is not None:
+            refusal = str(refused)
             break
     total = sum(p.memory.mapped + p.checksum_table_bytes for p in pools)
     if refusal is None and total > available:
