@@ -107,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("size", help="what the host tier of a server will hold and pin, from the model's config.json")
     p.add_argument("--config", required=True, help="the model's config.json, or the folder that holds it")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (figures are per rank)")
+    p.add_argument("--ranks-per-host", type=int, help="ranks that build host pools on this machine (default: --tp)")
     p.add_argument("--layout", default="page_first", help="host layout (SGLang's --hicache-mem-layout)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--kv-dtype", default="auto", help="KV cache dtype (auto: the model's torch_dtype)")
@@ -203,7 +204,7 @@ def cmd_size(args) -> int:
                                 page_size=args.page_size, kv_dtype=args.kv_dtype, hicache_size_gb=args.hicache_size,
                                 hicache_ratio=args.hicache_ratio, device_tokens=args.device_tokens,
                                 mamba_slots=args.mamba_slots, prefix_tokens=args.prefix_tokens,
-                                device=_device(args))  # fmt: skip
+                                device=_device(args), ranks_per_host=args.ranks_per_host)  # fmt: skip
     except (OSError, ValueError) as exc:
         print(f"hicache size: {exc}", file=sys.stderr)
         return 2

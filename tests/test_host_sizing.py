@@ -10,7 +10,7 @@ import torch
 import hicache_core as hc
 from hicache_core.cli import main
 from hicache_core.device_pools import DeclaredDevicePool
-from hicache_core.host_memory import live_records
+from hicache_core.host_memory import live_records, read_limits
 from hicache_core.registry import get_registry
 from hicache_core.tools.sizing import size_host_tier
 
@@ -98,3 +98,24 @@ def test_the_command_prints_the_figures_and_refuses_an_unknown_model(tmp_path, c
     path.write_text(json.dumps({"num_hidden_layers": 2}))
     assert main(["size", "--config", str(path), "--hicache-size", "1"]) == 2
     assert "the model config has no 'num_attention_heads'" in capsys.readouterr().err
+
+
+def test_size_checks_every_rank_on_the_host_together(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    available = read_limits().bound()[0]
+    gb = f"{available * 0.3 / 1e9:.3f}"  # one rank's pool fits with room to spare; eight of them do not
+    args = ["size", "--config", str(tmp_path), "--tp", "8", "--hicache-size", gb, "--device", "cpu"]
+    assert main(args) == 1
+    text = capsys.readouterr().out
+    assert "TP 8 (figures per TP rank); 8 ranks on this host (assumed: every TP rank on this one; " \
+           "--ranks-per-host N to change)" in text  # fmt: skip
+    assert "does not fit: 8 ranks on this host need" in text and "Ask for a smaller host pool" in text
+    assert main([*args, "--ranks-per-host", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "1 rank on this host (--ranks-per-host)" in text and text.rstrip().endswith("\nfits")
+    assert main([*args, "--ranks-per-host", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["ranks_per_host"], out["ranks_per_host_assumed"], out["fits"]) == (2, False, True)
+    assert out["bytes_per_host"] == 2 * out["bytes_per_rank"] == 2 * out["pools"][0]["mapped_bytes"]
+    assert main([*args, "--ranks-per-host", "0"]) == 2
+    assert "ranks_per_host must be >= 1" in capsys.readouterr().err

@@ -5,7 +5,7 @@ arguments (``--hicache-size`` GB, or ``--hicache-ratio`` times the device pool),
 host pool a server builds (the KV pool; for a hybrid model also the Mamba state pool) through the
 same code :func:`hicache_core.make_host_pool` uses: bytes per token on the device, the host and L3;
 tokens and prefixes held; the bytes that will be mapped and pinned, on which NUMA node; and whether
-this machine can give them.
+this machine can give them to every rank that runs on it (each TP rank builds its own pools).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from ..geometry import example_geometry, pages_for
 from ..host_layout import host_layout_spec
-from ..host_memory import HostMemoryPlan, fit_refusal, read_limits
+from ..host_memory import RESERVE_GIB, HostMemoryPlan, fit_refusal, read_limits
 from ..host_pool import plan_pool_memory
 from ..registry import get_registry
 from ..storage.page_format import HEADER_SIZE
@@ -50,10 +50,16 @@ class PoolSize:
     def pinned_bytes(self) -> int:
         return self.memory.pinned_bytes + (self.checksum_table_bytes if self.memory.pinned else 0)
 
+    @property
+    def held_bytes(self) -> int:
+        """Host memory the pool takes, pinned or not: its buffers and its checksum table."""
+        return self.memory.mapped + self.checksum_table_bytes
+
 
 @dataclass(frozen=True)
 class SizingReport:
-    """Every host pool of the server, what it holds, and whether this machine can give it."""
+    """Every host pool of the server, what it holds, and whether this machine can give it to ``ranks_per_host``
+    ranks (``ranks_assumed``: not given, taken to be every TP rank)."""
 
     model: str
     tp_size: int
@@ -62,6 +68,22 @@ class SizingReport:
     available: int
     limit_name: str
     refusal: str | None
+    ranks_per_host: int = 1
+    ranks_assumed: bool = False
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return sum(p.held_bytes for p in self.pools)
+
+    @property
+    def bytes_per_host(self) -> int:
+        return self.bytes_per_rank * self.ranks_per_host
+
+    def _ranks_line(self) -> str:
+        ranks = f"{self.ranks_per_host} rank{'s' if self.ranks_per_host != 1 else ''} on this host"
+        if self.ranks_assumed:
+            return f"{ranks} (assumed: every TP rank on this one; --ranks-per-host N to change)"
+        return f"{ranks} (--ranks-per-host)"
 
     def as_json(self) -> dict[str, Any]:
         pools = []
@@ -75,12 +97,14 @@ class SizingReport:
                 "buffers": [{"name": n, "asked": a, "mapped": m} for n, a, m in p.memory.buffers],
                 "prefixes_held": _prefixes(p, self.prefix_tokens),
             })  # fmt: skip
-        return {"model": self.model, "tp_size": self.tp_size, "prefix_tokens": self.prefix_tokens, "pools": pools,
+        return {"model": self.model, "tp_size": self.tp_size, "ranks_per_host": self.ranks_per_host,
+                "ranks_per_host_assumed": self.ranks_assumed, "prefix_tokens": self.prefix_tokens, "pools": pools,
+                "bytes_per_rank": self.bytes_per_rank, "bytes_per_host": self.bytes_per_host,
                 "available_bytes": self.available, "limit": self.limit_name, "fits": self.refusal is None,
                 "refusal": self.refusal}  # fmt: skip
 
     def text(self) -> str:
-        lines = [f"{self.model}, TP {self.tp_size} (figures per TP rank)"]
+        lines = [f"{self.model}, TP {self.tp_size} (figures per TP rank); {self._ranks_line()}"]
         for p in self.pools:
             per = f"per {p.unit}"
             lines += [
@@ -94,8 +118,11 @@ class SizingReport:
                 f"pins {p.pinned_bytes} bytes ({p.pinned_bytes / (1 << 30):.2f} GiB)",
                 f"  NUMA: {p.memory.node_reason}",
             ]  # fmt: skip
-        total = sum(p.pinned_bytes if p.memory.pinned else p.memory.mapped for p in self.pools)
-        lines.append(f"total: {total} bytes ({total / (1 << 30):.2f} GiB); {self.limit_name}: {self.available} bytes")
+        rank, host = self.bytes_per_rank, self.bytes_per_host
+        each = "" if self.ranks_per_host == 1 else \
+            f" a rank, {host} bytes ({host / (1 << 30):.2f} GiB) for {self.ranks_per_host} ranks"  # fmt: skip
+        lines.append(f"total: {rank} bytes ({rank / (1 << 30):.2f} GiB){each}; {self.limit_name}: {self.available} "
+                     "bytes")  # fmt: skip
         lines.append(f"does not fit: {self.refusal}" if self.refusal else "fits")
         return "\n".join(lines)
 
@@ -118,16 +145,19 @@ def load_config(path: str | Path) -> dict[str, Any]:
 def size_host_tier(config: dict[str, Any], *, tp_size: int = 1, layout: str = "page_first", page_size: int = 64,
                    kv_dtype: str = "auto", hicache_size_gb: float = 0.0, hicache_ratio: float = 2.0,
                    device_tokens: int | None = None, mamba_slots: int | None = None, prefix_tokens: int = 4096,
-                   device: str = "cuda", verify: bool | None = None) -> SizingReport:  # fmt: skip
-    """The report for one TP rank of a server of ``config`` (see the module docstring).
+                   device: str = "cuda", verify: bool | None = None,
+                   ranks_per_host: int | None = None) -> SizingReport:  # fmt: skip
+    """The report for one TP rank of a server of ``config`` (see the module docstring), checked for
+    ``ranks_per_host`` such ranks on this machine (``None``: all ``tp_size``, and the report says it assumed so).
 
     Host tokens follow SGLang: ``hicache_size_gb * 1e9 // bytes per token`` where it is > 0, else
     ``device_tokens * hicache_ratio``; then one padding page. Mamba slots likewise, plus one padding slot.
 
     :raises ValueError: a config this does not know how to size, or a missing host size.
     """
-    if tp_size < 1 or page_size < 1 or prefix_tokens < 1:
-        raise ValueError("tp_size, page_size and prefix_tokens must be >= 1")
+    if tp_size < 1 or page_size < 1 or prefix_tokens < 1 or (ranks_per_host is not None and ranks_per_host < 1):
+        raise ValueError("tp_size, page_size, prefix_tokens and ranks_per_host must be >= 1")
+    ranks = tp_size if ranks_per_host is None else ranks_per_host
     if hicache_size_gb <= 0 and device_tokens is None:
         raise ValueError("give the host size: --hicache-size GB, or --device-tokens N with --hicache-ratio")
     dtype = _dtype(config, kv_dtype)
@@ -157,11 +187,19 @@ def size_host_tier(config: dict[str, Any], *, tp_size: int = 1, layout: str = "p
         if refused is not None:
             refusal = str(refused)
             break
-    total = sum(p.memory.mapped + p.checksum_table_bytes for p in pools)
-    if refusal is None and total > available:
-        refusal = f"the pools together need {total} bytes, {which} leaves {available}"
+    per_rank = sum(p.held_bytes for p in pools)
+    reserve = int(RESERVE_GIB.read() * (1 << 30))
+    keep = f" and keep {reserve} bytes free ({RESERVE_GIB.name})" if reserve else ""
+    if refusal is None and ranks * per_rank + reserve > available:
+        if ranks == 1:
+            need = f"the pools together need {per_rank} bytes"
+        else:
+            need = f"{ranks} ranks on this host need {ranks * per_rank} bytes together ({per_rank} a rank)"
+        refusal = (f"{need}{keep}, but {which} leaves {available} bytes. Ask for a smaller host pool (SGLang's "
+                   "--hicache-size is per rank), or run fewer ranks on this host")  # fmt: skip
     name = config.get("_name_or_path") or ",".join(config.get("architectures", [])) or config.get("model_type", "?")
-    return SizingReport(name, tp_size, tuple(pools), prefix_tokens, available, which, refusal)
+    return SizingReport(name, tp_size, tuple(pools), prefix_tokens, available, which, refusal, ranks,
+                        ranks_per_host is None)  # fmt: skip
 
 
 def _pool(name, geometry, layout, unit, size_gb, ratio, device_units, pinned, verifying, device) -> PoolSize:
