@@ -263,6 +263,26 @@ def aliasing_step(py: str) -> dict:
     return step
 
 
+def soak_step(py: str):
+    """The soak (``scripts/gpu/soak.py``): 1 TB of random backups, loads, evictions and slot reuse over every
+    layout and io backend, verification on, each loaded page compared with a reference independent of
+    hicache; the counts of pages, bytes and mismatches go into the record. Beside the other functional
+    steps, bounded at 300 s (the soak stops itself at 240 s, short of its bytes if it must: a failure)."""
+
+    def make() -> list[dict]:
+        out = RESULTS / "gpu-check-soak.json"
+        out.unlink(missing_ok=True)  # never an earlier run's summary
+        step = run("soak", [py, "scripts/gpu/soak.py", "--bytes", "1T", "--seconds", "240", "--out", str(out)], 300)
+        summary = json.loads(out.read_text()) if out.exists() else {}
+        keep = ("combinations", "rounds", "pages_backed_up", "pages_loaded", "bytes_moved", "target_bytes",
+                "mismatched_pages", "verification_failures", "evicted_pages", "errors", "result")  # fmt: skip
+        step["soak"] = {k: summary.get(k) for k in keep}
+        step["passed"] = step["passed"] and summary.get("result") == "ok"
+        return [step]
+
+    return make
+
+
 def memcheck_step(py: str, cuda: dict):
     """compute-sanitizer's memcheck over the safety tests and a slice of the kit."""
     sanitizer = shutil.which("compute-sanitizer") or next(
@@ -333,8 +353,8 @@ def main() -> int:
     # Side by side each takes longer than alone (on the H200: direct 43 s alone, over 60 s beside the
     # others; memcheck 87 s alone, over 150 s), so the bounds leave room for that.
     functional = [suite_step(py, cuda), stress_steps(py), memcheck_step(py, cuda), sglang_step(cuda),
-                  direct_steps(py, cuda)]  # fmt: skip
-    with ThreadPoolExecutor(max_workers=4) as pool:
+                  direct_steps(py, cuda), soak_step(py)]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=5) as pool:
         for done in as_completed([pool.submit(make) for make in functional if make is not None]):
             for step in done.result():
                 steps.append(step)
@@ -349,7 +369,7 @@ def main() -> int:
     # Host memory: a 4 GiB pool three ways, hicache's held to the bars (pinned bytes, copy speed, release).
     steps.append(run("host-memory", [py, "benchmarks/host_memory.py", "--gib", "4", "--check", "--out",
                                      str(RESULTS / f"host-memory-gate-{card}.json")], 180))  # fmt: skip
-    order = ["suite", "direct-batched", "direct-batch-2d", "stress-kernel", "stress-jit", "layer-loads",
+    order = ["suite", "direct-batched", "direct-batch-2d", "stress-kernel", "stress-jit", "layer-loads", "soak",
              "memcheck", "bench-quick", "overlap", "host-memory", "sglang"]  # fmt: skip
     steps.sort(key=lambda x: order.index(x["name"]) if x["name"] in order else len(order))
 
