@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import time
 
 import pytest
 import torch
@@ -294,3 +295,97 @@ def test_a_containers_reclaimable_file_cache_is_not_counted_as_used(version, tmp
     with caplog.at_level("WARNING", logger="hicache"):
         hm.check_fits(hm.plan_host_memory({"kv": 900 * mib}, label="pool", pinned=True))
     assert "pool would not fit" in caplog.text and "built all the same (HICACHE_HOST_MEMORY_CHECK=0)" in caplog.text
+
+
+_RANK = r"""
+import sys
+from pathlib import Path
+
+from hicache_core.host_memory import HostMemoryError, limits, plan_host_memory, reservations
+
+root, proc, ledger, mib, wait_s = sys.argv[1:6]
+limits._CGROUP_ROOT, limits._PROC_CGROUP, reservations.LEDGER = Path(root), Path(proc), Path(ledger)
+plan = plan_host_memory({"kv": int(mib) << 20}, label="a rank's pool", pinned=False)
+print("ready", flush=True)
+sys.stdin.readline()  # every rank is told to go at once
+try:
+    reservation = reservations.reserve(plan, wait_s=float(wait_s))
+except HostMemoryError as exc:
+    print("refused", str(exc).replace("\n", " "), flush=True)
+    sys.exit(0)
+print("reserved", flush=True)
+sys.stdin.readline()  # held until told, or killed
+reservation.release()
+"""
+
+
+def test_ranks_that_reserve_at_once_cannot_overcommit_the_host_and_a_killed_ones_reservation_ends(
+        tmp_path, monkeypatch):  # fmt: skip
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from hicache_core.host_memory import limits, reservations
+
+    mib = 1 << 20
+    _fake_cgroup(tmp_path, monkeypatch, 2, limit=1000 * mib, usage=0, inactive=0, active=0)
+    monkeypatch.setattr(reservations, "LEDGER", tmp_path / "ledger")
+    env = {k: v for k, v in os.environ.items() if k not in ("HICACHE_HOST_RESERVE_GIB", "HICACHE_HOST_MEMORY_CHECK")}
+    monkeypatch.delenv("HICACHE_HOST_RESERVE_GIB", raising=False)
+    monkeypatch.delenv("HICACHE_HOST_MEMORY_CHECK", raising=False)
+    argv = [sys.executable, "-c", _RANK, str(limits._CGROUP_ROOT), str(limits._PROC_CGROUP), str(tmp_path / "ledger"),
+            "400", "1.0"]  # fmt: skip
+    ranks = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for _ in "abc"]
+    try:
+        for rank in ranks:
+            assert rank.stdout.readline().strip() == "ready"
+        for rank in ranks:  # each passes check_fits on its own: 400 of 1000 MiB
+            rank.stdin.write("go\n")
+            rank.stdin.flush()
+        said = {rank.pid: rank.stdout.readline().strip() for rank in ranks}
+        holders = [rank for rank in ranks if said[rank.pid] == "reserved"]
+        refused = [said[rank.pid] for rank in ranks if said[rank.pid].startswith("refused")]
+        assert len(holders) == 2 and len(refused) == 1, said
+        assert "processes building host pools on this host reserved 838860800 bytes of it" in refused[0]
+        assert all(f"pid {h.pid} (a rank's pool: 419430400 bytes)" in refused[0] for h in holders), refused[0]
+
+        plan = hm.plan_host_memory({"kv": 400 * mib}, label="after the kill", pinned=False)
+        with pytest.raises(hm.HostMemoryError):
+            reservations.reserve(plan, wait_s=0)  # 600 MiB of 1000 are still reserved by two live ranks
+        os.kill(holders[0].pid, signal.SIGKILL)
+        holders[0].wait()
+        with reservations.reserve(plan, wait_s=0) as mine:
+            lines = (tmp_path / "ledger").read_text().splitlines()
+            assert sorted(int(line.split()[0]) for line in lines) == sorted([holders[1].pid, os.getpid()])
+        assert mine.left == 0 and str(os.getpid()) not in (tmp_path / "ledger").read_text()
+
+        # A pool checks its plan again as it is mapped, beside the reservation of the rank still holding one.
+        monkeypatch.setattr(reservations, "WAIT_S", 0.3)
+        hm.check_fits(hm.plan_host_memory({"kv": 700 * mib}, label="pool", pinned=False))  # on its own, it fits
+        with pytest.raises(hm.HostMemoryError) as err:
+            hm.host_tensor((700 * mib,), torch.uint8, label="the late rank's pool", name="kv", pinned=False)
+        assert f"pid {holders[1].pid} (a rank's pool: 419430400 bytes)" in str(err.value)
+        assert not any(r.label.startswith("the late rank's pool") for r in hm.live_records())
+        small = hm.host_tensor((100 * mib,), torch.uint8, label="a pool that fits", name="kv", pinned=False)
+        assert small.numel() == 100 * mib and str(os.getpid()) not in (tmp_path / "ledger").read_text()
+
+        # One that fits what is free but not beside others' reservations waits for them, rather than refusing.
+        import threading
+
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.append(reservations.reserve(
+            hm.plan_host_memory({"kv": 700 * mib}, label="a waiting pool", pinned=False), wait_s=60)))  # fmt: skip
+        waiter.start()
+        time.sleep(0.5)
+        assert waiter.is_alive(), "it did not wait for the rank still holding its reservation"
+        holders[1].stdin.write("release\n")
+        holders[1].stdin.flush()
+        waiter.join(30)
+        assert got and got[0].left == 700 * mib
+        got[0].release()
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+            rank.wait()

@@ -3,8 +3,10 @@
 Every host buffer hicache pins goes through here: a pool's buffers (:func:`allocate`), its checksum
 table and drop word, staging buffers (:func:`host_tensor`). Each is planned from its sizes
 (:func:`plan_host_memory`), refused before any byte is taken when it would not fit (:func:`check_fits`),
-then mapped at its exact size (:mod:`.mapping`). :func:`pinned_bytes_by_label` is what the
-``hicache_host_pinned_bytes`` metric reads. Without CUDA the same code runs without pinning.
+reserved on this host until its pages exist, so that ranks building pools at once cannot overcommit it
+together (:mod:`.reservations`), then mapped at its exact size (:mod:`.mapping`).
+:func:`pinned_bytes_by_label` is what the ``hicache_host_pinned_bytes`` metric reads. Without CUDA the
+same code runs without pinning.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ from .budget import (
 )
 from .limits import MemoryLimits, read_limits
 from .mapping import MappingRecord, live_records, map_host_memory
+from .reservations import reserve
 
 __all__ = [
     "HUGE_PAGES", "MEMORY_CHECK", "NUMA_NODE", "REGISTER_CHUNK_GIB", "RESERVE_GIB", "TOUCH_THREADS",
     "HostMemoryError", "HostMemoryPlan", "MappingRecord", "MemoryLimits", "allocate", "check_fits", "check_lockable",
     "choose_node", "fit_refusal", "host_tensor", "live_records", "pinned_bytes_by_label", "plan_host_memory",
-    "read_limits", "touch_threads",
+    "read_limits", "reserve", "touch_threads",
 ]  # fmt: skip
 
 
@@ -45,9 +48,11 @@ def allocate(plan: HostMemoryPlan, shapes: Mapping[str, tuple[tuple[int, ...], t
              granules: Mapping[str, int] | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """Map every buffer of ``plan`` at its exact size, shaped as ``shapes`` says; zero-filled.
 
-    Call :func:`check_fits` first. ``granules`` (bytes) keeps each CUDA registration chunk of a buffer
-    on whole granules (a host page of the layout), so one copy never spans two registrations.
-    On failure, buffers already mapped are released before the error propagates.
+    Call :func:`check_fits` first. The plan is checked again as it is reserved on this host (:func:`reserve`:
+    it may wait there for other processes' pools), and its reservation ends as each buffer's pages exist.
+    ``granules`` (bytes) keeps each CUDA registration chunk of a buffer on whole granules (a host page of the
+    layout), so one copy never spans two registrations. On failure, buffers already mapped are released
+    before the error propagates.
     """
     chunk = int(REGISTER_CHUNK_GIB.read() * (1 << 30))
     threads = touch_threads()
@@ -58,10 +63,14 @@ def allocate(plan: HostMemoryPlan, shapes: Mapping[str, tuple[tuple[int, ...], t
         if expected != asked:
             raise ValueError(f"{plan.label}: buffer {name!r} of shape {shape} {dtype} holds {expected} bytes, "
                              f"the plan {asked}")  # fmt: skip
-        raw, _record = map_host_memory(asked, label=f"{plan.label}: {name}", pin=plan.pinned, node=plan.node,
-                                       huge_pages=plan.huge_pages, touch_threads=threads, chunk_bytes=chunk,
-                                       granule=(granules or {}).get(name, 1))  # fmt: skip
-        out[name] = raw.view(dtype).view(shape)
+    with reserve(plan) as reservation:
+        for name, asked, _mapped in plan.buffers:
+            shape, dtype = shapes[name]
+            raw, _record = map_host_memory(asked, label=f"{plan.label}: {name}", pin=plan.pinned, node=plan.node,
+                                           huge_pages=plan.huge_pages, touch_threads=threads, chunk_bytes=chunk,
+                                           granule=(granules or {}).get(name, 1),
+                                           touched=reservation.touched)  # fmt: skip
+            out[name] = raw.view(dtype).view(shape)
     return out
 
 

@@ -141,22 +141,30 @@ def check_fits(plan: HostMemoryPlan, limits: MemoryLimits | None = None) -> None
     raise refused
 
 
-def fit_refusal(plan: HostMemoryPlan, limits: MemoryLimits | None = None) -> HostMemoryError | None:
-    """The refusal :func:`check_fits` raises for ``plan``, whatever ``HICACHE_HOST_MEMORY_CHECK`` says, or ``None``."""
+def fit_refusal(plan: HostMemoryPlan, limits: MemoryLimits | None = None, *, pending: int = 0,
+                pending_by: str = "") -> HostMemoryError | None:  # fmt: skip
+    """The refusal :func:`check_fits` raises for ``plan``, whatever ``HICACHE_HOST_MEMORY_CHECK`` says, or ``None``.
+
+    ``pending``: bytes other processes reserved and have not touched yet (:mod:`.reservations`), held by
+    ``pending_by`` (for the message); they are taken off the room.
+    """
     limits = limits or read_limits()
     reserve = int(RESERVE_GIB.read() * _GIB)
     room, which = limits.bound()
-    if plan.mapped + reserve <= room:
+    if plan.mapped + reserve <= room - pending:
         return None
     keep = f" and keep {reserve} bytes free ({RESERVE_GIB.name})" if reserve else ""
+    others = (f", and processes building host pools on this host reserved {pending} bytes of it that they have "
+              f"not touched yet ({pending_by})") if pending else ""  # fmt: skip
     return HostMemoryError(
         f"{plan.label} would not fit: it needs {plan.mapped} bytes ({plan.mapped / _GIB:.2f} GiB"
-        f"{', pinned' if plan.pinned else ''}){keep}, but {which} leaves {room} bytes ({room / _GIB:.2f} GiB). "
+        f"{', pinned' if plan.pinned else ''}){keep}, but {which} leaves {room} bytes ({room / _GIB:.2f} GiB)"
+        f"{others}. "
         "Nothing was allocated. Ask for a smaller host pool (SGLang: --hicache-size or --hicache-ratio; vLLM: "
         f"cpu_bytes_to_use){', or lower ' + RESERVE_GIB.name if reserve else ''}; `hicache size` shows what fits. "
         f"If you know the memory is there all the same (this check counts active file cache as used), "
         f"{MEMORY_CHECK.name}=0 builds the pool anyway, with a warning.",
-        needed=plan.mapped + reserve, limit=room, limit_name=which,
+        needed=plan.mapped + reserve, limit=room - pending, limit_name=which,
     )  # fmt: skip
 
 

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -111,12 +112,14 @@ class HostMapping(mmap.mmap):
 
 
 def map_host_memory(nbytes: int, *, label: str, pin: bool, node: int | None, huge_pages: bool, touch_threads: int,
-                    chunk_bytes: int, granule: int) -> tuple[torch.Tensor, MappingRecord]:  # fmt: skip
+                    chunk_bytes: int, granule: int,
+                    touched: Callable[[int], None] | None = None) -> tuple[torch.Tensor, MappingRecord]:  # fmt: skip
     """A ``uint8`` tensor of exactly ``nbytes`` over a new mapping, and the mapping's record.
 
     :param pin: register the pages with CUDA (page-locked, reachable from the GPU through UVA).
     :param node: the NUMA node to prefer, or ``None`` for the kernel's default policy.
     :param granule: registration chunks end on a multiple of these bytes from the start.
+    :param touched: called with the bytes mapped once every page exists (before pinning).
     :raises OSError: the mapping or the placement failed; :raises RuntimeError: CUDA refused to register.
     Nothing is left mapped or registered when it raises.
     """
@@ -130,7 +133,7 @@ def map_host_memory(nbytes: int, *, label: str, pin: bool, node: int | None, hug
     mapping._address = tensor.data_ptr()
     _MAPPINGS.add(mapping)
     try:
-        _prepare(mapping, tensor.data_ptr(), record, touch_threads, chunk_bytes, granule)
+        _prepare(mapping, tensor.data_ptr(), record, touch_threads, chunk_bytes, granule, touched)
     except BaseException:
         del tensor, mapping  # the last references: unregistered (nothing was left registered) and unmapped now
         raise
@@ -140,7 +143,7 @@ def map_host_memory(nbytes: int, *, label: str, pin: bool, node: int | None, hug
 
 
 def _prepare(mapping: HostMapping, address: int, record: MappingRecord, touch_threads: int, chunk_bytes: int,
-             granule: int) -> None:  # fmt: skip
+             granule: int, touched: Callable[[int], None] | None) -> None:  # fmt: skip
     start = time.perf_counter()
     _leave_out_of_children(mapping, record)
     if record.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -149,6 +152,8 @@ def _prepare(mapping: HostMapping, address: int, record: MappingRecord, touch_th
         numa.prefer_node(address, record.mapped, record.node)
     _touch(address, record.mapped, touch_threads)
     record.seconds["touch"] = time.perf_counter() - start
+    if touched is not None:
+        touched(record.mapped)
     if record.pinned:
         start = time.perf_counter()
         _register(mapping, address, record.mapped, chunk_bytes, granule)
