@@ -8,7 +8,8 @@ named by a ``hicache.settings`` entry point.
 
 from __future__ import annotations
 
-from .settings import Setting, flag, integer, number, text
+from .key_id import MIN_KEY_BYTES, key_id_of, short_key_message
+from .settings import Setting, SettingError, flag, integer, number, text
 
 # ---- host pools --------------------------------------------------------------------------------------
 
@@ -77,10 +78,28 @@ L3_HASH_THREADS = integer(
     doc="threads that checksum a batch's L3 pages at once (default: the cores, at most 8)",
 )
 # Read as text: hicache_core.storage.page_auth validates them with messages that never echo the key.
-L3_KEY_FILE = text("HICACHE_L3_KEY_FILE", doc="a file holding the cluster's L3 key: every page is written and read "
-                   "with a MAC")  # fmt: skip
+# The file's path is no secret (the file's mode guards the key); the key itself is declared secret.
+L3_KEY_FILE = text("HICACHE_L3_KEY_FILE", takes="a file path",
+                   doc="a file holding the cluster's L3 key: every page is written and read with a MAC")  # fmt: skip
+
+
+def _key_shown(value: str) -> str:
+    """The key as ``hicache settings`` shows it: its key id, which names it without revealing it.
+
+    :raises SettingError: a key ``make_storage`` would refuse (too short), so that the listing refuses it too.
+    """
+    material = value.encode("utf-8", "surrogateescape").strip()  # as ClusterKey.from_environment takes it
+    if len(material) < MIN_KEY_BYTES:
+        raise SettingError(short_key_message("HICACHE_L3_KEY", len(material)))
+    try:
+        return f"<secret: key id {key_id_of(material).hex()}>"
+    except ImportError:  # no blake3 to derive the id with: the length is all that may show
+        return f"<secret, {len(material)} bytes>"
+
+
 L3_KEY = text("HICACHE_L3_KEY", doc="the cluster's L3 key itself (prefer HICACHE_L3_KEY_FILE: the environment leaks "
-              "more)")  # fmt: skip
+              "more)", takes="a key of at least 32 bytes (openssl rand -hex 32)", secret=True,
+              show=_key_shown)  # fmt: skip
 
 # ---- the storage conformance kit ---------------------------------------------------------------------
 

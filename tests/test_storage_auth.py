@@ -400,7 +400,7 @@ def test_storage_check_says_whether_pages_are_authenticated(tmp_path, monkeypatc
         monkeypatch.delenv(var, raising=False)
     url = f"file://{tmp_path}"
     assert main(["storage", "check", url]) == 0
-    assert "pages unauthenticated (no HICACHE_L3_KEY_FILE): whoever can write the store" in capsys.readouterr().out
+    assert "WARN pages UNAUTHENTICATED (no HICACHE_L3_KEY_FILE): whoever can write the store" in capsys.readouterr().out
     monkeypatch.setenv("HICACHE_L3_KEY", KEY_A.decode())
     assert main(["storage", "check", url]) == 0
     out = capsys.readouterr().out

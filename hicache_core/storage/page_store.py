@@ -28,7 +28,7 @@ from .backend import StorageBackend
 from .keys import Namespace, fingerprint, geometry_description
 from .legacy import backend_member, page_api_problems
 from .outcomes import NotAPage, ObjectMissing, PageResult, PageStatus, SizeMismatch, StorageError, StorageFull
-from .page_auth import FROM_ENVIRONMENT, TAG_BYTES, ClusterKey, resolve_key
+from .page_auth import FROM_ENVIRONMENT, TAG_BYTES, ClusterKey, resolve_key, warn_unauthenticated
 from .page_format import (
     CHECKSUM_DEVICE,
     CHECKSUM_KEYED,
@@ -157,6 +157,8 @@ class PageStore:
         if observer_of is not None:  # a backend serving the pool's pages to others hears the pool's events
             own["_observer"] = observer_of(host_pool)
             host_pool.observe(own["_observer"])
+        if key is None:  # once bound: a store that refused to bind (peer:// without a key) opened nothing
+            warn_unauthenticated(backend)
 
     @property
     def pages(self) -> PageMap:

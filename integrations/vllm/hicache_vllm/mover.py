@@ -186,6 +186,11 @@ class BlockMover:
         self._jobs: dict[int, Job] = {}
         self._lock = threading.Lock()
         self.storage_write_failures = 0
+        # Write-throughs of old weights' pages still running at a weight change, and whether the store holds
+        # its writes until they are through (set_weight_version).
+        self._hold_lock = threading.Lock()
+        self._old_writes: set[Future] = set()
+        self._holding = False
         self._offsets = torch.arange(self.block_size, dtype=torch.int64)
 
     # ---- index arithmetic -----------------------------------------------------------------------
@@ -280,11 +285,45 @@ class BlockMover:
         return out
 
     def set_weight_version(self, version: str) -> bool:
-        """The weights changed: finish the transfers in flight (old pages, old keys), then key pages on ``version``."""
+        """The weights changed: finish the transfers in flight (old pages, old keys), then key pages on ``version``.
+
+        The keys move even when that wait fails (a load past ``HICACHE_LOAD_TIMEOUT_S``), and its error is
+        raised after: the scheduler's probe has moved, and this worker's pages of the new weights must not go
+        under the old keys, where other engines read them. Writes of stores still in flight then would land
+        under the new keys: the store writes nothing (each page ``skipped``) until they are through."""
         if self.storage is None:
             return False
-        self.wait(list(self._jobs))
-        return self.storage.set_weight_version(version)
+        try:
+            self.wait(list(self._jobs))
+        finally:
+            switched = self._switch(version)
+        return switched
+
+    def _switch(self, version: str) -> bool:
+        old_writes = [job.future for job in self._jobs.values()
+                      if not job.is_load and job.future is not None and not job.future.done()]  # fmt: skip
+        if old_writes:
+            with self._hold_lock:
+                if not self._holding:
+                    # The store's own hold (weights.py) starts where the host pool holds pages at the change,
+                    # and ends when it is cleared: this mover's chunks are not the pool's allocations, so one
+                    # page is taken to stand for those of the stores in flight, and the pool cleared once
+                    # they are all through (_old_write_done).
+                    self.host.alloc(self.host.page_size)
+                    self._holding = True
+                self._old_writes.update(old_writes)
+        switched = self.storage.set_weight_version(version)
+        for future in old_writes:
+            future.add_done_callback(self._old_write_done)  # at once if it is through already
+        return switched
+
+    def _old_write_done(self, future: Future) -> None:
+        with self._hold_lock:
+            self._old_writes.discard(future)
+            if self._old_writes or not self._holding:
+                return
+            self._holding = False
+        self.host.clear()  # ends the store's hold: no page of the old weights is written from now on
 
     def wait(self, job_ids: set[int] | Sequence[int]) -> None:
         """Block until these jobs are finished, failed or not (their results still come from ``get_finished``).

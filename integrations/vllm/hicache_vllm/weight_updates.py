@@ -18,8 +18,11 @@ still read):
 * every hicache L3 store of the engine (the scheduler's probe, the workers' block movers) moves to a
   new weight version, unique to this reload (vLLM's weight version cannot name it: ``finish_weight_update``
   sets it after the RPC, and a reload does not change it). A worker first waits out its transfers in
-  flight, which write the old weights' pages under the old keys. L3 pages of the old weights are then
-  misses (``old_weight_version``).
+  flight, which write the old weights' pages under the old keys. Where that wait fails (a load past
+  ``HICACHE_LOAD_TIMEOUT_S``), the keys move all the same, the store writes nothing until the stores
+  still in flight are through (their old pages under no key), and the RPC fails with the wait's error
+  (vLLM logs it and answers the caller so). L3 pages of the old weights are then misses
+  (``old_weight_version``).
 
 vLLM's device prefix cache stays vLLM's: reset it (``LLM.reset_prefix_cache()``) as vLLM asks after a
 weight update; requests running across a reload keep what they computed.
@@ -45,8 +48,21 @@ def track(follower: Any) -> None:
 
 
 def follow(version: str) -> int:
-    """Move every tracked store of this process to ``version``; how many moved."""
-    return sum(bool(f.set_weight_version(version)) for f in list(_followers))
+    """Move every tracked store of this process to ``version``; how many moved.
+
+    One that raises (a worker whose transfers in flight did not finish in time: it moved all the same) does
+    not keep the others from moving; the first error is raised after, the others logged."""
+    moved, errors = 0, []
+    for follower in list(_followers):
+        try:
+            moved += bool(follower.set_weight_version(version))
+        except Exception as exc:  # noqa: BLE001 - every store moves before the first error is raised
+            errors.append(exc)
+    for exc in errors[1:]:
+        logger.error("hicache: moving to weight version %r: %s: %s", version, type(exc).__name__, exc)
+    if errors:
+        raise errors[0]
+    return moved
 
 
 def _on_worker(worker: Any, version: str) -> int:

@@ -9,6 +9,7 @@ token, dim), so a misplaced byte shows which item it belonged to.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -17,6 +18,8 @@ from conftest import DEVICE
 from hicache_vllm.errors import NotServedError
 from hicache_vllm.mover import BlockMover, TransferFailed
 from hicache_vllm.page_oracle import element_offset, page_bytes
+
+from hicache_core.layer_loads import LayerLoadTimeout, layer_loader
 
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("HICACHE_TEST_DEVICE=cuda but no CUDA device is visible", allow_module_level=True)
@@ -245,6 +248,73 @@ def test_a_weight_reload_finishes_old_writes_under_old_keys_then_reads_nothing_o
     assert done[1].ok and not done[2].ok  # the old weights' page is not in the new version's namespace
     assert all(torch.equal(t[0], b) for t, b in zip(cache, before))
     m.shutdown()
+
+
+@pytest.fixture
+def stuck_copies(monkeypatch):
+    """The process's layer loader made afresh under ``HICACHE_LOAD_TIMEOUT_S=0.2``, its thread held by a copy that
+    does not finish until the returned event is set: a load submitted now cannot finish in time."""
+    monkeypatch.setenv("HICACHE_LOAD_TIMEOUT_S", "0.2")
+    layer_loader(DEVICE).close()  # the loader reads the bound when it is made
+    loader = layer_loader(DEVICE)
+    assert loader.timeout_s == 0.2
+    release = threading.Event()
+    loader.submit(1, lambda layer: release.wait(60), what="a copy that does not finish")
+    yield release
+    release.set()
+    loader.close()  # the next test's loader is made under the default bound
+
+
+def _stored(root, namespace, page_hash):
+    """Whether the file store under ``root`` holds an object of ``page_hash`` in ``namespace`` (its directory)."""
+    return any(f.is_file() for f in (root / namespace.prefix).rglob(f"{page_hash}*"))
+
+
+def test_a_reload_whose_wait_times_out_moves_the_keys_and_writes_no_old_page_under_the_new_ones(tmp_path, stuck_copies):
+    """The wait for the transfers in flight fails (a load past HICACHE_LOAD_TIMEOUT_S): every store moves all
+    the same (else the worker writes the new weights' pages under the old keys), the error is raised, and a
+    store still writing an old page when the keys moved writes it under no key."""
+    from hicache_vllm import weight_updates
+
+    root = tmp_path / "l3"
+    cache = vllm_cache(11)
+    original = [t.clone() for t in cache]
+    m = mover(cache, storage_url=f"file://{root}", model_id="tiny")
+    other = mover(cache, storage_url=f"file://{root}", model_id="tiny")  # another worker's store, stuck as well
+    old = m.storage.namespace
+    for i, each in enumerate((m, other)):
+        each.submit_store(0, np.array([9]), np.array([0]))
+        finish(each, {0})
+        each.submit_load(1, np.array([0]), np.array([3 + i]))  # behind the copy that does not finish
+    slow_store = threading.Event()
+    m._pool().submit(slow_store.wait, 60)  # the L3 thread busy: job 2's write-through is queued at the reload
+    m.submit_store(2, np.array([4]), np.array([1]), storage_keys=["dd01"])
+    with pytest.raises(LayerLoadTimeout):
+        weight_updates.follow("reload-1")
+    assert m.storage.weight_version == other.storage.weight_version == "reload-1"
+    new = m.storage.namespace
+    slow_store.set()
+    m.wait({2})
+    # Job 2's page is of the old weights: not under the new keys (held: under none).
+    assert not _stored(root, new, "dd01") and m.storage.batch_exists(["dd01"]) == 0
+    assert not _stored(root, old, "dd01")
+    assert m.storage.get_stats().write_held_old_weights == 1 and m.storage_write_failures == 1
+    stuck_copies.set()
+    m.wait({1})
+    other.wait({1})
+    assert all(f.ok for f in m.get_finished() + other.get_finished())
+    # The old stores are through: a page of the new weights goes under the new keys, never the old ones.
+    m.submit_store(3, np.array([7]), np.array([2]), storage_keys=["dd02"])
+    finish(m, {3})
+    assert _stored(root, new, "dd02") and not _stored(root, old, "dd02")
+    assert m.storage.get_stats().pages_written == 1
+    for t in cache:
+        t.zero_()
+    m.submit_load(4, np.array([5]), np.array([0]), fetch=[(0, "dd02")])
+    finish(m, {4})
+    assert all(torch.equal(t[0], o[7]) for t, o in zip(cache, original))
+    m.shutdown()
+    other.shutdown()
 
 
 def test_no_vllm_needed():
