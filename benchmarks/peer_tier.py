@@ -95,6 +95,7 @@ def main() -> None:
         os.environ[L3_KEY.name] = os.urandom(32).hex()  # the owner process inherits it
     redis = start_redis(work, "--requirepass", password)
     url = f"peer://:{password}@127.0.0.1:{redis.port}/0?timeout=30&publish_bytes={(args.pages + 2) * 2}MiB"
+    url += "&insecure=1" if args.unkeyed else ""  # peer:// refuses to bind without the key unless told
     proc = subprocess.Popen([sys.executable, __file__, "--owner", url, str(args.pages), str(work)])
     try:
         deadline = time.monotonic() + 120

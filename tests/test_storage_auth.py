@@ -373,7 +373,7 @@ def test_a_peer_reader_authenticates_what_it_reads_from_an_owner(tmp_path, monke
     try:
         owner = make_storage(url, owner_pool, model_id="peer-auth", cluster_key=key)
         stores.append(owner)
-        keyless_owner = make_storage(url, owner_pool, model_id="peer-auth", cluster_key=None)
+        keyless_owner = make_storage(url + "&insecure=1", owner_pool, model_id="peer-auth", cluster_key=None)
         stores.append(keyless_owner)
         reader = make_storage(url, reader_pool, model_id="peer-auth", cluster_key=key)
         stores.append(reader)

@@ -133,10 +133,11 @@ def _peer_store(tmp_path: Path) -> Iterator[Row]:
     try:
         port = server.port
         yield Row(
-            working=[f"peer://default:{SECRET}@127.0.0.1:{port}/0?prefix=p1:&timeout=2"],
+            # insecure=1: no cluster key here (the key's own scan is test_the_cluster_key_shows_nowhere's)
+            working=[f"peer://default:{SECRET}@127.0.0.1:{port}/0?prefix=p1:&timeout=2&insecure=1"],
             expect=("ok", "ok", "missing", "missing", "missing"),
-            failing=[f"peer://:{WRONG}@127.0.0.1:{port}/0?timeout=2",
-                     f"peer://127.0.0.1:{port}/0?password={WRONG}&timeout=2",
+            failing=[f"peer://:{WRONG}@127.0.0.1:{port}/0?timeout=2&insecure=1",
+                     f"peer://127.0.0.1:{port}/0?password={WRONG}&timeout=2&insecure=1",
                      f"peer://:{SECRET}@127.0.0.1:{port}/0?secret={OPTION_SECRET}"],
         )  # fmt: skip
     finally:

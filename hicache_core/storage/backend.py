@@ -103,8 +103,10 @@ class StorageBackend:
     be thread-safe. :func:`~hicache_core.storage.make_storage` builds the backend and wraps it
     in a :class:`~hicache_core.storage.PageStore` bound to a host pool; the store sets plain
     attributes here when it binds: :attr:`namespace` (the keys' :class:`Namespace`),
-    :attr:`page_bytes` (payload bytes of one page), both ``None`` until then, and
-    :attr:`cluster_key` (the store's key, for a backend that authenticates records of its own).
+    :attr:`page_bytes` (payload bytes of one page), both ``None`` until then,
+    :attr:`trailer_bytes` (bytes of the checksum row stored after each page's payload: 0 unless
+    the pool verifies), and :attr:`cluster_key` (the store's key, for a backend that
+    authenticates records of its own). All are set before :meth:`register_memory`.
     """
 
     scheme: ClassVar[str] = ""
@@ -121,6 +123,9 @@ class StorageBackend:
     namespace: Namespace | None = None
     #: Payload bytes of one page of the bound host pool (set when it binds; ``None`` before).
     page_bytes: int | None = None
+    #: Bytes of the checksum row stored after each page's payload (a verifying host pool's; 0 otherwise), so an
+    #: object under a key is ``header + page_bytes + trailer_bytes`` bytes (set when it binds).
+    trailer_bytes: int = 0
     #: The bound page store's cluster key (set before ``register_memory``; ``None``: unauthenticated).
     cluster_key: ClusterKey | None = None
 

@@ -106,8 +106,8 @@ class PageStore:
         ``None``: unauthenticated pages, as without a key; the default reads ``HICACHE_L3_KEY_FILE`` or
         ``HICACHE_L3_KEY``.
 
-    Binding sets the backend's ``namespace`` and ``page_bytes`` and calls its
-    ``register_memory`` with the pool's buffers. ``HICACHE_L3_HOST_CHECK`` and
+    Binding sets the backend's ``namespace``, ``page_bytes``, ``trailer_bytes`` and ``cluster_key``
+    and then calls its ``register_memory`` with the pool's buffers. ``HICACHE_L3_HOST_CHECK`` and
     ``HICACHE_L3_HASH_THREADS`` are read here, once.
     """
 
@@ -151,6 +151,7 @@ class PageStore:
         own["device_checked"] = key is None and pages.table is not None and not host_check
         backend.namespace = namespace
         backend.page_bytes = pages.page_bytes
+        backend.trailer_bytes = pages.trailer_bytes
         backend.cluster_key = key
         backend.register_memory(pages.buffer_spans())
         observer_of = getattr(backend, "observer_of", None)

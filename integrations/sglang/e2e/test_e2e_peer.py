@@ -35,7 +35,7 @@ def peers(fleet):
         pytest.skip(f"HICACHE_E2E_ONLY leaves out server(s) {', '.join(NAMES)}")
     need(fleet, f"base-p{PEER.page_size}")  # the outputs without HiCache
     redis = RedisServer(os.path.join(fleet.root, "peer-redis")).start()
-    url = f"peer://127.0.0.1:{redis.port}/0?prefix={PREFIX}&insecure_directory=1"
+    url = f"peer://127.0.0.1:{redis.port}/0?prefix={PREFIX}&insecure=1"  # a trusted test setup: no key, no password
     # UCX over TCP on loopback, as between two machines without RDMA (the plugin's tests do the same);
     # hicache's metrics reach /metrics every second instead of every 5.
     env = {"UCX_TLS": "tcp,self", "HICACHE_METRICS_INTERVAL": "1"}

@@ -26,6 +26,9 @@ is reused only ``timeout`` after a later read from the same owner succeeded (the
 again, its old replies are through), and released at ``close`` once the reader agent is gone.
 The reader agent is not closed earlier: closing it with a cancelled read outstanding makes a
 paused owner abort when it resumes (UCX "Endpoint timeout", nixl-cu13 1.5.1, seen here).
+
+Binding to a host pool without the cluster key is refused unless the URL says ``insecure=1``: unkeyed,
+the owners' NIXL metadata lies in the directory in clear and nothing a directory writer adds is checked.
 """
 
 from __future__ import annotations
@@ -82,8 +85,9 @@ class PeerStorage(StorageBackend):
         "serve": "publish this instance's pages for others (default 1; 0: read only)",
         "publish_bytes": "size of the publication area, the only memory others reach (default 256MiB; "
         "the oldest page is unpublished when full)",
-        "password": "Redis AUTH password of the directory (required unless insecure_directory=1)",
+        "password": "Redis AUTH password of the directory (required unless insecure=1 or insecure_directory=1)",
         "username": "Redis ACL user of the directory",
+        "insecure": "1: a trusted test setup: no cluster key (and no directory password) required",
         "insecure_directory": "1: a trusted test setup, a directory without a password is accepted",
         "tls": "1: TLS to the directory (redis-server --tls-port)",
         "tls_ca_file": "the CA file that signed the directory's certificate (default: the system's CAs)",
@@ -107,15 +111,18 @@ class PeerStorage(StorageBackend):
                 raise ValueError(f"option {name}={options.get(name)!r} must be a positive number of seconds")
         self.serve = option_bool(options.get("serve", True), "serve")
         self.publish_bytes = option_bytes(options.get("publish_bytes", _DEFAULT_PUBLISH_BYTES), "publish_bytes")
-        insecure = option_bool(options.get("insecure_directory", False), "insecure_directory")
+        #: A trusted test setup: bound without a cluster key (see register_memory), a directory without a password.
+        self.insecure = option_bool(options.get("insecure", False), "insecure")
+        insecure_directory = option_bool(options.get("insecure_directory", False), "insecure_directory")
         tls = option_bool(options.get("tls", False), "tls")
         password = options.get("password", url.password) or None
         host, port = url.host or "127.0.0.1", url.port or 6379
-        if password is None and not insecure:
+        if password is None and not (self.insecure or insecure_directory):
             raise ValueError(
                 f"peer:// directory {host}:{port}/{db} has no password: whoever reaches it could rewrite "
                 "the directory and read every owner's NIXL address; give the Redis password (password= or "
-                "peer://:PASSWORD@host:port/db), or insecure_directory=1 for a trusted test setup"
+                "peer://:PASSWORD@host:port/db), or insecure=1 (no cluster key either) or "
+                "insecure_directory=1 for a trusted test setup"
             )
         tls_files = {k: options.get(k) for k in ("tls_ca_file", "tls_cert_file", "tls_key_file")}
         for name, path in tls_files.items():
@@ -160,11 +167,22 @@ class PeerStorage(StorageBackend):
     # ---- binding: the publication area, the directory ----------------------------------------------
 
     def register_memory(self, spans: Sequence[Span]) -> None:
-        """Make the publication area and join the directory; the host pool's buffers are not registered."""
+        """Make the publication area and join the directory; the host pool's buffers are not registered.
+
+        :raises ValueError: no cluster key and no ``insecure=1``, before anything is made or published.
+        """
+        if self.cluster_key is None and not self.insecure:
+            # Unkeyed, the owner's NIXL metadata goes into the directory in clear and entries carry no MAC:
+            # any writer of the directory reaches the owner's memory and makes readers load what it forged.
+            raise ValueError(
+                f"peer:// directory {self.directory.address} needs the cluster key: without it every owner's "
+                "NIXL metadata is published in clear and any writer of the directory can forge pages that load; "
+                "set HICACHE_L3_KEY_FILE (or HICACHE_L3_KEY) on every instance, or insecure=1 in the URL for a "
+                "trusted test setup"
+            )
         self.directory.key = self.cluster_key
-        store = self.__dict__.get("_page_store")  # the PageStore binding this backend: its pool's checksum rows
-        trailer = store.pages.trailer_bytes if store is not None else 0
-        page = int(self.page_bytes or 0) + trailer
+        # A stored page is its payload and, from a verifying pool, its checksum row: a slot holds both.
+        page = int(self.page_bytes or 0) + int(self.trailer_bytes)
         # A read lands in staging whole: at least one page of this pool (a target's size bounds what is read).
         self._stage_bytes = max(self.io_chunk_bytes, page)
         if not self.serve:
@@ -538,14 +556,14 @@ class PeerStorage(StorageBackend):
         self._stop.set()
         for t in self._threads:
             t.join(self.timeout + 1)
-        try:
-            with self._lock:
-                gone = list(self._published.items())
-            self.directory.unpublish(self.owner_id, gone)
-            self.directory.drop_owner(self.owner_id)
-        except StorageError:
-            pass  # the lease lapses on its own
-        if self._agent is not None:
+        if self._agent is not None:  # never joined (a reader, or refused at binding): nothing to leave
+            try:
+                with self._lock:
+                    gone = list(self._published.items())
+                self.directory.unpublish(self.owner_id, gone)
+                self.directory.drop_owner(self.owner_id)
+            except StorageError:
+                pass  # the lease lapses on its own
             self._agent.close()  # deregistered: the area and its words can go
         self._area = self._gens_public = None
         with self._reader_lock:

@@ -50,11 +50,12 @@ def peer_url(redis_server):
 class Proc:
     """A peer_proc.py process; ``stop()`` asks it to finish and returns what it reported."""
 
-    def __init__(self, role: str, url: str, workdir: Path, n_pages: int = 16) -> None:
+    def __init__(self, role: str, url: str, workdir: Path, n_pages: int = 16, verify: bool | None = None) -> None:
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.log = open(workdir / f"{role}.log", "ab")
         argv = [sys.executable, str(HERE / "peer_proc.py"), role, url, str(workdir), str(n_pages)]
+        argv += [] if verify is None else ["verify" if verify else "noverify"]  # None: the kit's pool
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_for(self, name: str, timeout: float = 60.0) -> Path:
@@ -135,8 +136,8 @@ def shared_owner(redis_server, tmp_path_factory):
 def procs():
     started: list[Proc] = []
 
-    def start(role: str, url: str, workdir: Path, n_pages: int = 16) -> Proc:
-        p = Proc(role, url, workdir, n_pages)
+    def start(role: str, url: str, workdir: Path, n_pages: int = 16, verify: bool | None = None) -> Proc:
+        p = Proc(role, url, workdir, n_pages, verify)
         started.append(p)
         return p
 

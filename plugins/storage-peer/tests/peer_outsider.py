@@ -26,6 +26,8 @@ import redis
 import torch
 from hicache_storage_peer.agent import PeerAgent
 from hicache_storage_peer.directory import Entry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 def attempt(agent: PeerAgent, owner: str, local: list, remote: list, op: str) -> str:
@@ -39,7 +41,9 @@ def attempt(agent: PeerAgent, owner: str, local: list, remote: list, op: str) ->
 def main(plan_path: str, out_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
     out: dict = {}
-    client = redis.Redis(port=plan["port"], password=plan["password"], socket_timeout=5)
+    # No retries: redis-py's default backoff spends seconds on each refused call, and a refusal is the answer here.
+    client = redis.Redis(port=plan["port"], password=plan["password"], socket_timeout=5, retry=Retry(NoBackoff(), 0),
+                         retry_on_error=[])  # fmt: skip
     prefix = plan["prefix"]
     try:
         names = list(client.scan_iter(match=f"{prefix}*"))

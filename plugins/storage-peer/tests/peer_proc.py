@@ -1,7 +1,9 @@
 """Processes of the peer tier's tests: an owner that publishes pages, a reader that reads them in a loop.
 
-Run as ``python peer_proc.py ROLE URL WORKDIR [N_PAGES]``. Each page's bytes are a function of
-its key (:func:`page_content`), so any process checks any page it read without asking the owner.
+Run as ``python peer_proc.py ROLE URL WORKDIR [N_PAGES [verify|noverify]]`` (the last for ``guarded``: its host
+pool verifies its pages, as a CUDA pool does by default, or not; without it, the kit's pool, which follows the
+environment). Each page's bytes are a function of its key (:func:`page_content`), so any process checks any
+page it read without asking the owner.
 The owner writes ``WORKDIR/ready.json`` (its keys and stats) once its pages are published and
 runs until ``WORKDIR/stop`` exists (or it is killed); in role ``churn`` it keeps freeing and
 republishing its pages meanwhile (another key in each freed slot).
@@ -16,14 +18,35 @@ from pathlib import Path
 
 import torch
 
+from hicache_core import make_host_pool
 from hicache_core.storage import make_storage
 from hicache_core.storage.keys import page_hashes
+from hicache_core.testing.cases import build_device_pools, fill_random
 from hicache_core.testing.storage_kit import StorageCase, make_pool
 
 CASE = StorageCase("mha", "page_first", "plain", 4)
-#: The test directories have no password (a trusted test setup); publication areas sized for the test pools.
-TEST_OPTIONS = "&insecure_directory=1&publish_bytes=4MiB"
+#: A trusted test setup: no directory password, and no cluster key required (the suite runs with one in the
+#: environment too); publication areas sized for the test pools.
+TEST_OPTIONS = "&insecure=1&publish_bytes=4MiB"
 MODEL = "peer-test"
+
+
+def make_peer_pool(pages: int, seed: int, verify: bool | None = None):
+    """A host pool of CASE holding ``pages`` pages of random bytes, verifying its pages or not as ``verify`` says.
+
+    A verifying pool stores each page's checksum row after its payload (a CUDA pool's default). ``None``: the
+    kit's pool, whose verification follows the environment (HICACHE_VERIFY, where a cluster key is set).
+    """
+    if verify is None:
+        return make_pool(CASE, pages=pages, seed=seed)
+    device_pool, _ = build_device_pools(CASE.pool_kind, CASE.variant, CASE.page_size, "cpu")
+    p = CASE.page_size
+    size = max(pages * p, -(-int(device_pool.size) // p) * p)
+    host = make_host_pool(device_pool, layout=CASE.layout, io_backend="reference", operations=[], size=size,
+                          verify=verify)  # fmt: skip
+    # Behind a verifier's back: these pages have no checksum until fill() sets them through the pool.
+    fill_random(list(host.plan.host_buffers.values()), torch.Generator().manual_seed(seed))
+    return host
 
 
 def page_content(host, key: str) -> torch.Tensor:
@@ -77,13 +100,13 @@ def owner(url: str, workdir: Path, n_pages: int, churn: bool) -> None:
     (workdir / "owner-final.json").write_text(json.dumps({"rounds": rounds, "stats": stats}))
 
 
-def guarded(url: str, workdir: Path, n_pages: int) -> None:
+def guarded(url: str, workdir: Path, n_pages: int, verify: bool | None) -> None:
     """An owner that holds ``n_pages`` pages in its pool and publishes only the first half (what outsiders attack).
 
     ``ready.json`` adds the unpublished keys and the pool's buffers (addresses an attacker might know); at
     ``stop``, ``owner-final.json`` says whether every page of its pool still holds its own bytes.
     """
-    host = make_pool(CASE, pages=2 * n_pages, seed=3)
+    host = make_peer_pool(2 * n_pages, 3, verify)
     store = make_storage(url, host, model_id=MODEL)
     keys = keys_for(1, n_pages)
     slots = host.alloc(n_pages * CASE.page_size)
@@ -92,7 +115,10 @@ def guarded(url: str, workdir: Path, n_pages: int) -> None:
     assert all(r.ok for r in store.write_pages(keys[:half], slots[: half * CASE.page_size]))
     buffers = [(s.ptr, s.nbytes) for s in store.pages.buffer_spans()]
     (workdir / "leaked-metadata.bin").write_bytes(store.backend._agent.metadata())  # what a leak would give
-    ready = {"keys": keys[:half], "unpublished": keys[half:], "pool": buffers, "stats": store.backend.backend_stats()}
+    table = store.pages.table  # a verifying pool's checksum rows: registered nowhere either
+    rows = None if table is None else [table.data_ptr(), table.numel() * table.element_size()]
+    ready = {"keys": keys[:half], "unpublished": keys[half:], "pool": buffers, "checksum_table": rows,
+             "stats": store.backend.backend_stats()}  # fmt: skip
     (workdir / "ready.tmp").write_text(json.dumps(ready))
     (workdir / "ready.tmp").rename(workdir / "ready.json")
     while not (workdir / "stop").exists():
@@ -122,6 +148,6 @@ if __name__ == "__main__":
     if role == "reader":
         reader(url, work, n)
     elif role == "guarded":
-        guarded(url, work, n)
+        guarded(url, work, n, {"verify": True, "noverify": False}.get(sys.argv[5]) if len(sys.argv) > 5 else None)
     else:
         owner(url, work, n, churn=role == "churn")

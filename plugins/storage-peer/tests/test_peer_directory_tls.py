@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import uuid
 
@@ -15,6 +16,13 @@ from hicache_core.testing.servers import free_port, start_redis
 from hicache_core.testing.storage_kit import make_pool
 
 PASSWORD = "tls-directory-password-77"
+
+
+@pytest.fixture(autouse=True)
+def cluster_key(monkeypatch):
+    """The setup the docs ask for where the path to Redis is not trusted: TLS, a password and the cluster key."""
+    monkeypatch.delenv("HICACHE_L3_KEY_FILE", raising=False)
+    monkeypatch.setenv("HICACHE_L3_KEY", os.urandom(32).hex())
 
 
 def openssl(*args: str, cwd) -> None:

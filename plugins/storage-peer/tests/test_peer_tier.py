@@ -69,10 +69,14 @@ def test_other_model_geometry_or_rank_share_is_never_found(shared_owner):
 
 
 def area_of(pages: int) -> str:
-    """A ``publish_bytes`` option that holds exactly ``pages`` pages of CASE (slots start on 64 bytes)."""
+    """A ``publish_bytes`` option that holds exactly ``pages`` pages of CASE (slots start on 64 bytes).
+
+    A slot holds a page's payload and, where the kit's pools verify (HICACHE_VERIFY=1 with a key), its checksum row.
+    """
     from hicache_core.storage.pages import PageMap
 
-    page = PageMap(make_pool(CASE, pages=2, seed=0)).page_bytes
+    pm = PageMap(make_pool(CASE, pages=2, seed=0))
+    page = pm.page_bytes + pm.trailer_bytes
     return f"&publish_bytes={pages * -(-page // 64) * 64}"
 
 
@@ -327,4 +331,66 @@ def test_pages_of_replaced_weights_are_never_read_from_a_peer(peer_url):
             assert torch.equal(page_of(host, slots, i), page_content(host, key))
     finally:
         store.close()
+        owner.close()
+
+
+def gpu_like_pools(pages: int):
+    """A device pool and a verifying host pool behind it, as a GPU server makes them by default (a CPU pool verifies
+    only when asked): 2 layers, 2 KV heads of head_dim 64, 16-token pages; 16384 payload bytes a page, 64 of
+    checksum row after it."""
+    from hicache_core import MHADevicePool, make_host_pool
+
+    device = MHADevicePool(size=pages * 16, page_size=16, dtype=torch.bfloat16, head_num=2, head_dim=64, layer_num=2,
+                           device="cpu")  # fmt: skip
+    return device, make_host_pool(device, layout="page_first", io_backend="auto", size=pages * 16, verify=True)
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["insecure-no-key", "cluster-key"])
+def test_a_verifying_pool_publishes_and_a_verifying_reader_loads_its_pages_byte_exact(peer_url, keyed):
+    """The owner backs up device KV into its verifying host pool (checksums taken at backup) and publishes 4 pages,
+    each with its checksum row; another instance reads them into its own verifying host pool and loads them to its
+    device pool: the rows pass the verifier's check and the device holds the owner's KV byte for byte."""
+    import os
+
+    from hicache_core.page_checksum import NO_CHECKSUM
+    from hicache_core.storage.keys import page_hashes
+    from hicache_core.storage.page_auth import ClusterKey
+
+    key = ClusterKey(os.urandom(32).hex().encode(), "the test") if keyed else None
+    owner_dev, owner_host = gpu_like_pools(8)
+    reader_dev, reader_host = gpu_like_pools(8)
+    gen = torch.Generator().manual_seed(17)
+    for buf in owner_dev.k_buffer + owner_dev.v_buffer:
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+    owner = make_storage(peer_url, owner_host, model_id=MODEL, cluster_key=key)
+    reader = make_storage(peer_url, reader_host, model_id=MODEL, serve=0, cluster_key=key)
+    try:
+        assert (owner.pages.page_bytes, owner.pages.trailer_bytes) == (16384, 64)
+        assert owner.backend.slot_bytes == 16448 and owner.authenticated == keyed
+        src_dev = torch.arange(32, 96)  # device slots of 4 pages
+        src = owner_host.alloc(64)
+        owner_host.backup_from_device_all_layer(owner_dev, src, src_dev, "auto")
+        keys = page_hashes(list(range(64)), 16)
+        written = owner.write_pages(keys, src)
+        assert [r.status for r in written] == [PageStatus.OK] * 4, written
+        dst = reader_host.alloc(64)
+        read = reader.read_pages(keys, dst)
+        assert [r.status for r in read] == [PageStatus.OK] * 4, read
+        stored = lambda store, page: b"".join(bytes(s.view) for s in store.pages.object_spans(page))  # noqa: E731
+        for a, b in zip(src[::16].tolist(), dst[::16].tolist()):  # the payload and its checksum row, as written
+            assert len(stored(reader, b // 16)) == 16448 and stored(reader, b // 16) == stored(owner, a // 16), b
+        rows = reader_host.verification.table[dst[::16] // 16]
+        assert not (rows == NO_CHECKSUM).any()  # rows to check against (an unset one is taken, not checked)
+        dst_dev = torch.arange(0, 64)
+        for layer in range(2):
+            reader_host.load_to_device_per_layer(reader_dev, dst, dst_dev, layer, "auto")
+        reader_host.check_verified()
+        assert reader_host.verify_stats()["failed_pages"] == 0, reader_host.verify_stats()
+        for layer in range(2):
+            assert torch.equal(reader_dev.k_buffer[layer][dst_dev].view(torch.uint8),
+                               owner_dev.k_buffer[layer][src_dev].view(torch.uint8)), layer  # fmt: skip
+            assert torch.equal(reader_dev.v_buffer[layer][dst_dev].view(torch.uint8),
+                               owner_dev.v_buffer[layer][src_dev].view(torch.uint8)), layer  # fmt: skip
+    finally:
+        reader.close()
         owner.close()
