@@ -10,7 +10,8 @@ Every ``HICACHE_*`` variable is declared in a light module that imports nothing 
 :mod:`hicache_core.variables`, each plugin's and adapter's in the module its ``hicache.settings`` entry
 point names (a list of :class:`Setting`). :func:`hicache_core.settings_registry.declared` gathers them all without
 importing torch or a plugin's implementation; ``hicache settings`` prints them with their values and
-where each came from.
+where each came from. A setting declared ``secret=True`` (a key, or a URL that may carry a password) is
+never shown as set: its :attr:`Setting.show` hides it, and a value it refuses is named by its length only.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ class Setting:
     :param default: the value when the variable is unset or blank.
     :param doc: one line: what it does (``--help`` texts list it).
     :param keep_blank: a set but blank variable is parsed (``HICACHE_PLUGINS=""``: no plugin), not the default.
-    :param show: the value as ``hicache settings`` prints it (default ``str``): a URL's password never shows.
+    :param show: the value as ``hicache settings`` prints it (default ``str``; for a secret, :func:`hidden`):
+        a URL's password never shows.
+    :param secret: the value is, or may carry, a secret (a key, a password, a token): ``hicache settings``
+        prints only what :attr:`show` makes of it, a refused value's message does not quote it, and
+        ``python -m hicache_core.settings_registry`` does not print it. Every setting that can hold one
+        is declared so (tests/test_settings_secrets.py checks the names).
     """
 
     name: str
@@ -50,6 +56,11 @@ class Setting:
     doc: str = ""
     keep_blank: bool = False
     show: Callable[[Any], str] = str
+    secret: bool = False
+
+    def __post_init__(self) -> None:
+        if self.secret and self.show is str:  # a secret declared without its own way to show it shows none of it
+            object.__setattr__(self, "show", hidden)
 
     def read(self, environ: Mapping[str, str] | None = None) -> Any:
         """The value now in the environment (``environ``, default ``os.environ``), or :attr:`default`.
@@ -73,7 +84,13 @@ class Setting:
         try:
             return self.parse(raw.strip())
         except (ValueError, KeyError):
-            raise SettingError(f"{self.name}={raw!r} is not {self.takes}") from None
+            given = f" (secret, {len(raw)} characters)" if self.secret else f"={raw!r}"
+            raise SettingError(f"{self.name}{given} is not {self.takes}") from None
+
+
+def hidden(value: Any) -> str:
+    """A secret as ``hicache settings`` shows it by default: its length, nothing of its text."""
+    return f"<secret, {len(str(value))} characters>"
 
 
 def _flag(text: str) -> bool:
@@ -129,9 +146,12 @@ def choice(name: str, values: Sequence[str], *, default: str | None = None, doc:
 
 
 def text(name: str, *, default: str | None = None, doc: str = "", takes: str = "text",
-         show: Callable[[Any], str] = str) -> Setting:  # fmt: skip
-    """Any text (a path, a URL, a module name); unset or blank: ``default``. ``takes`` says what in words."""
-    return Setting(name, str, takes, default, doc, show=show)
+         show: Callable[[Any], str] = str, secret: bool = False) -> Setting:  # fmt: skip
+    """Any text (a path, a URL, a module name); unset or blank: ``default``. ``takes`` says what in words.
+
+    ``secret=True`` for text that is or may carry a secret (:attr:`Setting.secret`).
+    """
+    return Setting(name, str, takes, default, doc, show=show, secret=secret)
 
 
 def knob(name: str, *, takes: str, doc: str) -> Setting:

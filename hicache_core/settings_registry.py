@@ -104,8 +104,8 @@ def current(environ: Mapping[str, str] | None = None) -> list[Current]:
 def _main(argv: Sequence[str]) -> int:
     """``python -m hicache_core.settings_registry NAME``: the value of one declared setting for a shell script.
 
-    Prints it (nothing where unset and without a default); a value the setting refuses, or a name no
-    one declares, exits 2 with the reason on stderr.
+    Prints it (nothing where unset and without a default); a value the setting refuses, a name no
+    one declares, or a secret setting (its value is never printed) exits 2 with the reason on stderr.
     """
     if len(argv) != 1:
         print("usage: python -m hicache_core.settings_registry VARIABLE", file=sys.stderr)
@@ -113,6 +113,10 @@ def _main(argv: Sequence[str]) -> int:
     entry = declared().get(argv[0])
     if entry is None:
         print(f"{argv[0]} is not a declared setting (hicache settings lists them)", file=sys.stderr)
+        return 2
+    if entry.setting.secret:
+        print(f"{argv[0]} is secret: it is never printed (hicache settings shows what may be shown of it)",
+              file=sys.stderr)  # fmt: skip
         return 2
     try:
         value = entry.setting.read()

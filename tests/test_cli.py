@@ -71,4 +71,5 @@ def test_hicache_storage_check_runs_without_pytest(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "pytest" not in done.stderr
+    # The store's path (under pytest's tmp folder) shows in the warning that it has no cluster key.
+    assert "pytest" not in done.stderr.replace(str(tmp_path), "")

@@ -43,7 +43,9 @@ def make_storage(
         that updates its weights in place moves to the new one with ``PageStore.set_weight_version``.
     :param cluster_key: the cluster's key: pages are written with its MAC and load only when it
         checks. The default reads ``HICACHE_L3_KEY_FILE`` or ``HICACHE_L3_KEY`` (neither set:
-        unauthenticated pages); ``None`` turns authentication off whatever the environment says.
+        unauthenticated pages); ``None`` turns authentication off whatever the environment says. A store
+        bound without a key logs one WARNING per process and URL on the ``hicache_core.storage`` logger
+        (``memory://`` excepted: nothing outside the process writes it).
     :param options: backend options; they override the URL's query (``?capacity=...``).
     :raises UnknownStorageScheme: no installed backend serves the scheme (the message lists
         the installed schemes and what to install).

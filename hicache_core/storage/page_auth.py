@@ -22,32 +22,37 @@ from __future__ import annotations
 
 import ctypes
 import hmac
+import logging
 import os
 import stat
 import struct
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+from ..key_id import MIN_KEY_BYTES, key_id_of, short_key_message
 from ..variables import L3_KEY, L3_KEY_FILE
 
 #: Read with ``Setting.read`` as text: the variables are validated here, by messages that never echo them.
 KEY_FILE, KEY = L3_KEY_FILE, L3_KEY
 ENV_KEY_FILE, ENV_KEY = KEY_FILE.name, KEY.name
-#: The least key material taken: 32 bytes, e.g. ``openssl rand -hex 32`` (64 characters).
-MIN_KEY_BYTES = 32
 TAG_BYTES = 32
 _MAX_KEY_FILE = 1 << 16
 #: ``PageStore(cluster_key=...)``'s default: read the key from the environment.
 FROM_ENVIRONMENT: Literal["environment"] = "environment"
 
-# BLAKE3's key derivation contexts: the page MAC key, the record MAC key and the key id never equal
-# each other or any other use of the same secret.
+# BLAKE3's key derivation contexts: the page MAC key, the record MAC key and the key id (its context is
+# in hicache_core.key_id) never equal each other or any other use of the same secret.
 _MAC_CONTEXT = "hicache 2026-12 L3 page MAC v1"
-_ID_CONTEXT = "hicache 2026-12 L3 key id v1"
 _RECORD_CONTEXT = "hicache 2026-12 directory record MAC v1"
 _SEAL_CONTEXT = "hicache 2026-12 directory record cipher v1"
 _NONCE_BYTES = 12
+
+#: The storage package's logger: a store bound without a key says so here, once per URL.
+log = logging.getLogger("hicache_core.storage")
+_WARNED_UNKEYED: set[str] = set()
+_WARNED_LOCK = threading.Lock()
 
 
 class ClusterKeyError(ValueError):
@@ -82,17 +87,14 @@ class ClusterKey:
             raise TypeError(f"the cluster key from {source} must be bytes, got {type(material).__name__}")
         material = bytes(material).strip()
         if len(material) < MIN_KEY_BYTES:
-            raise ClusterKeyError(
-                f"the cluster key from {source} is {len(material)} bytes; it must be at least {MIN_KEY_BYTES} "
-                "(make one with: openssl rand -hex 32)"
-            )
+            raise ClusterKeyError(short_key_message(source, len(material)))
         blake3 = _blake3()
         self._mac_key = blake3.blake3(material, derive_key_context=_MAC_CONTEXT).digest()
         self._record_key = blake3.blake3(material, derive_key_context=_RECORD_CONTEXT).digest()
         self._seal_key = blake3.blake3(material, derive_key_context=_SEAL_CONTEXT).digest()
         self._hasher = blake3.blake3
         #: 8 bytes that name the key (in every keyed page's header); they tell nothing of the key.
-        self.key_id: bytes = blake3.blake3(material, derive_key_context=_ID_CONTEXT).digest(8)
+        self.key_id: bytes = key_id_of(material)
         self.source = source
 
     @classmethod
@@ -228,3 +230,32 @@ def resolve_key(cluster_key: ClusterKey | None | str) -> ClusterKey | None:
         f"cluster_key must be a ClusterKey, None or {FROM_ENVIRONMENT!r}, got {type(cluster_key).__name__}"
         " (a key as text or bytes goes through ClusterKey(...), so its source shows, never its bytes)"
     )
+
+
+def warn_unauthenticated(backend: Any) -> None:
+    """Log one WARNING per process and store URL (its password hidden) that its pages carry no MAC.
+
+    Called when a page store is bound to a host pool without a key (none in the environment, or
+    ``cluster_key=None``). Not for the core's ``memory://``: its pages live in this process, so nothing
+    outside it can plant one. Every other store is written by others: a server, a bucket, a directory
+    whose permissions may let other accounts in (``file://``); and a plugin that leaves
+    ``Capabilities.shared`` at its default is no proof that it is private.
+
+    :param backend: the store's :class:`~hicache_core.storage.StorageBackend`.
+    """
+    # By scheme, not by class: the registry gives "memory" to the core's store only (a plugin's is refused),
+    # and importing memory.py here would close an import cycle through backend.py.
+    if backend.scheme == "memory" and not backend.capabilities.shared:
+        return
+    url = backend.url.redacted
+    with _WARNED_LOCK:
+        if url in _WARNED_UNKEYED:
+            return
+        _WARNED_UNKEYED.add(url)
+    log.warning(
+        "L3 store %s is UNAUTHENTICATED (no cluster key: %s and %s are unset, or cluster_key=None): its pages are "
+        "written and read without a MAC, so anyone who can write the store can plant pages that this instance "
+        "loads. Set %s to a file holding the cluster's key (openssl rand -hex 32 > FILE && chmod 600 FILE) on "
+        "every instance; docs/security.md says what it protects.",
+        url, ENV_KEY_FILE, ENV_KEY, ENV_KEY_FILE,
+    )  # fmt: skip

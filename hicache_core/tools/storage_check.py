@@ -99,26 +99,38 @@ def run_check(url: str, as_json: bool = False) -> int:
         store.close()
     ok = all(s[1] for s in steps)
     key = store.cluster_key
+    # A missing key is the operator's choice, not a fault of the store: a WARN line, not a failed step, so
+    # the exit code still says whether the store works (a launcher that requires the key reads "authenticated").
+    auth = _auth_warning(key)
     if as_json:
         report = {"url": redact_url(url), "ok": ok, "second_instance": second, "authenticated": key is not None,
                   "key_id": key.key_id.hex() if key is not None else None,
+                  "warnings": [auth] if auth else [],
                   "steps": [dict(step=s, ok=o, detail=d) for s, o, d in steps], "stats": stats}  # fmt: skip
         if second:
             report["reader_stats"] = reader_stats
         print(json.dumps(report, indent=2, default=str))
     else:
         print(f"hicache storage check {redact_url(url)} ({type(store.backend).__name__}, {store.backend.capabilities})")
-        if key is not None:
-            print(f"  pages authenticated with the cluster key (key id {key.key_id.hex()}, from {key.source})")
-        else:
-            print("  pages unauthenticated (no HICACHE_L3_KEY_FILE): whoever can write the store decides what loads")
         if second:
             scheme = store.backend.scheme
             print(f"  {scheme}:// serves other instances only: a second instance of the URL reads the pages")
         for step, passed, detail in steps:
             print(f"  {'ok  ' if passed else 'FAIL'} {step}{': ' + detail if detail else ''}")
+        if key is not None:
+            print(f"  ok   pages authenticated with the cluster key (key id {key.key_id.hex()}, from {key.source})")
+        else:
+            print(f"  WARN {auth}")
         print("all checks passed" if ok else "some checks FAILED")
     return 0 if ok else 1
+
+
+def _auth_warning(key: Any) -> str | None:
+    """What the check says of a store without the cluster key (``None`` with one)."""
+    if key is not None:
+        return None
+    return ("pages UNAUTHENTICATED (no HICACHE_L3_KEY_FILE): whoever can write the store decides what loads; "
+            "set HICACHE_L3_KEY_FILE to the cluster's key file on every instance")  # fmt: skip
 
 
 def run_stats(url: str) -> int:

@@ -12,7 +12,7 @@ from hicache_core.storage.url import redact_url
 INSTALL = flag("HICACHE_SGLANG", doc="1 installs the adapter in every process SGLang starts (launch_server sets it)")
 STORAGE_URL = text("HICACHE_SGLANG_STORAGE_URL", takes="a storage URL (file:///dir, redis://host:port/db, ...)",
                    doc="hicache storage's URL when --hicache-storage-backend-extra-config names none",
-                   show=redact_url)  # fmt: skip
+                   show=redact_url, secret=True)  # fmt: skip
 #: ``sglang`` lets SGLang's HiSparse swap-in kernels read hicache's host pool (unset: HiSparse is refused).
 HISPARSE_SWAP_IN = choice("HICACHE_SGLANG_HISPARSE_SWAP_IN", ("sglang",),
                           doc="sglang: serve --enable-hisparse (its swap-in: SGLang's kernels)")  # fmt: skip
