@@ -12,6 +12,7 @@ The stores the cases need (a redis-server, SeaweedFS) start on 127.0.0.1 first.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -40,6 +41,9 @@ class Case:
     storage: str | None = None
     resolved: tuple[str, str] | None = None  # (layout, io backend) after SGLang's resolution, when it rewrites
     extra: tuple[str, ...] = field(default=())
+    #: Run as a GPU server runs by default, beside the CPU defaults of the other cases: host-tier verification
+    #: on (HICACHE_VERIFY=1; on CUDA it is on unless turned off) and the L3 pages keyed (HICACHE_L3_KEY_FILE).
+    as_gpu_server: bool = False
 
     @property
     def expected(self) -> tuple[str, str]:
@@ -67,10 +71,12 @@ class Case:
 #: page_first_direct+kernel are SGLang's rewrites onto two of these (checked in test_e2e_refusals).
 CASES = [
     Case("lf-direct-p1-wt", "layer_first", "direct", 1, "write_through"),
-    Case("pfd-direct-p16-wb-hfile", "page_first_direct", "direct", 16, "write_back", storage="hicache-file"),
+    Case("pfd-direct-p16-wb-hfile", "page_first_direct", "direct", 16, "write_back", storage="hicache-file",
+         as_gpu_server=True),
     Case("lf-kernel-p16-wb", "layer_first", "kernel", 16, "write_back"),
     Case("pf-kernel-p1-wt-file", "page_first", "kernel", 1, "write_through", storage="file"),
-    Case("ph-kernel-p16-wt-redis", "page_head", "kernel", 16, "write_through", storage="hicache-redis"),
+    Case("ph-kernel-p16-wt-redis", "page_head", "kernel", 16, "write_through", storage="hicache-redis",
+         as_gpu_server=True),
     Case("lf-direct-p16-wt-s3", "layer_first", "direct", 16, "write_through", storage="hicache-s3"),
 ]
 CASE_IDS = [c.name for c in CASES]
@@ -117,6 +123,15 @@ class Fleet:
     def corrupt_flag(self, name: str) -> str:
         return os.path.join(self.root, f"{name}.corrupt")
 
+    def cluster_key_file(self) -> str:
+        """The fleet's cluster key, in a file only its owner reads (as hicache requires of a key file)."""
+        path = os.path.join(self.root, "cluster.key")
+        if not os.path.exists(path):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+        return path
+
     def storage_dir(self, name: str) -> str:
         return os.path.join(self.root, f"{name}.l3")
 
@@ -136,6 +151,8 @@ class Fleet:
             env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = self.storage_dir(case.name)
         if case.storage == "hicache-s3":
             env.update(self.s3.env())
+        if case.as_gpu_server:
+            env.update(HICACHE_VERIFY="1", HICACHE_L3_KEY_FILE=self.cluster_key_file())
         return Server(name, self.model, case.args(self.storage_url(case)), self.log_dir, env=env)
 
     @property

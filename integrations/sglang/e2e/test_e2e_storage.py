@@ -27,6 +27,22 @@ def _stored(fleet, case) -> int:
     return sum(len(files) for _, _, files in os.walk(fleet.storage_dir(case.name)))
 
 
+def _one_page_header(fleet, case):
+    """The header of one page the case's server stored (hicache's file:// and redis:// tiers)."""
+    from hicache_core.storage.page_format import HEADER_SIZE, unpack_header
+
+    if case.storage == "hicache-redis":
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=fleet.redis.port)
+        data = client.getrange(next(iter(client.scan_iter(count=100))), 0, HEADER_SIZE - 1)
+    else:
+        path = next(os.path.join(d, f) for d, _, files in os.walk(fleet.storage_dir(case.name)) for f in files)
+        with open(path, "rb") as f:
+            data = f.read(HEADER_SIZE)
+    return unpack_header(data)
+
+
 def _settle_all(counts: dict[str, tuple], timeout: float = 90.0):
     """Each store's object count once SGLang's backup thread stopped adding to it (and it holds at least its
     minimum), yielded as ``name`` as soon as that store settles: all stores are watched at once.
@@ -102,3 +118,6 @@ def test_restart_serves_prefix_from_storage(fleet, restarted, name):
     assert again.counter("sglang:cached_tokens_total", cache_source="storage") >= pages * case.page_size
     if case.storage.startswith("hicache-"):
         assert "Creating dynamic storage backend 'hicache' (hicache_sglang.storage.HicacheStorage)" in again.log()
+    if case.as_gpu_server:  # the pages were written as a GPU server writes them: keyed, with their checksum rows
+        header = _one_page_header(fleet, case)
+        assert header.keyed and header.verify_words > 0, header
