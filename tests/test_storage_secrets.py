@@ -285,11 +285,11 @@ def test_the_cluster_key_shows_nowhere(scheme, source, tmp_path, capsys, caplog,
             _exercise(url, texts, working=False)
     # a key too short, from either source: refused, without the key in the message
     short = "Pl4nted-short-key"
+    pool = make_pool(StorageCase("mha", "page_first", "plain", 4), pages=2)  # with the working key: it reads it
     monkeypatch.setenv("HICACHE_L3_KEY", short)
     monkeypatch.delenv("HICACHE_L3_KEY_FILE", raising=False)
     with pytest.raises(ValueError) as raised:
-        make_storage(f"file://{tmp_path / 'short'}", make_pool(StorageCase("mha", "page_first", "plain", 4), pages=2),
-                     model_id="m")  # fmt: skip
+        make_storage(f"file://{tmp_path / 'short'}", pool, model_id="m")
     texts.update(_exception_texts("short key", raised.value))
     texts["logs"] = caplog.text + "".join(str(r.exc_info) + repr(r.args) for r in caplog.records)
     texts["metrics"] = json.dumps(metrics.snapshot(), default=str)
