@@ -4,6 +4,7 @@ the GPU machine, which has no vLLM: the block mover's tests need none, the engin
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import sys
 from dataclasses import dataclass
@@ -36,6 +37,11 @@ def model(tmp_path_factory):
     return make_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
+#: What a GPU server runs by default that a CPU engine does not: host-tier verification (on CUDA it is on
+#: unless turned off); with it, the cluster key's file (HICACHE_L3_KEY_FILE, per session).
+AS_GPU_SERVER = {"HICACHE_VERIFY": "1"}
+
+
 @dataclass(frozen=True)
 class S3Store:
     """The engines' L3: an s3:// URL on a real SeaweedFS, the credentials its processes get, its metrics."""
@@ -53,9 +59,17 @@ class S3Store:
 
 @pytest.fixture(scope="session")
 def s3_store(tmp_path_factory):
-    """A real SeaweedFS (``weed server -s3``) on 127.0.0.1 for the session, with a bucket for L3."""
+    """A real SeaweedFS (``weed server -s3``) on 127.0.0.1 for the session, with a bucket for L3.
+
+    Its engines run as a GPU server runs by default (:data:`AS_GPU_SERVER`): host-tier verification on and the
+    pages keyed with the cluster key, beside the host-tier and reload engines, which keep the CPU defaults.
+    """
     pytest.importorskip("hicache_storage_s3", reason="hicache-storage-s3 is not installed")
     sys.path.insert(0, str(S3_TESTS))
+    key_file = tmp_path_factory.mktemp("cluster-key") / "cluster.key"
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
     import seaweedfs_server as weed
 
     from hicache_core.testing.servers import free_port
@@ -66,7 +80,7 @@ def s3_store(tmp_path_factory):
         bucket = server.create_bucket("vllm-l3")
         env = {"AWS_ACCESS_KEY_ID": weed.ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": weed.SECRET_KEY,
                "HICACHE_TEST_S3_METRICS": f"http://127.0.0.1:{metrics_port}/metrics",
-               "HICACHE_TEST_S3_BUCKET": bucket}  # fmt: skip
+               "HICACHE_TEST_S3_BUCKET": bucket, **AS_GPU_SERVER, "HICACHE_L3_KEY_FILE": str(key_file)}  # fmt: skip
         yield S3Store(server.url(bucket, "kv"), env, env["HICACHE_TEST_S3_METRICS"], bucket, server.endpoint)
     finally:
         server.stop()

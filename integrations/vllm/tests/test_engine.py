@@ -13,6 +13,7 @@ pytest.importorskip("vllm", reason="vLLM's engine tests run in integrations/vllm
 
 from hicache_vllm.page_oracle import page_bytes  # noqa: E402
 
+from hicache_core.page_checksum import GROUP_TOKENS  # noqa: E402
 from hicache_core.storage.page_format import HEADER_SIZE  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 2, 1, 32, 32  # tiny_model.make_llama
@@ -60,7 +61,21 @@ def test_corrupted_loads_change_the_outputs(run):
     assert bad["A again"]["tokens"] != base["A again"]["tokens"], "random KV bytes did not change the outputs"
 
 
-def test_restarted_engine_serves_the_prefix_from_s3(run, l3):
+def _first_header(s3):
+    """The header of one page the engines stored in ``s3`` (read with botocore, beside the engines' client)."""
+    import botocore.session
+
+    from hicache_core.storage.page_format import unpack_header
+
+    client = botocore.session.get_session().create_client(
+        "s3", endpoint_url=s3.endpoint, region_name="us-east-1", aws_access_key_id=s3.env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=s3.env["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+    key = client.list_objects_v2(Bucket=s3.bucket, MaxKeys=1)["Contents"][0]["Key"]
+    head = client.get_object(Bucket=s3.bucket, Key=key, Range=f"bytes=0-{HEADER_SIZE - 1}")["Body"].read()
+    return unpack_header(head)
+
+
+def test_restarted_engine_serves_the_prefix_from_s3(run, l3, s3_store):
     """The first engine wrote its offloaded pages through to S3 (a real SeaweedFS) and exited; a fresh engine,
     its host tier empty, serves prefix A from the object store: the S3 server sends one object per page (the
     page's header and its layers' bytes), vLLM counts the tokens as from disk, and the outputs equal those of
@@ -76,7 +91,13 @@ def test_restarted_engine_serves_the_prefix_from_s3(run, l3):
     assert first["metrics"].get("vllm:external_prefix_cache_hits", 0) == cached
     assert first["metrics"].get("vllm:prompt_tokens_cached_by_source{source=disk}", 0) == cached
     sent = {k: first["s3_sent"][k] - again["s3_sent_before"][k] for k in ("objects", "bytes")}
-    assert sent == {"objects": pages, "bytes": pages * (HEADER_SIZE + LAYERS * PAGE)}, (sent, pages)
+    # The S3 engines run verified (conftest.AS_GPU_SERVER): each object carries the page's checksum row, an
+    # 8-byte word per group of up to GROUP_TOKENS items of a layer; a vLLM page (kind vllm_page) is one item,
+    # its layer's whole block.
+    row = 8 * LAYERS * -(-1 // GROUP_TOKENS)
+    assert sent == {"objects": pages, "bytes": pages * (HEADER_SIZE + LAYERS * PAGE + row)}, (sent, pages)
+    header = _first_header(s3_store)  # written keyed, with the checksum row: as a GPU server writes it
+    assert header.keyed and header.verify_words * 8 == row, header
     assert first["metrics"].get("vllm:kv_offload_load_bytes", 0) == pages * LAYERS * PAGE
     assert first["tokens"] == base["A"]["tokens"]
     assert again["A again"]["tokens"] == base["A again"]["tokens"]
