@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from source_tree import tree_files
 
 from hicache_core import settings, settings_registry, variables
 
@@ -42,8 +43,7 @@ SHELL_FILES = {".ci/run", ".ci/checks", ".ci/stage", "scripts/dev", "scripts/doc
 
 
 def _tracked() -> list[Path]:
-    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return [ROOT / line for line in out.splitlines() if line]
+    return [ROOT / rel for rel in tree_files(ROOT)]
 
 
 def _is_test_or_doc(rel: str) -> bool:

@@ -10,10 +10,10 @@ has one and is not a pin. CHANGELOG.md is history and keeps the pins of its time
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import tomllib
+from source_tree import tree_files
 
 from hicache_core.versions import admits
 
@@ -36,9 +36,10 @@ def _distributions() -> dict[str, str]:
 
 
 def _pages() -> list[Path]:
-    tracked = subprocess.run(["git", "ls-files", "*.md"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     pages = []
-    for rel in tracked.splitlines():
+    for rel in tree_files(ROOT):
+        if not rel.endswith(".md"):
+            continue
         path = ROOT / rel
         if rel.startswith("tests/") or path.is_symlink() or path.name == "CHANGELOG.md":
             continue
