@@ -33,7 +33,7 @@ import ctypes
 import math
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -344,34 +344,44 @@ class MooncakeStorage(StorageBackend):
             end += 1
         return end
 
+    def _staged_groups(self, totals: list[int], out: list[BaseException | None],
+                       too_big: Callable[[int, int], BaseException]) -> Iterator[tuple[int, int, int]]:  # fmt: skip
+        """``(start, end, staging address)`` per group of objects that fits a staging buffer, the buffer lent
+        to this thread while the caller's body runs; an object larger than the buffer gets ``too_big``."""
+        start = 0
+        while start < len(totals):
+            with self._staged().lend() as (base, capacity):
+                if totals[start] > capacity:
+                    out[start] = too_big(totals[start], capacity)
+                    start += 1
+                    continue
+                end = self._groups(totals, capacity, start)
+                yield start, end, base
+            start = end
+
     def _put_staged(self, keys: Sequence[str], values: Sequence[Sequence[Span]]) -> list[BaseException | None]:
         store = self.store  # closed: raise before a staging buffer is registered again
         totals = [sum(s.nbytes for s in spans) for spans in values]
         out: list[BaseException | None] = [None] * len(keys)
-        start = 0
-        while start < len(keys):
-            with self._staged().lend() as (base, capacity):
-                end = self._groups(totals, capacity, start)
-                if totals[start] > capacity:
-                    out[start] = StorageError(f"a {totals[start]}-byte object does not fit Mooncake's {capacity}-byte "
-                                              "staging buffer (option staging)")  # fmt: skip
-                    start += 1
-                    continue
-                ptrs: list[list[int]] = []
-                sizes: list[list[int]] = []
-                at = base
-                for spans in values[start:end]:
-                    ptrs.append([])
-                    sizes.append([])
-                    for s in spans:
-                        ctypes.memmove(at, s.ptr, s.nbytes)
-                        ptrs[-1].append(at)
-                        sizes[-1].append(s.nbytes)
-                        at += s.nbytes
-                codes = store.batch_put_from_multi_buffers(list(keys[start:end]), ptrs, sizes)
+
+        def too_big(total: int, capacity: int) -> BaseException:
+            return StorageError(f"a {total}-byte object does not fit Mooncake's {capacity}-byte staging buffer "
+                                "(option staging)")  # fmt: skip
+
+        for start, end, at in self._staged_groups(totals, out, too_big):
+            ptrs: list[list[int]] = []
+            sizes: list[list[int]] = []
+            for spans in values[start:end]:
+                ptrs.append([])
+                sizes.append([])
+                for s in spans:
+                    ctypes.memmove(at, s.ptr, s.nbytes)
+                    ptrs[-1].append(at)
+                    sizes[-1].append(s.nbytes)
+                    at += s.nbytes
+            codes = store.batch_put_from_multi_buffers(list(keys[start:end]), ptrs, sizes)
             for i, code in enumerate(codes):
                 out[start + i] = self._put_outcome(code)
-            start = end
         return out
 
     def get_objects_into(self, keys: Sequence[str], targets: Sequence[Sequence[Span]]) -> list[BaseException | None]:
@@ -409,36 +419,30 @@ class MooncakeStorage(StorageBackend):
         store = self.store  # closed: raise before a staging buffer is registered again
         totals = [HEADER_SIZE + sum(s.nbytes for s in spans[1:]) for spans in targets]
         out: list[BaseException | None] = [None] * len(keys)
-        start = 0
-        while start < len(keys):
-            with self._staged().lend() as (base, capacity):
-                end = self._groups(totals, capacity, start)
-                if totals[start] > capacity:
-                    out[start] = SizeMismatch(f"a {totals[start]}-byte page does not fit Mooncake's {capacity}-byte "
-                                              "staging buffer (option staging)")  # fmt: skip
-                    start += 1
-                    continue
-                ptrs: list[list[int]] = []
-                sizes: list[list[int]] = []
-                at = base
-                for spans in targets[start:end]:
-                    ptrs.append([at])
-                    sizes.append([HEADER_SIZE])
-                    at += HEADER_SIZE
-                    for s in spans[1:]:
-                        ptrs[-1].append(at)
-                        sizes[-1].append(s.nbytes)
-                        at += s.nbytes
-                ks = list(keys[start:end])
-                codes = store.batch_get_into_multi_buffers(ks, ptrs, sizes)
-                for i, (code, spans) in enumerate(zip(codes, targets[start:end])):
-                    if code == totals[start + i]:  # copied out while this thread still holds the staging buffer
-                        ctypes.memmove(spans[0].ptr, ptrs[i][0], HEADER_SIZE)
-                        for s, src in zip(spans[1:], ptrs[i][1:]):
-                            ctypes.memmove(s.ptr, src, s.nbytes)
-            for i, code in enumerate(codes):
+
+        def too_big(total: int, capacity: int) -> BaseException:
+            return SizeMismatch(f"a {total}-byte page does not fit Mooncake's {capacity}-byte staging buffer "
+                                "(option staging)")  # fmt: skip
+
+        for start, end, at in self._staged_groups(totals, out, too_big):
+            ptrs: list[list[int]] = []
+            sizes: list[list[int]] = []
+            for spans in targets[start:end]:
+                ptrs.append([at])
+                sizes.append([HEADER_SIZE])
+                at += HEADER_SIZE
+                for s in spans[1:]:
+                    ptrs[-1].append(at)
+                    sizes[-1].append(s.nbytes)
+                    at += s.nbytes
+            ks = list(keys[start:end])
+            codes = store.batch_get_into_multi_buffers(ks, ptrs, sizes)
+            for i, (code, spans) in enumerate(zip(codes, targets[start:end])):
+                if code == totals[start + i]:  # copied out while this thread still holds the staging buffer
+                    ctypes.memmove(spans[0].ptr, ptrs[i][0], HEADER_SIZE)
+                    for s, src in zip(spans[1:], ptrs[i][1:]):
+                        ctypes.memmove(s.ptr, src, s.nbytes)
                 out[start + i] = self._get_outcome(ks[i], totals[start + i], code)
-            start = end
         return out
 
     def _sized(self, key: str, total: int, code: int) -> BaseException:
