@@ -862,3 +862,38 @@ def test_a_destroyed_pool_lets_its_verifier_and_its_pinned_table_go():
     gc.collect()
     assert verifier() is None and table() is None
     assert host.verification.__dict__.keys().isdisjoint({"before_call", "after_load"})
+
+
+@pytest.mark.parametrize("kind,layout", [*CASES, ("mha", "page_head")])
+def test_a_stored_pages_checksum_row_is_taken_from_its_bytes_as_the_device_takes_it(kind, layout, tmp_path,
+                                                                                       monkeypatch):  # fmt: skip
+    """A GPU server's default store (verifying pool, no cluster key) writes device-checked pages: their payload is
+    checked only by the load to the device. ``check_page`` (``explain-miss``) takes that check on the host: the
+    row it takes from a stored page's bytes is the row the backup took from the device rows, and a payload byte
+    flipped in the store makes the page ``corrupt`` before any load."""
+    monkeypatch.delenv("HICACHE_L3_KEY", raising=False)
+    monkeypatch.delenv("HICACHE_L3_KEY_FILE", raising=False)
+    dp, host = _pool(kind, layout)
+    p = host.page_size
+    slots = host.alloc(2 * p)
+    host.backup_from_device_all_layer(dp, slots, torch.arange(p, 3 * p), "auto")
+    host.check_verified()
+    store = make_storage(f"file://{tmp_path}", host, model_id="rows")
+    assert store.device_checked
+    pages = [int(slots[0]) // p, int(slots[p]) // p]
+    for page in pages:  # the oracle: the verifier's own table, taken from the device rows at backup
+        runs = store.pages.page_spans(page)
+        payload = torch.cat([torch.frombuffer(bytearray(s.view), dtype=torch.uint8) for s in runs])
+        assert torch.equal(store.pages.checksum_row_of(payload), host.verification.table[page])
+    keys = [f"{i + 1:064x}" for i in range(2)]
+    assert all(r.ok for r in store.write_pages(keys, slots))
+    assert [store.check_page(k).status for k in keys] == [PageStatus.OK, PageStatus.OK]
+    path = store.backend.path_of(store.namespace.key(keys[1]))
+    data = bytearray(path.read_bytes())
+    at = len(data) - store.pages.trailer_bytes - 5  # a payload byte, before the checksum row
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    result = store.check_page(keys[1])
+    assert result.status is PageStatus.CORRUPT and "checksum row" in result.detail, result
+    assert store.check_page(keys[0]).ok
+    store.close()

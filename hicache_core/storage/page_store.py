@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .. import metrics as _metrics
+from ..page_checksum import NO_CHECKSUM
 from ..variables import L3_HOST_CHECK
 from .backend import StorageBackend
 from .keys import Namespace, fingerprint, geometry_description
@@ -338,23 +339,24 @@ class PageStore:
         target = target_location if target_location is not None else self.host_pool.get_dummy_flat_data_page()
         flat = _flat_bytes(target, pages.page_bytes)
         span = Span(flat.data_ptr(), pages.page_bytes, memoryview(flat.numpy()).cast("B"))
-        result = self._get_flat(h, span)
+        result, _ = self._get_flat(h, span)
         return target if result.ok else None
 
-    def _get_flat(self, h: str, span: Span) -> PageResult:
-        """Read page ``h`` into one flat span of its payload, checked as any read is."""
+    def _get_flat(self, h: str, span: Span) -> tuple[PageResult, bytearray | None]:
+        """Read page ``h`` into one flat span of its payload, checked as any read is; and its checksum row
+        where it has one (a verifying pool's page)."""
         full = self.namespace.key(h)
         trailer = self.pages.trailer_bytes
         if not trailer:
-            return self._get([h], [full], [[span]])[0]
+            return self._get([h], [full], [[span]])[0], None
         # A verifying pool's pages carry their checksum row; a flat page has no place for it (the caller's
         # set_from_flat_data_page takes the checksums from the bytes): read it into scratch. A page stored
         # by set() has none: read again without.
         scratch = bytearray(trailer)
         result = self._get([h], [full], [[span, Span(address_of(scratch), trailer, memoryview(scratch))]])[0]
         if result.status is PageStatus.MISMATCH:
-            result = self._get([h], [full], [[span]])[0]
-        return result
+            return self._get([h], [full], [[span]])[0], None
+        return result, scratch
 
     def batch_set(self, keys: Sequence[str], values: Sequence[torch.Tensor] | None = None, **_: Any) -> bool:
         """Store flat pages (SGLang's generic path); true when every page was stored.
@@ -712,7 +714,16 @@ class PageStore:
         flat = self.host_pool.get_dummy_flat_data_page().reshape(-1)
         flat = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
         span = Span(flat.data_ptr(), pages.page_bytes, memoryview(flat.numpy()).cast("B"))
-        return self._get_flat(h, span)
+        result, row = self._get_flat(h, span)
+        if result.ok and row is not None:
+            # A device-checked page's payload is checked only by the load to the device (format algorithm 2):
+            # the row that load would check is taken here, so a tool tells such a page before any load does.
+            stored = torch.frombuffer(row, dtype=torch.int64).view_as(pages.table[0])
+            taken = pages.checksum_row_of(flat)
+            if bool(((stored != taken) & (stored != NO_CHECKSUM)).any()):
+                return PageResult(h, PageStatus.CORRUPT, "payload does not match its checksum row (the device's "
+                                  "check at load would fail)")  # fmt: skip
+        return result
 
     def clear(self) -> None:
         """Delete every object the backend can see under its URL."""

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..page_access import contiguous_runs
+from ..page_checksum import checksum_rows
 
 
 @dataclass(frozen=True)
@@ -102,9 +103,54 @@ class PageMap:
                 return view[ptr - start : ptr - start + nbytes]
         raise IndexError(f"run at {ptr:#x} (+{nbytes}) is outside every host buffer")
 
+    def checksum_row_of(self, payload: torch.Tensor) -> torch.Tensor:
+        """The checksum row ``(layers, components, groups)`` of a page held in ``payload`` (its runs concatenated,
+        as stored), taken from the device rows its bytes hold, as a verifying pool's backup takes it.
+
+        What a load to the device would check, computed on the host: a tool (``check_page``, ``explain-miss``)
+        tells a page whose payload does not match its stored row before any load does. Verifying pools only.
+        """
+        plan = self.host_pool.plan
+        runs = self.page_runs(0)
+        starts, at = [], 0
+        for _, n in runs:
+            starts.append(at)
+            at += n
+        flat = payload.reshape(-1).view(torch.uint8)
+        if flat.numel() < at:
+            raise ValueError(f"a page here is {at} bytes of payload, got {flat.numel()}")
+        row = torch.empty_like(self.table[0])
+        by_comp: dict[int, list] = {}
+        for part in plan.parts:
+            by_comp.setdefault(part.spec.component, []).append(part)
+        for layer in range(plan.num_layers):
+            for comp, parts in sorted(by_comp.items()):
+                views = [_view_in(flat, runs, starts, p, layer) for p in sorted(parts, key=lambda p: p.spec.dim_start)]
+                joined = views[0] if len(views) == 1 else torch.cat(views, dim=-1)
+                row[layer, comp] = checksum_rows(joined.reshape(joined.shape[0], -1), layer, comp,
+                                                 plan.tokens_per_page)[0]  # fmt: skip
+        return row
+
     def buffer_spans(self) -> list[Span]:
         """Every host buffer whole, and the checksum table (what a zero-copy backend registers once)."""
         return [Span(t.data_ptr(), len(v), v) for t, v in zip(self._buffers, self._memory)]
+
+
+def _view_in(flat: torch.Tensor, runs: list[tuple[int, int]], starts: list[int], part: Any,
+             layer: int) -> torch.Tensor:  # fmt: skip
+    """Page 0's ``(tokens, heads, piece_bytes)`` view of one part in one host layer, taken from ``flat`` (page 0's
+    runs concatenated) instead of the pool: the run that holds the view's first byte holds all of it."""
+    address = part.host.data_ptr() + part.host_offset + layer * part.layer_stride
+    extent = ((part.tokens_per_page - 1) * part.token_stride + (part.heads - 1) * part.head_stride
+              + part.piece_bytes)  # fmt: skip
+    for (run, nbytes), start in zip(runs, starts):
+        if run <= address < run + nbytes:
+            if address - run + extent > nbytes:
+                break
+            return flat.as_strided((part.tokens_per_page, part.heads, part.piece_bytes),
+                                   (part.token_stride, part.head_stride, 1),
+                                   flat.storage_offset() + start + address - run)  # fmt: skip
+    raise ValueError(f"host layer {layer} of part {part.spec.name!r} is not inside one run of its page")
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
