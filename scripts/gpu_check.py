@@ -264,15 +264,15 @@ def aliasing_step(py: str) -> dict:
 
 
 def soak_step(py: str):
-    """The soak (``scripts/gpu/soak.py``): 1 TB of random backups, loads, evictions and slot reuse over every
-    layout and io backend, verification on, each loaded page compared with a reference independent of
-    hicache; the counts of pages, bytes and mismatches go into the record. Beside the other functional
+    """The soak (``scripts/gpu/soak.py``): 1 TB (10**12 bytes) of random backups, loads, evictions and slot
+    reuse over every layout and io backend, verification on, each loaded page compared with a reference
+    independent of hicache; the counts of pages, bytes and mismatches go into the record. Beside the other functional
     steps, bounded at 300 s (the soak stops itself at 240 s, short of its bytes if it must: a failure)."""
 
     def make() -> list[dict]:
         out = RESULTS / "gpu-check-soak.json"
         out.unlink(missing_ok=True)  # never an earlier run's summary
-        step = run("soak", [py, "scripts/gpu/soak.py", "--bytes", "1T", "--seconds", "240", "--out", str(out)], 300)
+        step = run("soak", [py, "scripts/gpu/soak.py", "--bytes", "1TB", "--seconds", "240", "--out", str(out)], 300)
         summary = json.loads(out.read_text()) if out.exists() else {}
         keep = ("combinations", "rounds", "pages_backed_up", "pages_loaded", "bytes_moved", "target_bytes",
                 "mismatched_pages", "verification_failures", "evicted_pages", "errors", "result")  # fmt: skip

@@ -27,6 +27,11 @@ SMALL = ["--device", "cpu", "--kinds", "mha", "--backends", "direct", "--layers"
          "--device-tokens", "32", "--round-tokens", "32", "--bytes", "4M"]  # fmt: skip
 
 
+def test_sizes_read_as_written(soak):
+    assert soak.parse_bytes("1TB") == 10**12 and soak.parse_bytes("1TiB") == soak.parse_bytes("1T") == 1 << 40
+    assert soak.parse_bytes("4M") == 4 << 20 and soak.parse_bytes("64MB") == 64 * 10**6
+
+
 def test_content_is_a_function_of_the_tag_alone(soak):
     a = soak.content(torch.tensor([3, 4]), 4, 8, layer=1, comp=0)
     assert a.shape == (8, 8) and a.dtype == torch.int32

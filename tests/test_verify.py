@@ -461,6 +461,9 @@ def test_a_run_a_loader_step_leaves_open_is_checked_when_the_load_stops():
     load = hc.layer_loads.layer_loader(DEVICE).submit(LAYERS, step, what="a failing job")
     with pytest.raises(LayerLoadError, match="planted"):
         load.result(10)
+    # result() waits for the submission only: the wait before reusing a failed load's rows is the settle wait
+    # (on CUDA the rows were zeroed before the copies ran, beside the gate's soak: a race of the test's own).
+    assert load.wait_settled(10)
     for t in dp.k_buffer + dp.v_buffer:  # the caller reuses the rows
         t.zero_()
     with pytest.raises(PageVerificationError) as info:
@@ -472,8 +475,10 @@ def test_a_run_a_loader_step_leaves_open_is_checked_when_the_load_stops():
     fill_random(dp.k_buffer + dp.v_buffer, seed=7)
     host.backup_from_device_all_layer(dp, slots, dev, "auto")
     _sync()
-    hc.layer_loads.layer_loader(DEVICE).submit(1, lambda layer: host.load_to_device_per_layer(
-        dp, slots, dev, 0, "auto"), what="a short job").result(10)  # fmt: skip
+    short = hc.layer_loads.layer_loader(DEVICE).submit(1, lambda layer: host.load_to_device_per_layer(
+        dp, slots, dev, 0, "auto"), what="a short job")  # fmt: skip
+    short.result(10)
+    assert short.wait_settled(10)  # its copies and its check are through before the rows are reused
     for t in dp.k_buffer + dp.v_buffer:
         t.zero_()
     host.check_verified()  # no false alarm: layer 0 was checked when the job ended

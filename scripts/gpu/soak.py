@@ -1,6 +1,6 @@
 """The soak: random backups, loads, evictions and slot reuse on every layout and io backend, verification on.
 
-    python scripts/gpu/soak.py --bytes 1T --out soak.json          # the GPU gate's step (about a minute)
+    python scripts/gpu/soak.py --bytes 1TB --out soak.json         # the GPU gate's step (240 s at most)
     python scripts/gpu/soak.py --device cpu --bytes 64M           # the same loop on CPU pools (the suite runs it)
 
 Per combination (pool kind x layout x io backend, every one the registry serves on the device) a device
@@ -36,10 +36,13 @@ _MASK32 = (1 << 32) - 1
 
 
 def parse_bytes(text: str) -> int:
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = text[-1] if text and text[-1] in units else ""
-    return int(float(text[: len(text) - len(unit)]) * units[unit])
+    """``1TB`` is 10**12 bytes (the gate's bar says TB), ``1TiB`` and ``1T`` 2**40; likewise K, M, G."""
+    powers = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+    text = text.strip().upper()
+    decimal = text.endswith("B") and not text.endswith("IB")
+    text = text.removesuffix("B").removesuffix("I")
+    unit = text[-1] if text and text[-1] in powers else ""
+    return int(float(text[: len(text) - len(unit)]) * (1000 if decimal else 1024) ** powers[unit])
 
 
 def content(tags: torch.Tensor, page: int, words: int, layer: int, comp: int) -> torch.Tensor:
@@ -246,7 +249,7 @@ def soak_one(combo: Combo, device: str, budget: int, deadline: float, args: argp
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--bytes", default="1T", help="bytes to move in all (backups and loads), e.g. 1T, 64M")
+    ap.add_argument("--bytes", default="1TB", help="bytes to move in all (backups and loads), e.g. 1TB, 64MiB")
     ap.add_argument("--seconds", type=float, default=240.0, help="stop after this long, whatever has moved")
     ap.add_argument("--kinds", default="mha,mla")
     ap.add_argument("--backends", default=None,
