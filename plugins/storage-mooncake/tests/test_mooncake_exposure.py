@@ -114,6 +114,7 @@ def test_the_transfer_port_reaches_staging_and_never_the_host_pool(mooncake_url)
 def test_pages_round_trip_byte_exact_through_staging_smaller_than_a_batch(mooncake_url, monkeypatch):
     """Verifying pool, cluster key: staging of one page (the option's floor) moves a batch one page per call."""
     monkeypatch.setenv("HICACHE_VERIFY", "1")
+    monkeypatch.delenv("HICACHE_L3_KEY_FILE", raising=False)  # scripts/dev tiers sets the key as a file
     monkeypatch.setenv("HICACHE_L3_KEY", "5e" * 32)
     host = make_pool(CASE, pages=24, seed=9)
     store = make_storage(mooncake_url + "&staging=1", host, model_id=f"staged-{uuid.uuid4().hex[:8]}")
