@@ -128,6 +128,9 @@ class StorageBackend:
     trailer_bytes: int = 0
     #: The bound page store's cluster key (set before ``register_memory``; ``None``: unauthenticated).
     cluster_key: ClusterKey | None = None
+    #: Who hears of objects the store dropped on its own (set by the page store when KV events are
+    #: published; ``None``: nobody). A backend calls :meth:`report_removed`, never this directly.
+    removal_listener: Any = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -216,6 +219,16 @@ class StorageBackend:
     def backend_stats(self) -> dict[str, Any]:
         """The store's own figures (capacity, bytes used, evictions, refusals, ...), as far as it knows them."""
         return {}
+
+    def report_removed(self, keys: Sequence[str], reason: str) -> None:
+        """Say that the store dropped these full keys on its own (``reason``: ``"evicted"``, ``"expired"``, ...).
+
+        A backend that evicts or expires objects itself calls this after they are gone, so the cluster's KV
+        events say so at once (``hicache_core.events``); stores that cannot tell are audited instead.
+        """
+        listener = self.removal_listener
+        if listener is not None and keys:
+            listener(list(keys), reason)
 
     def check_steps(self) -> list[tuple[str, bool, str]]:
         """What ``hicache storage check`` verifies of this backend beyond the page round trip, once bound.

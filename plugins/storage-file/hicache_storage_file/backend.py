@@ -255,6 +255,7 @@ class FileStorage(StorageBackend):
                 self.path_of(victim).unlink()
             except FileNotFoundError:
                 pass
+        self.report_removed(victims, "evicted")
 
     def _forget(self, key: str) -> None:
         if self.capacity is None:
