@@ -101,6 +101,19 @@ L3_KEY = text("HICACHE_L3_KEY", doc="the cluster's L3 key itself (prefer HICACHE
               "more)", takes="a key of at least 32 bytes (openssl rand -hex 32)", secret=True,
               show=_key_shown)  # fmt: skip
 
+# ---- KV events (hicache_core.events) ------------------------------------------------------------------
+
+KV_EVENTS = text("HICACHE_KV_EVENTS", takes="a ZMQ address (tcp://*:5570 binds)",
+                 doc="where hicache publishes the KV events of its L3 and peer tiers, in the server's format "
+                     "(unset: no events)")  # fmt: skip
+KV_EVENTS_REPLAY = text("HICACHE_KV_EVENTS_REPLAY", takes="a ZMQ address (tcp://*:5571)",
+                        doc="the replay socket of hicache's KV events: replays, snapshots, tier statistics "
+                            "(unset: none)")  # fmt: skip
+KV_EVENTS_TOPIC = text("HICACHE_KV_EVENTS_TOPIC", default="", doc="the topic of hicache's KV event batches")
+KV_EVENTS_AUDIT_S = number("HICACHE_KV_EVENTS_AUDIT_S", above=True, default=2.0, unit="seconds",
+                           doc="seconds between two audits of what a store still holds of the pages announced "
+                               "in KV events")  # fmt: skip
+
 # ---- the storage conformance kit ---------------------------------------------------------------------
 
 KIT_ISOLATE = Setting("HICACHE_KIT_ISOLATE", {"1": True, "0": False}.__getitem__,
@@ -167,6 +180,7 @@ SETTINGS: list[Setting] = [
     HOST_NUMA_NODE, HOST_TOUCH_THREADS, HOST_REGISTER_CHUNK_GIB, HOST_HUGE_PAGES, HOST_RESERVE_GIB, HOST_MEMORY_CHECK,
     PLUGINS, PROFILE, METRICS_DIR,
     L3_HOST_CHECK, L3_HASH_THREADS, L3_KEY_FILE, L3_KEY,
+    KV_EVENTS, KV_EVENTS_REPLAY, KV_EVENTS_TOPIC, KV_EVENTS_AUDIT_S,
     KIT_ISOLATE, KIT_CASE_TIMEOUT, KIT_WORKER_FD,
     BENCH_ANCHOR, CHECK_DEADLINE, LIVE_REPORT, TEST_DEVICE,
     DEV_VENV, DEV_SGLANG_VENV, DEV_SGLANG_SITE, DEV_VLLM_VENV, DEV_DOCS_VENV, DEV_TORCH_SPEC, DEV_GPU_PYTHON,

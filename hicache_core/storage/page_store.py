@@ -86,6 +86,9 @@ class StorageStats:
         return out
 
 
+#: A read that found a page no reader may use: it is announced removed.
+_REFUSED = (PageStatus.CORRUPT, PageStatus.MISMATCH, PageStatus.AUTH_FAILED)
+
 _READ_COUNTER = {
     PageStatus.MISSING: "read_missing",
     PageStatus.CORRUPT: "read_corrupt",
@@ -136,6 +139,7 @@ class PageStore:
         own["_stats"] = StorageStats()
         own["_stats_lock"] = threading.Lock()
         own["_io_pool"] = None
+        own["_feed"] = None  # the KV events' feed (publish_events), or None
         own["checksum_threads"] = checksum_threads()
         host_check = L3_HOST_CHECK.read()  # read before any byte moves, with or without a pool
         own["device_checked"] = False
@@ -207,7 +211,50 @@ class PageStore:
         self.weights.switch(old, new)
         self.__dict__["namespace"] = new
         self.backend.namespace = new
+        if self._feed is not None:  # no page of the old weights is read again
+            self._feed.everything_gone("weight_version")
         return True
+
+    def rotate_cluster_key(self, key: ClusterKey) -> None:
+        """Write and read with ``key`` from now on, in place of the store's current cluster key.
+
+        Pages written under the old key no longer authenticate (``auth_failed``, ``other_key``) and are
+        announced removed (KV events); they are rewritten under the new key as the server backs them up
+        again. Only a keyed store rotates: turning authentication on or off is a restart with the setting.
+        """
+        if not isinstance(key, ClusterKey):
+            raise TypeError(f"rotate_cluster_key takes a ClusterKey, got {type(key).__name__}")
+        if self.cluster_key is None:
+            raise ValueError("this store has no cluster key to rotate: set HICACHE_L3_KEY_FILE and restart")
+        self.__dict__["cluster_key"] = key
+        self.backend.cluster_key = key
+        if self._feed is not None:
+            self._feed.key_changed()
+
+    # ---- KV events (hicache_core.events) ---------------------------------------------------------
+
+    def publish_events(self, publisher: Any, *, store_id: str | None = None, block_hash: Any = None,
+                       audit_interval: float | None = 2.0, chained: bool = False) -> Any:  # fmt: skip
+        """Tell ``publisher`` (a :class:`~hicache_core.events.KVEventPublisher`) what this store holds.
+
+        From now on every page written and acknowledged, or read back whole and checked, is announced
+        (``BlockStored``), and every page found gone or unreadable is removed (``BlockRemoved``); an
+        audit thread finds what the store dropped unseen. ``store_id`` names the store where the default
+        (:func:`~hicache_core.events.tiers.tier_of`) would differ between instances; ``block_hash`` maps a
+        page hash to the server's event hash (the format's by default); ``chained``: each write's pages
+        come in chain order. Returns the :class:`~hicache_core.events.StoreFeed`.
+        """
+        from ..events import StoreFeed, tier_of
+
+        if self._pages is None:
+            raise self._unbound()
+        if self._feed is not None:
+            raise RuntimeError("this store already publishes KV events")
+        feed = StoreFeed(self, publisher, tier=tier_of(self.backend, store_id), block_size=self.host_pool.page_size,
+                         block_hash=block_hash, audit_interval=audit_interval, chained=chained)  # fmt: skip
+        self.__dict__["_feed"] = feed
+        self.backend.removal_listener = feed.removed_keys
+        return feed
 
     def old_weight_version_of(self, key: str) -> str | None:
         """The earlier weight version (of the last few this store served) under which page ``key`` is stored."""
@@ -252,6 +299,8 @@ class PageStore:
             n = next((i for i, f in enumerate(found) if not f), len(found))
             hits += n
             if n < len(chunk):
+                if self._feed is not None:
+                    self._feed.gone([hashes[start + n]], "missing")
                 break
         with self._stats_lock:
             self._stats.exists_queries += 1
@@ -577,6 +626,8 @@ class PageStore:
             self._stats.write_refused_full += sum(r.status is PageStatus.FULL for r in results)
             self._stats.write_failed += sum(r.status is PageStatus.ERROR for r in results)
         _record_l3("write", results, size + HEADER_SIZE)
+        if self._feed is not None:  # acknowledged by the store: there now, under this namespace and key
+            self._feed.stored([r.key for r in results if r.ok])
         return results
 
     def _get(self, hashes: list[str], full: list[str], targets: list[list[Span]]) -> list[PageResult]:
@@ -661,7 +712,17 @@ class PageStore:
                     counter = _READ_COUNTER.get(r.status, "read_failed")
                     setattr(self._stats, counter, getattr(self._stats, counter) + 1)
         _record_l3("read", results, size + HEADER_SIZE)
+        if self._feed is not None:
+            self._tell_feed(results)
         return results
+
+    def _tell_feed(self, results: list[PageResult]) -> None:
+        # A page read whole and checked is there for any reader. A device-checked page's payload is checked
+        # only by the load to the device, so its read announces nothing: only its writer's acknowledgement does.
+        if not self.device_checked:
+            self._feed.seen([r.key for r in results if r.ok])
+        self._feed.gone([r.key for r in results if r.status is PageStatus.MISSING], "missing")
+        self._feed.gone([r.key for r in results if r.status in _REFUSED], "refused")
 
     def _check_object(self, h: str, key: str, header_bytes: Any, runs: list[tuple[int, int]], size: int,
                 digest: int | bytes | None = None) -> PageResult:  # fmt: skip
@@ -728,6 +789,8 @@ class PageStore:
     def clear(self) -> None:
         """Delete every object the backend can see under its URL."""
         self.backend.clear()
+        if self._feed is not None:
+            self._feed.everything_gone("cleared")
 
     def ping(self) -> None:
         """Raise :class:`StorageError` when the store cannot be reached (the backend's message)."""
@@ -741,6 +804,10 @@ class PageStore:
             io.shutdown(wait=True)
         if self.weights is not None:
             self.weights.close()
+        feed, self.__dict__["_feed"] = self._feed, None
+        if feed is not None:
+            feed.close()
+            self.backend.removal_listener = None
         observer = self.__dict__.pop("_observer", None)
         if observer is not None and observer in self.host_pool.observers:
             self.host_pool.unobserve(observer)
