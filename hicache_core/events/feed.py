@@ -169,6 +169,8 @@ class StoreFeed:
                     self._aside.pop(h, None)
             self._announce(back, "back")
             out["restored"] = len(back)
+        if not type(self.store.backend).capabilities.reads_own_writes:
+            return out  # peer://: exists answers for every owner; the owner's own evictions are reported instead
         with self._lock:
             held = [(h, v[2]) for h, v in self._held.items()]
         present = self._exists([h for h, _ in held])

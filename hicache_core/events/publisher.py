@@ -53,6 +53,8 @@ class KVEventPublisher:
     :param buffer_steps: batches kept for replay.
     :param stats_topic: the topic the tier statistics are sent under (see the module's note).
     :param stats_interval: seconds between two statistics messages.
+    :param heartbeat: after this many seconds without a batch, an empty one is sent: a router that hears
+        nothing for several heartbeats knows this process, and the host and peer tiers in its memory, are gone.
 
     Attach stores with :meth:`~hicache_core.storage.PageStore.publish_events`. Thread-safe: events are
     queued by any thread and sent by the publisher's own.
@@ -60,7 +62,8 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, *, format: str | EventFormat, replay_endpoint: str | None = None,
                  topic: str = "", rank: int = 0, buffer_steps: int = 10_000, hwm: int = 100_000,
-                 stats_topic: str = "hicache.tiers", stats_interval: float = 5.0) -> None:  # fmt: skip
+                 stats_topic: str = "hicache.tiers", stats_interval: float = 5.0,
+                 heartbeat: float = 1.0) -> None:  # fmt: skip
         try:
             import zmq
         except ImportError as exc:
@@ -68,8 +71,9 @@ class KVEventPublisher:
         self.format = format_named(format) if isinstance(format, str) else format
         if not isinstance(topic, str) or not isinstance(stats_topic, str):
             raise TypeError("topic and stats_topic are str")
-        if stats_interval <= 0:
-            raise ValueError(f"stats_interval must be > 0 seconds, got {stats_interval}")
+        if stats_interval <= 0 or heartbeat <= 0:
+            raise ValueError(f"stats_interval and heartbeat are > 0 seconds, got {stats_interval} and {heartbeat}")
+        self.heartbeat = float(heartbeat)
         self.topic = topic
         self.rank = int(rank)
         self.stats_topic = stats_topic
@@ -152,6 +156,7 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         next_stats = time.monotonic() + self.stats_interval
+        self._last_send = time.monotonic()
         while True:
             if self._replay is not None:
                 while self._replay.poll(0):
@@ -176,6 +181,8 @@ class KVEventPublisher:
                     self._send(items[0][0] if items[0] is not None else time.time(), events)
                 if stop:
                     return
+            if time.monotonic() - self._last_send >= self.heartbeat:
+                self._send(time.time(), [])  # an empty batch: the servers' decoders read it; a router sees us alive
             if self._send_stats and time.monotonic() >= next_stats:
                 next_stats = time.monotonic() + self.stats_interval
                 try:
@@ -188,6 +195,7 @@ class KVEventPublisher:
     def _send(self, ts: float, events: list[Any]) -> None:
         payload = self.format.encode(self.format.batch(ts, events, self.rank))
         self._seq += 1
+        self._last_send = time.monotonic()
         self._pub.send_multipart((self.topic.encode(), self._seq.to_bytes(8, "big"), payload))
         self._buffer.append((self._seq, payload))
         self.sent_batches += 1

@@ -86,6 +86,12 @@ class EventSubscriber:
         self.synced = False
         self.replays = 0
         self.gaps = 0
+        #: ``time.monotonic()`` of the last frame (the publisher sends an empty batch every heartbeat).
+        self.last_heard = time.monotonic()
+
+    def silent_for(self) -> float:
+        """Seconds since the publisher was last heard: past a few heartbeats, its host and peer tiers are gone."""
+        return time.monotonic() - self.last_heard
 
     def _request(self, body: bytes, timeout: float) -> list[tuple[bytes, int, bytes]]:
         if self._dealer is None:
@@ -127,6 +133,7 @@ class EventSubscriber:
         while self._sub.poll(int(timeout * 1000)):
             topic, seq_bytes, payload = self._sub.recv_multipart()
             received = time.time()
+            self.last_heard = time.monotonic()
             if topic != self.topic.encode():
                 continue  # another topic of the same socket (the tier statistics)
             seq = int.from_bytes(seq_bytes, "big", signed=True)

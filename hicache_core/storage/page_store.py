@@ -299,7 +299,7 @@ class PageStore:
             n = next((i for i, f in enumerate(found) if not f), len(found))
             hits += n
             if n < len(chunk):
-                if self._feed is not None:
+                if self._feed is not None and self.backend.capabilities.reads_own_writes:
                     self._feed.gone([hashes[start + n]], "missing")
                 break
         with self._stats_lock:
@@ -719,6 +719,9 @@ class PageStore:
     def _tell_feed(self, results: list[PageResult]) -> None:
         # A page read whole and checked is there for any reader. A device-checked page's payload is checked
         # only by the load to the device, so its read announces nothing: only its writer's acknowledgement does.
+        # A tier that serves other instances only (peer://) reads from others, never from what it announced.
+        if not self.backend.capabilities.reads_own_writes:
+            return
         if not self.device_checked:
             self._feed.seen([r.key for r in results if r.ok])
         self._feed.gone([r.key for r in results if r.status is PageStatus.MISSING], "missing")
