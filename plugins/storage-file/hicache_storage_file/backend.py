@@ -246,9 +246,11 @@ class FileStorage(StorageBackend):
         out: list[BaseException | None] = [None] * len(keys)
         direct: list[tuple[int, _Page]] = []
         buffered: list[tuple[int, Path, Sequence[Span]]] = []
+        pending, evicted = frozenset(keys), []
         for i, (key, spans) in enumerate(zip(keys, values)):
             try:
-                self._make_room(key, sum(s.nbytes for s in spans) + HEADER_BLOCK - spans[0].nbytes)  # on disk
+                on_disk = sum(s.nbytes for s in spans) + HEADER_BLOCK - spans[0].nbytes
+                evicted += self._make_room(key, on_disk, pending)
             except StorageFull as exc:
                 out[i] = exc
                 continue
@@ -269,6 +271,10 @@ class FileStorage(StorageBackend):
             if err is False:  # the filesystem refused O_DIRECT after all: buffered, counted
                 err = _call(lambda page=page: self._write(page.path, page.spans, sum(s.nbytes for s in page.spans)))
             out[i] = self._write_outcome(keys[i], err)
+        if evicted:  # pages of this batch that later ones evicted: written in parallel with them, removed now
+            for victim in evicted:
+                _unlink(self.path_of(victim))
+            self.report_removed(evicted, "evicted")
         return out
 
     def _write_outcome(self, key: str, err: BaseException | None) -> BaseException | None:
@@ -432,9 +438,11 @@ class FileStorage(StorageBackend):
 
     # ---- capacity ------------------------------------------------------------------------------
 
-    def _make_room(self, key: str, size: int) -> None:
+    def _make_room(self, key: str, size: int, pending: frozenset[str] = frozenset()) -> list[str]:
+        """Reserve ``size`` bytes for ``key``, evicting the least recently used; returns the victims among
+        ``pending`` (pages of this batch not written yet), which the caller unlinks once they are."""
         if self.capacity is None:
-            return
+            return []
         victims = []
         with self._lock:
             if size > self.capacity:
@@ -449,12 +457,15 @@ class FileStorage(StorageBackend):
             self._lru[key] = size  # reserved now, so concurrent writers do not overshoot
             self._used += size
             self._evicted += len(victims)
+        later = [v for v in victims if v in pending]
+        victims = [v for v in victims if v not in pending]
         for victim in victims:
             try:
                 self.path_of(victim).unlink()
             except FileNotFoundError:
                 pass
         self.report_removed(victims, "evicted")
+        return later
 
     def _forget(self, key: str) -> None:
         if self.capacity is None:
