@@ -17,6 +17,11 @@ The model id is SGLang's model name (``--served-model-name``, by default the mod
 that passes none is refused, never given a made-up one under which two models would share pages.
 The weight version is SGLang's (``--weight-version``), and follows its in-place weight updates
 (:mod:`hicache_sglang.weight_updates`).
+
+With ``HICACHE_KV_EVENTS`` set, the store's pages are announced as SGLang's own ``BlockStored`` /
+``BlockRemoved`` events (``medium`` ``DISK`` or ``EXTERNAL``) from the rank SGLang publishes from
+(:func:`publish_events`); it is another endpoint than SGLang's ``--kv-events-config``, which keeps
+publishing the GPU and host tiers.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ class HicacheStorage(HiCacheStorage):
         self.options = dict(extra.get("options") or {})
         self.config = storage_config
         self.store: Any = None  # the hicache PageStore, made when SGLang registers its host pool
+        self.events: Any = None  # the store's KV-event feed (hicache_core.events.StoreFeed), where this rank publishes
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         from hicache_core.storage import make_storage
@@ -104,6 +110,7 @@ class HicacheStorage(HiCacheStorage):
         self.store = make_storage(self.url, mem_pool_host.core, model_id=cfg.model_name, tp_rank=cfg.tp_rank,
                                   tp_size=cfg.tp_size, replicated=cfg.is_mla_model,
                                   weight_version=weight_updates.current_version(), **self.options)  # fmt: skip
+        self.events = publish_events(self.store, cfg)
         weight_updates.track(self)
 
     def set_weight_version(self, version: str, *, reason: str = "") -> bool:
@@ -163,8 +170,57 @@ class HicacheStorage(HiCacheStorage):
 
     def close(self) -> None:
         if self.store is not None:
-            self.store.close()
+            self.store.close()  # closes the feed too: a file or shared store's pages outlive this process
             self.store = None
+            self.events = None
+
+
+def kv_event_rank(config: Any) -> int | None:
+    """The rank this scheduler's L3 KV events name, or ``None`` where this scheduler does not publish them.
+
+    SGLang's own rule, so hicache's L3 stream and SGLang's GPU/host stream come from the same schedulers
+    under the same rank (``sglang.srt.disaggregation.kv_events``): one publisher per independent KV cache,
+    on pp rank 0, attention-TP rank 0 and attention-CP rank 0; its rank is the attention-DP rank, or the
+    DP replica's under plain data parallelism. With TP > 1 every rank writes its own share of each page
+    (an MLA pool: rank 0 alone writes), in lockstep, as SGLang's controller backs up the same node on
+    every rank; rank 0's share stands for the page, as rank 0's radix tree stands for the GPU tier.
+    """
+    from sglang.srt.disaggregation.kv_events import is_kv_publisher_rank, select_kv_publisher_dp_rank
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    try:
+        # is_kv_publisher_rank reads only whether events are configured, then the ranks: hicache's are.
+        if not is_kv_publisher_rank("hicache"):
+            return None
+        return select_kv_publisher_dp_rank(parallel.attn_dp_size, parallel.attn_dp_rank, parallel.dp_rank)
+    except RuntimeError:  # no rank published in this process (a store made outside SGLang's scheduler)
+        if config.tp_rank or config.pp_rank or config.attn_cp_rank:
+            return None
+        return int(config.dp_rank or 0)
+
+
+def publish_events(store: Any, config: Any) -> Any:
+    """Attach ``store`` to the process's KV-event publisher (``HICACHE_KV_EVENTS``), in SGLang's format.
+
+    Returns the feed, or ``None`` where events are off or this rank does not publish (:func:`kv_event_rank`).
+    ``chained``: SGLang backs up a radix node's pages in chain order (``write_backup_storage`` passes
+    ``node.hash_value``; the controller's ``_page_backup`` writes it in order, 128 pages a call), so each
+    page's parent is the one before it. The keys SGLang gives are its own page hashes, passed to the store
+    unchanged, so an event's hash is ``hash_str_to_int64`` of them: the hash SGLang's radix cache
+    publishes for the GPU and host tiers of the same page. Not for a request with a ``cache_salt`` or a
+    LoRA adapter: SGLang's events hash those pages on another chain than its storage keys
+    (``compute_node_event_hash_values``), which the store, given only the storage key, cannot follow.
+    """
+    from hicache_core.events import publish_store_events
+    from hicache_core.variables import KV_EVENTS
+
+    if not KV_EVENTS.read():
+        return None
+    rank = kv_event_rank(config)
+    if rank is None:
+        return None
+    return publish_store_events(store, "sglang", rank=rank, chained=True)
 
 
 def _count_misses(store: Any, keys: list[str], hits: int) -> None:
