@@ -131,6 +131,9 @@ class PeerStorage(StorageBackend):
             if path and not os.path.isfile(path):
                 raise ValueError(f"option {name}={path!r}: no such file")
         self.owner_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        #: The tier's store in KV events (hicache_core.events.tiers): this owner's publication area, which other
+        #: instances load from and which leaves with this process.
+        self.event_store_id = f"peer://{self.owner_id}"
         self.directory = Directory(host, port, int(db), prefix=str(options.get("prefix", "hicache-peer:")),
                                    timeout=self.timeout, username=options.get("username", url.username) or None,
                                    password=password, tls=tls, **tls_files)  # fmt: skip
@@ -233,7 +236,7 @@ class PeerStorage(StorageBackend):
             raise StorageError("this peer:// instance was made with serve=0: it reads other instances' pages only")
         self._open()
         out: list[BaseException | None] = []
-        staged: list[tuple[str, bytes, int, int]] = []  # key, packed entry, slot, generation
+        staged: list[tuple[str, bytes, int, int, int]] = []  # key, packed entry, slot, generation, index in out
         base = self._area.data_ptr()
         with self._lock:
             for key, spans in zip(keys, values):
@@ -256,19 +259,23 @@ class PeerStorage(StorageBackend):
                 packed = self.directory.pack_entry(key, self.owner_id, entry)
                 self._slot_of[key] = slot
                 self._published[key] = packed
-                staged.append((key, packed, slot, entry.generation))
+                staged.append((key, packed, slot, entry.generation, len(out) - 1))
         try:
-            self.directory.publish(self.owner_id, [(k, p) for k, p, _, _ in staged], PAGE_TTL_S)
+            self.directory.publish(self.owner_id, [(k, p) for k, p, _, _, _ in staged], PAGE_TTL_S)
         except StorageError:
             with self._lock:
-                for key, packed, _, _ in staged:
+                for key, packed, _, _, _ in staged:
                     if self._published.get(key) == packed:
-                        self._release_slot(key)
+                        self._release_slot(key, "unpublished")
             raise
         with self._lock:
-            for key, packed, slot, gen in staged:
+            for key, packed, slot, gen, i in staged:
                 if self._gens[slot] != gen:  # evicted while publishing: its entry is stale already
                     self._pending.put((key, packed))
+                    # Not held when this write returns (a later page of the batch, or another writer, took its
+                    # slot): a failed write, so that nobody (the KV events included) takes it as stored.
+                    out[i] = StaleGeneration(f"{key}: evicted from the publication area ({self.slots} pages) "
+                                             "before its write returned")  # fmt: skip
             self.counters["published"] += len(staged)
         return out
 
@@ -276,17 +283,22 @@ class PeerStorage(StorageBackend):
         """A free slot of the area; when none is free, the oldest page's (its generation moves first)."""
         if not self._free:
             oldest = next(iter(self._slot_of))
-            self._release_slot(oldest)
+            self._release_slot(oldest, "evicted")
             self.counters["evicted"] += 1
         return self._free.pop()
 
-    def _release_slot(self, key: str) -> None:
-        """Unpublish ``key``: its slot's generation moves (readers of it now miss), its entry is queued for deletion."""
+    def _release_slot(self, key: str, reason: str) -> None:
+        """Unpublish ``key``: its slot's generation moves (readers of it now miss), its entry is queued for deletion.
+
+        Said to the KV events (``report_removed``) here, under the lock: a write of ``key`` again takes the
+        lock after this, so its announcement goes out after this removal, never before it.
+        """
         slot = self._slot_of.pop(key)
         self._gens[slot] += 1
         self._gens_public[slot] = self._gens[slot]
         self._pending.put((key, self._published.pop(key)))
         self._free.append(slot)
+        self.report_removed([key], reason)
 
     def _unpublisher(self) -> None:
         while not self._stop.is_set():
@@ -532,7 +544,7 @@ class PeerStorage(StorageBackend):
         with self._lock:
             gone = [(k, self._published[k]) for k in keys if k in self._slot_of]
             for k, _ in gone:
-                self._release_slot(k)
+                self._release_slot(k, "removed")
             while not self._pending.empty():  # unpublished now, not in the background
                 try:
                     item = self._pending.get_nowait()

@@ -6,7 +6,7 @@ environment). Each page's bytes are a function of its key (:func:`page_content`)
 page it read without asking the owner.
 The owner writes ``WORKDIR/ready.json`` (its keys and stats) once its pages are published and
 runs until ``WORKDIR/stop`` exists (or it is killed); in role ``churn`` it keeps freeing and
-republishing its pages meanwhile (another key in each freed slot).
+republishing its pages meanwhile (another key in each freed slot); in role ``events`` it publishes KV events.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ CASE = StorageCase("mha", "page_first", "plain", 4)
 #: environment too); publication areas sized for the test pools.
 TEST_OPTIONS = "&insecure=1&publish_bytes=4MiB"
 MODEL = "peer-test"
+#: Seconds between two heartbeats of the ``events`` owner's KV-event publisher.
+EVENTS_HEARTBEAT = 0.2
 
 
 def make_peer_pool(pages: int, seed: int, verify: bool | None = None):
@@ -131,6 +133,34 @@ def guarded(url: str, workdir: Path, n_pages: int, verify: bool | None) -> None:
     (workdir / "owner-final.json").write_text(json.dumps({"rounds": 0, "intact": intact, "stats": stats}))
 
 
+def events_owner(url: str, workdir: Path, n_pages: int) -> None:
+    """An owner that publishes KV events (SGLang's format, heartbeat EVENTS_HEARTBEAT s) of its peer tier and of a
+    file:// tier in WORKDIR/l3; ``ready.json`` adds the publisher's endpoints and each tier's store id."""
+    from hicache_core.events import KVEventPublisher
+
+    host = make_pool(CASE, pages=2 * n_pages, seed=3)
+    publisher = KVEventPublisher("tcp://127.0.0.1:*", format="sglang", replay_endpoint="tcp://127.0.0.1:*",
+                                 heartbeat=EVENTS_HEARTBEAT)  # fmt: skip
+    stores = [make_storage(url, host, model_id=MODEL), make_storage(f"file://{workdir / 'l3'}", host, model_id=MODEL)]
+    feeds = [s.publish_events(publisher, audit_interval=None) for s in stores]
+    keys = keys_for(1, n_pages)
+    slots = host.alloc(n_pages * CASE.page_size)
+    fill(host, slots, keys)
+    for store in stores:
+        assert all(r.ok for r in store.write_pages(keys, slots))
+    ready = {"keys": keys, "endpoint": publisher.endpoint, "replay": publisher.replay_endpoint,
+             "stores": [f.tier.store for f in feeds],
+             "media": [publisher.format.medium(f.tier) for f in feeds]}  # fmt: skip
+    (workdir / "ready.tmp").write_text(json.dumps(ready))
+    (workdir / "ready.tmp").rename(workdir / "ready.json")
+    while not (workdir / "stop").exists():
+        time.sleep(0.02)
+    for store in stores:
+        store.close()
+    publisher.close()
+    (workdir / "owner-final.json").write_text(json.dumps({"rounds": 0, "stats": {}}))
+
+
 def reader(url: str, workdir: Path, n_pages: int) -> None:
     """Read the owner's pages over and over until killed (the test kills it mid-read)."""
     host = make_pool(CASE, pages=2 * n_pages, seed=4)
@@ -147,6 +177,8 @@ if __name__ == "__main__":
     n = int(sys.argv[4]) if len(sys.argv) > 4 else 16
     if role == "reader":
         reader(url, work, n)
+    elif role == "events":
+        events_owner(url, work, n)
     elif role == "guarded":
         guarded(url, work, n, {"verify": True, "noverify": False}.get(sys.argv[5]) if len(sys.argv) > 5 else None)
     else:
