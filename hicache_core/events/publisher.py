@@ -109,6 +109,7 @@ class KVEventPublisher:
         self.sent_batches = 0
         self.sent_events = 0
         self._closed = False
+        self._linger = 5.0
         self._thread = threading.Thread(target=self._run, name="hicache-kv-events", daemon=True)
         # A restarted instance's earlier announcements are void: said first, before any page.
         self._queue.put((time.time(), self.format.cleared()))
@@ -155,6 +156,15 @@ class KVEventPublisher:
     # ---- the thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        # The sockets are this thread's alone (ZMQ sockets are not thread-safe): it closes them when it ends.
+        try:
+            self._loop()
+        finally:
+            self._pub.close(linger=int(self._linger * 1000))
+            if self._replay is not None:
+                self._replay.close(linger=0)
+
+    def _loop(self) -> None:
         next_stats = time.monotonic() + self.stats_interval
         self._last_send = time.monotonic()
         while True:
@@ -164,19 +174,18 @@ class KVEventPublisher:
                         self._serve(self._replay.recv_multipart())
                     except Exception:  # a malformed request must not stop the stream
                         log.exception("KV events: a replay request failed")
-            try:
-                first = self._queue.get(timeout=0.02)
+            try:  # close()'s stop (None) may come first: an empty queue is told from it by the exception
+                items = [self._queue.get(timeout=0.02)]
             except queue.Empty:
-                first = None
-            if first is not None:
-                items = [first]
+                items = []
+            if items:
                 while True:  # everything queued goes in one batch: no waiting, so no added lag
                     try:
                         items.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
                 stop = any(item is None for item in items)
-                events = [ev for item in items if item is not None for ev in (item[1],)]
+                events = [item[1] for item in items if item is not None]
                 if events:
                     self._send(items[0][0] if items[0] is not None else time.time(), events)
                 if stop:
@@ -243,11 +252,12 @@ class KVEventPublisher:
         if self._closed:
             return
         self._closed = True
+        self._linger = timeout
         self._queue.put(None)
         self._thread.join(timeout)
-        self._pub.close(linger=int(timeout * 1000))
-        if self._replay is not None:
-            self._replay.close(linger=0)
+        if self._thread.is_alive():
+            log.warning("KV events: the publisher's thread did not end within %s s; it closes its sockets when it "
+                        "does", timeout)  # fmt: skip
 
     def __enter__(self) -> KVEventPublisher:
         return self
