@@ -380,3 +380,37 @@ def test_a_store_publishes_through_one_feed(tmp_path, publisher):
     with pytest.raises(ValueError, match="no cluster key to rotate"):
         unkeyed.rotate_cluster_key(ClusterKey(KEY, "test"))
     unkeyed.close()
+
+
+def test_a_chain_names_its_parent_and_a_batch_never_announces_what_it_evicted(tmp_path, publisher):
+    pub = publisher("sglang")
+    host = kit.host_pool(pages=8)
+    probe = make_storage(f"file://{tmp_path / 'probe'}", host, model_id="events", cluster_key=None)
+    object_bytes = 4096 + probe.page_bytes
+    probe.close()
+    store = make_storage(f"file://{tmp_path / 'l3'}?capacity={3 * object_bytes}", host, model_id="events",
+                         cluster_key=None)  # fmt: skip
+    try:
+        feed = store.publish_events(pub, audit_interval=None, chained=True)
+        sub = _subscribe(pub)
+        sub.sync()
+        events = _stream(sub)
+        h = _hashes(6)
+        # SGLang's contract: prefix_keys + keys is one chain, so the first page's parent is prefix_keys[-1]
+        info = type("ExtraInfo", (), {"prefix_keys": h[:1]})()
+        assert store.batch_set_from(h[1:3], _slots([0, 1]), info) == [True, True]
+        sub.poll(0.3)
+        (stored,) = [e for e in events if type(e).__struct_config__.tag == "BlockStored"]
+        assert stored.block_hashes == [sglang_block_hash(x) for x in h[1:3]]
+        assert stored.parent_block_hash == sglang_block_hash(h[0])
+        # five pages into room for three: the batch's first pages are evicted by its last ones
+        results = store.write_pages(h[1:6], _slots([0, 1, 2, 3, 4]), parent=h[0])
+        assert all(r.ok for r in results)
+        there = {x for x in h[1:6] if store.backend.exists_objects([store.namespace.key(x)])[0]}
+        assert len(there) == 3
+        sub.poll(0.3)
+        assert sub.index.pages("DISK", feed.tier.store) == {sglang_block_hash(x) for x in there}
+        assert feed.counts["not_announced_evicted_in_batch"] >= 1
+        sub.close()
+    finally:
+        store.close()

@@ -64,6 +64,10 @@ class StoreFeed:
         self._held: dict[str, tuple[Any, bytes | None, int]] = {}
         self._aside: dict[str, tuple[Any, bytes | None, int]] = {}  # announced, removed while unreachable
         self._stamps = count()
+        # Writes in flight, and when the store reported each page removed meanwhile (see put_started).
+        self._puts = 0
+        self._ticks = count()
+        self._removed_at: dict[str, int] = {}
         self.reachable = True
         self.counts: dict[str, int] = {}
         self._stats: dict[str, Any] = {}
@@ -81,9 +85,32 @@ class StoreFeed:
         key = self.store.cluster_key
         return key.key_id if key is not None else None
 
-    def stored(self, hashes: Sequence[str]) -> None:
-        """These pages were written and acknowledged, in the current namespace and under the current key."""
-        self._announce(hashes, "stored")
+    def put_started(self) -> int:
+        """A write begins: removals the store reports from now until :meth:`stored` are held against it."""
+        with self._lock:
+            self._puts += 1
+            return next(self._ticks)
+
+    def stored(self, hashes: Sequence[str], parents: Sequence[str | None] | None = None, since: int | None = None
+               ) -> None:  # fmt: skip
+        """These pages were written and acknowledged, in the current namespace and under the current key.
+
+        ``parents``: each page's parent in its chain (``None``: unknown). ``since``: what :meth:`put_started`
+        returned; a page the store reported removed after it (evicted by a later page of the same batch) is
+        not there any more, and is not announced.
+        """
+        with self._lock:
+            if since is not None:
+                self._puts -= 1
+                dropped = {h for h in hashes if self._removed_at.get(h, -1) >= since}
+                if dropped:
+                    keep = [i for i, h in enumerate(hashes) if h not in dropped]
+                    hashes = [hashes[i] for i in keep]
+                    parents = [parents[i] for i in keep] if parents is not None else None
+                    self._count("not_announced_evicted_in_batch", len(dropped))
+                if self._puts == 0:
+                    self._removed_at.clear()
+            self._announce(hashes, "stored", parents)
 
     def seen(self, hashes: Sequence[str]) -> None:
         """These pages were read whole and passed every check: announced if not yet."""
@@ -92,7 +119,7 @@ class StoreFeed:
         if new:
             self._announce(new, "seen")
 
-    def _announce(self, hashes: Sequence[str], why: str) -> None:
+    def _announce(self, hashes: Sequence[str], why: str, parents: Sequence[str | None] | None = None) -> None:
         if not hashes:
             return
         key_id = self._key_id()
@@ -101,8 +128,15 @@ class StoreFeed:
             for h, e in zip(hashes, events):
                 self._held[h] = (e, key_id, next(self._stamps))
                 self._aside.pop(h, None)
-            if self.chained:
-                self.publisher.stored(self.tier, events, self.block_size, None)
+            if self.chained and parents is not None:
+                # One BlockStored per unbroken run of the chain, naming the parent of its first page.
+                start = 0
+                for i in range(1, len(hashes) + 1):
+                    if i == len(hashes) or parents[i] != hashes[i - 1]:
+                        first = parents[start]
+                        self.publisher.stored(self.tier, events[start:i], self.block_size,
+                                              self.block_hash(first) if first is not None else None)  # fmt: skip
+                        start = i
             else:
                 for e in events:
                     self.publisher.stored(self.tier, [e], self.block_size, None)
@@ -111,6 +145,10 @@ class StoreFeed:
     def gone(self, hashes: Sequence[str], reason: str) -> None:
         """These pages are not in the store, or not readable there: removed if they were announced."""
         with self._lock:
+            if self._puts:
+                tick = next(self._ticks)
+                for h in hashes:
+                    self._removed_at[h] = tick
             events = [self._held.pop(h)[0] for h in hashes if h in self._held]
             for h in hashes:
                 self._aside.pop(h, None)

@@ -312,17 +312,31 @@ class PageStore:
         return self.batch_exists([key]) == 1
 
     def batch_set_from(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        """Store the host pool's pages at ``host_indices`` (token slots, whole pages) under ``keys``."""
-        return [r.ok for r in self.write_pages(keys, host_indices)]
+        """Store the host pool's pages at ``host_indices`` (token slots, whole pages) under ``keys``.
+
+        Where SGLang passes ``extra_info.prefix_keys`` (the hashes before ``keys`` in their chain), the last
+        of them is the first page's parent in the KV events.
+        """
+        prefix = getattr(extra_info, "prefix_keys", None)
+        return [r.ok for r in self.write_pages(keys, host_indices, parent=prefix[-1] if prefix else None)]
 
     def batch_get_into(self, keys: Sequence[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Load the pages ``keys`` into the host pool at ``host_indices``; one bool per page."""
         return [r.ok for r in self.read_pages(keys, host_indices)]
 
-    def write_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[PageResult]:
-        """Store pages; one :class:`PageResult` per key. Checks every argument before a byte moves."""
+    def write_pages(self, keys: Sequence[str], host_indices: torch.Tensor, *, parent: str | None = None
+                    ) -> list[PageResult]:  # fmt: skip
+        """Store pages; one :class:`PageResult` per key. Checks every argument before a byte moves.
+
+        ``parent``: the page hash before ``keys[0]`` where the keys are a chain (the KV events name it).
+        """
         hashes = check_keys(keys)
+        if parent is not None:
+            (parent,) = check_keys([parent])
         pages = self.page_ids(hashes, host_indices)
+        return self._write(hashes, pages, [parent, *hashes[:-1]])
+
+    def _write(self, hashes: list[str], pages: list[int], parents: list[str | None]) -> list[PageResult]:
         # The namespace before the hold: a weight-version change sets the hold first, so these pages go
         # under the keys of the weights they were computed with, or are held.
         ns = self.namespace
@@ -343,13 +357,13 @@ class PageStore:
                     )
             if refused:
                 keep = [i for i in range(len(pages)) if i not in refused]
-                written = iter(self.write_pages([hashes[i] for i in keep], _page_slots(
-                    [pages[i] for i in keep], pm.page_size)))  # fmt: skip
+                written = iter(self._write([hashes[i] for i in keep], [pages[i] for i in keep],
+                                           [parents[i] for i in keep]))  # fmt: skip
                 return [refused[i] if i in refused else next(written) for i in range(len(pages))]
-        work = [(hashes[a:b], ns.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
+        work = [(hashes[a:b], ns.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]], parents[a:b])
                 for a, b in self._chunks(len(hashes))]  # fmt: skip
         # Two stages in flight: the next chunk's checksums are taken while the store writes this one.
-        return self._pipelined(work, lambda w: (w[0], w[1], self._stage_headers(w[1], w[2])), self._stage_put)
+        return self._pipelined(work, lambda w: (w[0], w[1], self._stage_headers(w[1], w[2]), w[3]), self._stage_put)
 
     def read_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[PageResult]:
         """Load pages; one :class:`PageResult` per key. A page that is not ``ok`` is never reported loaded.
@@ -599,9 +613,11 @@ class PageStore:
     def _put(self, hashes: list[str], full: list[str], payloads: list[list[Span]]) -> list[PageResult]:
         return self._stage_put((hashes, full, self._stage_headers(full, payloads)))
 
-    def _stage_put(self, prepared: tuple[list[str], list[str], list[list[Span]]]) -> list[PageResult]:
-        hashes, full, values = prepared
+    def _stage_put(self, prepared: tuple) -> list[PageResult]:
+        hashes, full, values, *chain = prepared  # then, from write_pages, each page's parent in its chain
         size = self.pages.page_bytes
+        feed = self._feed
+        since = feed.put_started() if feed is not None else 0
         t0 = time.perf_counter()
         try:
             outcome = list(self.backend.put_objects(full, values))
@@ -626,8 +642,9 @@ class PageStore:
             self._stats.write_refused_full += sum(r.status is PageStatus.FULL for r in results)
             self._stats.write_failed += sum(r.status is PageStatus.ERROR for r in results)
         _record_l3("write", results, size + HEADER_SIZE)
-        if self._feed is not None:  # acknowledged by the store: there now, under this namespace and key
-            self._feed.stored([r.key for r in results if r.ok])
+        if feed is not None:  # acknowledged by the store: there now, under this namespace and key
+            parents = chain[0] if chain else [None] * len(results)
+            feed.stored([r.key for r in results if r.ok], [p for r, p in zip(results, parents) if r.ok], since)
         return results
 
     def _get(self, hashes: list[str], full: list[str], targets: list[list[Span]]) -> list[PageResult]:
