@@ -145,7 +145,8 @@ class HicacheStorage(HiCacheStorage):
         return loaded
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
-        return self._bound().batch_set_from(keys, host_indices)
+        # extra_info.prefix_keys (hicache_storage_pass_prefix_keys) names the first page's parent in the KV events
+        return self._bound().batch_set_from(keys, host_indices, extra_info)
 
     # ---- SGLang's generic interface (flat pages) --------------------------------------------------
 

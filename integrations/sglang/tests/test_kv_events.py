@@ -145,6 +145,13 @@ def _event_hash(page_hash: str) -> int:
 # ---- SGLang's radix tree and cache controller, writing to hicache's file:// store ---------------------
 
 
+def _passing_prefix_keys(config: str) -> str:
+    """SGLang's ``hicache_storage_pass_prefix_keys``: its controller then names the hashes before each batch."""
+    import json
+
+    return json.dumps({**json.loads(config), "hicache_storage_pass_prefix_keys": True})
+
+
 @pytest.fixture
 def tree(stream: Stream, tmp_path: Path) -> Iterator[Any]:
     """SGLang's radix cache with its KV-event recorder, its HiCache and hicache's file:// L3 (``dynamic``)."""
@@ -163,7 +170,8 @@ def tree(stream: Stream, tmp_path: Path) -> Iterator[Any]:
             args = ServerArgs(model_path="dummy", served_model_name="kv-events", page_size=PAGE,
                               hicache_io_backend="kernel", hicache_mem_layout="page_first",
                               hicache_write_policy="write_through", hicache_storage_backend="dynamic",
-                              hicache_storage_backend_extra_config=extra_config(f"file://{tmp_path / 'l3'}"),
+                              hicache_storage_backend_extra_config=_passing_prefix_keys(
+                                  extra_config(f"file://{tmp_path / 'l3'}")),
                               hicache_storage_prefetch_policy="wait_complete")  # fmt: skip
             set_global_server_args_for_scheduler(args)
             cache.init_hicache(args, cache.cache_init_params)
@@ -214,6 +222,14 @@ def test_sglangs_own_backups_are_announced_under_the_hashes_sglang_publishes_for
     # each node's backup is one write, announced whole: its pages in chain order
     runs = [e.block_hashes for e in l3]
     assert chain[:6] in runs and chain[6:] in runs
+    # with SGLang's prefix keys, each run names its parent as SGLang's own GPU events do: the child node's
+    # first page links to the parent node's last; the first node starts at the root
+    parents = {tuple(e.block_hashes): e.parent_block_hash for e in l3}
+    assert parents[tuple(chain[6:])] == chain[5] and parents[tuple(chain[:6])] is None
+    gpu_parents = {}  # SGLang's recorder merges a chain's events: a page's parent is the page before it
+    for e in filter(_stored(StorageMedium.GPU.value), sglang_events):
+        gpu_parents.update(zip(e.block_hashes, [e.parent_block_hash, *e.block_hashes[:-1]]))
+    assert gpu_parents[chain[6]] == chain[5] and gpu_parents[chain[0]] is None
 
 
 def test_pages_the_store_lost_or_the_weights_left_are_removed(stream, tree):
