@@ -7,14 +7,16 @@ In one run, on one directory, rounds alternate:
 * the drive's ceiling: O_DIRECT reads and writes with no hicache in the way, each the best of several ways
   of keeping the drive busy (``fio`` where installed; else Python threads issuing ``os.preadv`` /
   ``os.pwritev`` at several depths and request sizes, one file per page as the tier keeps them and one big
-  file as ``dd`` would read it; NIXL's POSIX backend where it is installed);
+  file as ``dd`` would read it, and a thread pool fed one request per task as the tier's engine is; NIXL's
+  POSIX backend where it is installed);
 * the tier: ``make_storage("file://DIR")`` on a host pool shaped like Llama-3-8B with 64-token pages
   (32 layers, 8 KV heads, head dim 128, bf16: 8 MiB a page), ``write_pages`` then ``read_pages`` of every
   page (header, checksums and all), the bytes read back compared with the ones written.
 
 The page cache is out of the way: every transfer is O_DIRECT where the tier's pages go direct, and every
 file is synced and dropped from the cache (``posix_fadvise(DONTNEED)``) before any read. A fraction is the
-tier's GB/s over the ceiling's in the same round (paired); the JSON has every round, the machine and
+tier's GB/s over the ceiling's in the same round (paired; every other round measures the tier first,
+since the drive drifts); the JSON has every round, the machine and
 the versions. The bars (issue 56): reads >= 0.9, writes >= 0.8 of the ceiling.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import mmap
 import os
@@ -30,6 +33,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
@@ -123,6 +127,29 @@ def _threads_read(files: list[Path], size: int, depth: int, request: int) -> flo
     return total / elapsed / 1e9
 
 
+def _queue(files: list[Path], size: int, depth: int, request: int, write: bool) -> float:
+    """GB/s of one O_DIRECT request per task on a pool of ``depth`` threads: the tier's engine, without hicache."""
+    bufs = [_aligned(request) for _ in range(depth)]
+    local = threading.local()
+    counter = itertools.count()
+    flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
+    fds = [os.open(f, flags | os.O_DIRECT, 0o644) for f in files]
+
+    def one(fd: int, off: int) -> int:
+        if not hasattr(local, "buf"):
+            local.buf = bufs[next(counter)]
+        view = memoryview(local.buf)[: min(request, size - off)]
+        return os.pwritev(fd, [view], off) if write else os.preadv(fd, [view], off)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(depth) as pool:
+        total = sum(f.result() for f in [pool.submit(one, fd, off) for fd in fds for off in range(0, size, request)])
+    elapsed = time.perf_counter() - t0
+    for fd in fds:
+        os.close(fd)
+    return total / elapsed / 1e9
+
+
 def _nixl_read(files: list[Path], size: int, per_xfer: int = 16) -> float | None:
     """GB/s of NIXL's POSIX backend reading ``files`` into one registered buffer (``None``: NIXL absent)."""
     try:
@@ -178,6 +205,11 @@ def ceiling(directory: Path, pages: int, size: int) -> dict[str, Any]:
         out["write"][name] = _threads_write(files, size, depth, request)
         _drop_cache(directory)
         out["read"][name] = _threads_read(files, size, depth, request)
+    for depth in (16, 32):
+        name = f"thread pool queue depth {depth} x 1 MiB, file per page"
+        out["write"][name] = _queue(files, size, depth, 1 << 20, write=True)
+        _drop_cache(directory)
+        out["read"][name] = _queue(files, size, depth, 1 << 20, write=False)
     out["write"]["threads depth 16 x 1 MiB, one big file"] = _threads_write(big, size * pages, 16, 1 << 20)
     _drop_cache(directory)
     out["read"]["threads depth 16 x 1 MiB, one big file"] = _threads_read(big, size * pages, 16, 1 << 20)
@@ -313,8 +345,13 @@ def main() -> None:
           f"({record['machine']['filesystem']['fstype']} on {record['machine']['filesystem']['device']})")
     for r in range(args.rounds):
         load = open("/proc/loadavg").read().split()[:3]
-        top = ceiling(directory / "ceiling", args.pages, size)
-        got = tier(store, directory / "tier", args.pages)
+        if r % 2:  # the drive drifts within a run: every other round measures the tier first
+            got = tier(store, directory / "tier", args.pages)
+            top = ceiling(directory / "ceiling", args.pages, size)
+        else:
+            top = ceiling(directory / "ceiling", args.pages, size)
+            got = tier(store, directory / "tier", args.pages)
+        store.clear()
         old = tier(buffered, directory / "buffered", args.pages)
         buffered.clear()
         row = {"round": r, "loadavg_before": load, "ceiling": top, "tier": got,
