@@ -4,6 +4,7 @@ and named, ``o_direct=1`` refuses a filesystem without O_DIRECT, and the bytes a
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -196,3 +197,28 @@ def test_a_short_file_is_a_mismatch_not_a_direct_read(disk_dir):
 def test_bad_options_are_refused(tmp_path, bad, message):
     with pytest.raises(ValueError, match=message):
         make_storage(f"file://{tmp_path}/l3?{bad}", _pool(), model_id="bad")
+
+
+@pytest.mark.parametrize("mode", ["auto", "1"])
+def test_a_request_the_filesystem_refuses_later_falls_back_under_auto_and_fails_under_1(disk_dir, monkeypatch, mode):
+    src, dst = _pool(seed=12), _pool(seed=13)
+    writer = make_storage(f"file://{disk_dir}/l3?o_direct={mode}", src, model_id="late")
+    assert all(r.ok for r in writer.write_pages(KEYS[:2], slots_of([1, 2], PAGE)))
+    reader = make_storage(f"file://{disk_dir}/l3?o_direct={mode}", dst, model_id="late")
+    real_preadv = os.preadv
+
+    def refusing_preadv(fd, buffers, offset, *args):  # the probe passed; this filesystem refuses the real reads
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", refusing_preadv)
+    results = reader.read_pages(KEYS[:2], slots_of([3, 4], PAGE))
+    stats = reader.get_stats().backend
+    if mode == "auto":
+        assert all(r.ok for r in results) and torch.equal(_page(src, 2), _page(dst, 4))
+        assert stats["direct_fallbacks"] == {"EINVAL from the filesystem": 2} and stats["buffered_pages"]["read"] == 2
+    else:
+        assert [r.status.value for r in results] == ["error", "error"]
+        assert "o_direct=1: " in results[0].detail and "refused an O_DIRECT request" in results[0].detail
+        assert stats["buffered_pages"]["read"] == 0
