@@ -61,6 +61,25 @@ def _outside_inference_mode(run):
     return wrapped
 
 
+def _publish_events(storage: Any, dp_rank: int) -> Any:
+    """Attach the worker's L3 store to hicache's KV-event publisher (``HICACHE_KV_EVENTS``; unset: ``None``).
+
+    Only this store publishes: it is the one that writes and reads pages, so only it knows when a page is
+    really there (written and acknowledged, or read back and checked) and when it is gone. The scheduler's
+    probe (``spec.StorageProbe``) only asks whether keys exist, and vLLM's own offloading events already
+    report the host tier, L3 hits promoted into it included (``complete_store`` in ``complete_load``).
+
+    Events are vLLM's (``"vllm"``): the L3 key is ``bytes(OffloadKey).hex()``, whose event hash
+    (``hicache_core.events.vllm_block_hash``) is vLLM's ``maybe_convert_block_hash(get_offload_block_hash(key))``,
+    so a router's index names the page as it names the block in vLLM's GPU tier; medium ``STORAGE``. Not
+    chained: a store job's keys need not be consecutive blocks of one prefix (vLLM stores what its
+    manager chose, in any order), so no page is given a parent, as vLLM's own per-key offloading events.
+    """
+    from hicache_core.events import publish_store_events
+
+    return publish_store_events(storage, "vllm", rank=dp_rank)
+
+
 class TransferFailed(RuntimeError):
     """A job could not deliver its bytes; the request it serves must not run on them."""
 
@@ -123,6 +142,8 @@ class BlockMover:
     :param storage_url: an L3 store behind the host tier (``file:///dir``, ``redis://...``, ``mooncake://...``).
     :param storage_options: options for the store (as in the URL's query).
     :param model_id: the model's name, part of every L3 key.
+    :param dp_rank: this engine's data-parallel rank: the rank hicache's KV events name, and the offset of
+        their endpoint's port (vLLM's own rule for its publisher's).
     """
 
     def __init__(
@@ -140,6 +161,7 @@ class BlockMover:
         tp_rank: int = 0,
         tp_size: int = 1,
         pin_memory: bool = True,
+        dp_rank: int = 0,
     ) -> None:
         if num_chunks < 1:
             raise NotServedError(
@@ -169,6 +191,8 @@ class BlockMover:
         )
         self.cuda = self.device_pool.device.type == "cuda"
         self.storage = None
+        #: The L3 store's KV-event feed (hicache_core.events.StoreFeed), or None: no store, or events off.
+        self.events: Any = None
         if storage_url:
             from hicache_core.storage import make_storage
 
@@ -178,6 +202,12 @@ class BlockMover:
                 storage_url, self.host, model_id=model_id, tp_rank=tp_rank, tp_size=tp_size,
                 **dict(storage_options or {}),
             )  # fmt: skip
+            try:
+                self.events = _publish_events(self.storage, dp_rank)
+            except BaseException:  # a bad HICACHE_KV_EVENTS stops the worker: not with the store's threads left
+                self.storage.close()
+                self.host.destroy()
+                raise
             from . import weight_updates
 
             weight_updates.track(self)

@@ -72,7 +72,13 @@ class _Promotions:
 
 
 class StorageProbe:
-    """The scheduler's view of L3: does the store hold a key, in the namespace the worker writes."""
+    """The scheduler's view of L3: does the store hold a key, in the namespace the worker writes.
+
+    It publishes no KV events: it never writes, and a key it finds may be gone before a load reads it. The
+    worker's store publishes the L3 tier (``mover._publish_events``); vLLM's manager publishes the host tier,
+    an L3 hit promoted into it included (``complete_load`` below ends it with vLLM's ``complete_store``, which
+    emits the host tier's ``BlockStored``).
+    """
 
     def __init__(self, options: HicacheOptions, *, num_layers: int, page_bytes: int, block_size: int, model_id: str):
         from hicache_core import make_host_pool
@@ -323,6 +329,7 @@ class HicacheOffloadingSpec(OffloadingSpec):
                 model_id=self.config.model.name,
                 tp_rank=self.config.parallel.rank,
                 tp_size=max(1, self.config.parallel.world_size),
+                dp_rank=self.config.parallel.data_parallel_index,  # vLLM's own publisher's rank (its scheduler's)
             )
             served = ", ".join(sorted(set(mover.host.implementations.values())))
             logger.info("hicache host tier: %d chunks, layout %s, io backend %s (%s)%s", self.num_chunks,
