@@ -177,9 +177,9 @@ def run(model, mla_model, tmp_path_factory, request):
                 blocks = fitted
             _engine_blocks[mla] = blocks
             record = json.loads((out / "result.json").read_text())
-            # the steps by name, and what the engine made of the test's sizes under "engine"
+            # the steps by name, what the engine made of the test's sizes under "engine", its KV events (if any)
             cache[key] = {"engine": record["engine"], "s3_sent_before": record["s3_sent_before"],
-                          **{s["name"]: s for s in record["steps"]}}  # fmt: skip
+                          "kv_events": record.get("kv_events"), **{s["name"]: s for s in record["steps"]}}  # fmt: skip
         return cache[key]
 
     return go

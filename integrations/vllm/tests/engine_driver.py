@@ -11,6 +11,12 @@ module): ``python engine_driver.py MODE OUT MODEL [STORAGE_URL]``, MODE one of
   from ``HICACHE_TEST_RELOAD_TO`` (``collective_rpc("reload_weights")``, then vLLM's own
   ``reset_prefix_cache()``), and A is sent once more ("A after reload"); no batch.
 
+The ``hicache`` engine with L3 also publishes KV events: vLLM's own (``kv_events_config``, its GPU and host
+tiers) and hicache's (``HICACHE_KV_EVENTS``, the L3 tier), each on its own port. This process subscribes to
+both with real SUB sockets from before the engine starts, and at the end records every batch (asked for
+again from sequence 0 on each replay socket, so none is missed), decoded with vLLM's own classes
+(:class:`EventTap`).
+
 Scenario: prefix A, twice (the second from vLLM's device prefix cache);
 B, C, D (A leaves the 15-block device cache); A again; then a batch that does
 not fit the device cache (preemptions). Greedy, fixed lengths, float32.
@@ -24,11 +30,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_model import prompt_ids  # noqa: E402
+
+if TYPE_CHECKING:
+    from vllm.config import KVEventsConfig
 
 BLOCK = 32
 DEVICE_BLOCKS = 16  # one is vLLM's null block: 15 usable, 480 tokens
@@ -41,6 +52,99 @@ PREFIX = int(os.environ.get("HICACHE_TEST_PREFIX", "256"))
 GEN = 16
 BATCH = [prompt_ids(100 + i, 64) for i in range(8)]
 BATCH_GEN = 160
+
+
+class EventTap:
+    """Both KV-event streams of one engine, received as a router receives them.
+
+    A thread holds a SUB socket on each publisher from before the engine starts (PUB drops what it sends
+    before a subscriber connects); :meth:`record` stops it, asks each replay socket for every batch from
+    sequence 0 (vLLM's protocol: an 8-byte start, the batches, the end marker -1), and decodes them with
+    ``vllm.distributed.kv_events.KVEventBatch``.
+    """
+
+    END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+    def __init__(self) -> None:
+        from hicache_core.testing.servers import free_port
+
+        self.ports = {name: (free_port(), free_port()) for name in ("vllm", "hicache")}
+        self.live: dict[str, list[tuple[int, bytes]]] = {name: [] for name in self.ports}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def env(self) -> dict[str, str]:
+        """hicache's settings: its publisher and replay socket (the worker's store publishes there)."""
+        pub, replay = self.ports["hicache"]
+        return {"HICACHE_KV_EVENTS": f"tcp://*:{pub}", "HICACHE_KV_EVENTS_REPLAY": f"tcp://*:{replay}"}
+
+    def vllm_config(self) -> KVEventsConfig:
+        """vLLM's own events (its scheduler's publisher: the GPU tier, and the offloading manager's host tier)."""
+        from vllm.config import KVEventsConfig
+
+        pub, replay = self.ports["vllm"]
+        return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{pub}",
+                              replay_endpoint=f"tcp://*:{replay}")  # fmt: skip
+
+    def _listen(self) -> None:
+        import zmq
+
+        ctx = zmq.Context.instance()
+        socks = {}
+        for name, (pub, _) in self.ports.items():
+            sock = ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(f"tcp://127.0.0.1:{pub}")
+            socks[sock] = name
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(100):
+                _, seq, payload = sock.recv_multipart()
+                self.live[socks[sock]].append((int.from_bytes(seq, "big"), payload))
+        for sock in socks:
+            sock.close(linger=0)
+
+    def _replay(self, port: int) -> list[tuple[int, bytes]]:
+        import zmq
+
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        out = []
+        try:
+            while True:
+                if not dealer.poll(30_000):
+                    raise TimeoutError(f"no end of replay from port {port}")
+                _, _, seq, payload = dealer.recv_multipart()
+                if seq == self.END_SEQ:
+                    return out
+                out.append((int.from_bytes(seq, "big"), payload))
+        finally:
+            dealer.close(linger=0)
+
+    def record(self) -> dict:
+        """Per stream: every event (type, medium, block hashes, locality, ownership), how many batches the SUB
+        socket got, and whether each was byte for byte the replay's batch of the same number."""
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._stop.set()
+        self._thread.join()
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        out = {}
+        for name, (_, replay_port) in self.ports.items():
+            batches = self._replay(replay_port)
+            by_seq = dict(batches)
+            events = [{"type": type(e).__name__, "medium": getattr(e, "medium", None),
+                       "hashes": list(getattr(e, "block_hashes", [])), "locality": getattr(e, "locality", None),
+                       "ownership": getattr(e, "ownership", None)}
+                      for _, payload in batches for e in decoder.decode(payload).events]  # fmt: skip
+            out[name] = {"events": events, "seqs": [seq for seq, _ in batches], "live": len(self.live[name]),
+                         "live_as_replayed": all(by_seq.get(seq) == p for seq, p in self.live[name])}  # fmt: skip
+        return out
 
 
 def engine_args(mode: str, model: str, storage_url: str | None) -> dict:
@@ -107,7 +211,13 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_args(mode, model, storage_url))
+    args = engine_args(mode, model, storage_url)
+    tap = None
+    if mode == "hicache" and storage_url:  # test_engine.test_l3_events_name_the_blocks_vllm_publishes
+        tap = EventTap()
+        os.environ.update(tap.env())  # before the engine: its processes take hicache's settings from here
+        args["kv_events_config"] = tap.vllm_config()
+    llm = LLM(**args)
     sp = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     a = prompt_ids(1, PREFIX)
     # What the engine made of the test's sizes on this CPU (vLLM adjusts them per attention backend).
@@ -136,6 +246,8 @@ def main() -> None:
         run("A after reload", [a])
     elif not os.environ.get("HICACHE_TEST_NO_BATCH"):  # the MLA run: bf16 MLA decode on a CPU is slow
         run("batch", BATCH, SamplingParams(temperature=0, max_tokens=BATCH_GEN, ignore_eos=True))
+    if tap is not None:
+        record["kv_events"] = tap.record()
     Path(out_path).write_text(json.dumps(record))
 
 

@@ -54,6 +54,39 @@ def test_batch_with_preemptions_equals_the_engine_without_a_connector(run, l3):
     assert hi["batch"]["tokens"] == base["batch"]["tokens"]
 
 
+def test_l3_events_name_the_blocks_vllm_publishes(run, l3):
+    """The L3 engine (run as a GPU server runs) published vLLM's own KV events and hicache's beside them; both
+    streams, received by SUB sockets and decoded with vLLM's own classes (engine_driver.EventTap): every block
+    hicache announces in L3 (medium STORAGE, the S3 store named) is a block vLLM announced in its GPU tier, by
+    the same hash, so a router's index matches the two; and every block vLLM's own offloading manager announced
+    in the host tier (medium CPU) is announced in L3, where it was written through."""
+    hi = run("hicache", l3)
+    streams = hi["kv_events"]
+    assert streams is not None, "the L3 engine ran without its KV events"
+    for name, stream in streams.items():
+        assert stream["seqs"] == list(range(len(stream["seqs"]))), f"{name}: the replay skipped a batch"
+        assert stream["live"] > 0 and stream["live_as_replayed"], f"{name}: the SUB socket got other bytes"
+    ours, theirs = streams["hicache"]["events"], streams["vllm"]["events"]
+
+    def hashes(events, kind, medium):
+        return {h for e in events if e["type"] == kind and e["medium"] == medium for h in e["hashes"]}
+
+    gpu, cpu = hashes(theirs, "BlockStored", "GPU"), hashes(theirs, "BlockStored", "CPU")
+    stored = hashes(ours, "BlockStored", "STORAGE")
+    assert ours[0]["type"] == "AllBlocksCleared", "a (re)started publisher first voids what it said"
+    assert {e["type"] for e in ours[1:]} == {"BlockStored"}, "nothing left L3 in this run"
+    assert {(e["medium"], e["locality"]) for e in ours[1:]} == {("STORAGE", "REMOTE")}
+    (store,) = {e["ownership"] for e in ours[1:]}  # which store holds the pages: every instance that reaches it
+    assert store.startswith("s3://") and "?" not in store, store  # names it alike; no credentials, no query
+    # A, evict 2, 3 and 4: 8 whole blocks each, written through to L3.
+    assert len(stored) >= 4 * 8, len(stored)
+    assert all(isinstance(h, int) for h in stored)  # vLLM's default: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+    assert stored <= gpu, f"{len(stored - gpu)} L3 blocks are named by no GPU-tier event of vLLM's"
+    # A store job is finished (and vLLM's manager announces its blocks in the host tier) only once its pages
+    # are written through and acknowledged, which is when hicache announces them: none is missing from L3.
+    assert cpu and cpu <= stored, f"{len(cpu - stored)} of vLLM's host-tier blocks were never announced in L3"
+
+
 def test_corrupted_loads_change_the_outputs(run):
     base, bad = run("baseline"), run("corrupt")
     assert bad["A again"]["cached"][0] >= 224, "the negative control must load the prefix to mean anything"
