@@ -16,7 +16,8 @@ import re
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -365,12 +366,25 @@ class PageStore:
         # Two stages in flight: the next chunk's checksums are taken while the store writes this one.
         return self._pipelined(work, lambda w: (w[0], w[1], self._stage_headers(w[1], w[2]), w[3]), self._stage_put)
 
-    def read_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[PageResult]:
+    def read_pages(self, keys: Sequence[str], host_indices: torch.Tensor, *,
+                   on_landed: Callable[[list[PageResult], int], None] | None = None) -> list[PageResult]:  # fmt: skip
         """Load pages; one :class:`PageResult` per key. A page that is not ``ok`` is never reported loaded.
 
         Without zero-copy the pool's page is written only after its checksum passed. With
         zero-copy the bytes land in the page first and are checked there, so the slots of a
         page that failed hold unspecified bytes: they were reserved for it, nothing else is touched.
+
+        ``on_landed(results, offset)``, where given, is called on the caller's thread once per chunk of
+        the read (at most ``STORAGE_BATCH_SIZE`` pages and the backend's ``io_chunk_bytes``), in key
+        order, as soon as that chunk's pages were read *and checked*: ``results`` are the chunk's
+        :class:`PageResult` (a copy of what the return value holds for it), ``offset`` the position of its
+        first key in ``keys``. An ``ok`` page is then in the host pool, whole and checked, and a caller may
+        start moving it (to the device, say) while the store reads the next chunk; a page that is not
+        ``ok`` must not be used. (On a device-checked pool, format algorithm 2, ``ok`` means what it means
+        for the return value: the payload is checked by the load to the device.) No call for no keys.
+        When ``on_landed`` raises, the read stops: the chunk then in flight is waited for (no byte of the
+        read lands in the pool after this returns or raises), left unchecked and never reported, and the
+        exception propagates. Without ``on_landed`` the read is the same, call for call.
         """
         hashes = check_keys(keys)
         pages = self.page_ids(hashes, host_indices)
@@ -378,7 +392,7 @@ class PageStore:
         work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
                 for a, b in self._chunks(len(hashes))]  # fmt: skip
         # Two stages in flight: the store reads the next chunk while this one's checksums are checked.
-        return self._pipelined(work, self._stage_fetch, self._stage_check, fetch_first=True)
+        return self._pipelined(work, self._stage_fetch, self._stage_check, fetch_first=True, landed=on_landed)
 
     def set(self, key: str, value: torch.Tensor | None = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:  # fmt: skip
@@ -513,10 +527,17 @@ class PageStore:
     def _key_digest(self, full_key: str) -> bytes:
         return hashlib.sha256(full_key.encode()).digest()
 
-    def _pipelined(self, work: list, first: Any, second: Any, fetch_first: bool = False) -> list[PageResult]:
-        """Run ``second(first(w))`` over ``work``, the store's stage on the I/O thread, overlapped with ours."""
+    def _pipelined(self, work: list, first: Any, second: Any, fetch_first: bool = False,
+                   landed: Callable[[list[PageResult], int], None] | None = None) -> list[PageResult]:  # fmt: skip
+        """Run ``second(first(w))`` over ``work``, the store's stage on the I/O thread, overlapped with ours.
+
+        ``landed`` (reads only): called with each chunk's checked results and their offset (read_pages).
+        """
         if len(work) <= 1:
-            return [r for w in work for r in second(first(w))]
+            results = [r for w in work for r in second(first(w))]
+            if landed is not None and work:
+                landed(list(results), 0)
+            return results
         io = self._stage_thread()
         results: list[PageResult] = []
         if fetch_first:  # first = the store's read (I/O thread), second = our checks (this thread)
@@ -525,7 +546,15 @@ class PageStore:
                 fetched = pending.result()
                 if i + 1 < len(work):
                     pending = io.submit(first, work[i + 1])
-                results += second(fetched)
+                checked = second(fetched)
+                if landed is not None:
+                    try:
+                        landed(list(checked), len(results))
+                    except BaseException:
+                        if i + 1 < len(work):  # the next chunk is landing in the pool: let it finish, unchecked
+                            wait_futures([pending])
+                        raise
+                results += checked
         else:  # first = our checksums (this thread), second = the store's write (I/O thread)
             prepared = first(work[0])
             for i in range(len(work)):
