@@ -57,6 +57,8 @@ class StoreFeed:
         self.tier = tier
         self.block_size = int(block_size)
         self.block_hash = block_hash or publisher.format.block_hash
+        # The format's KV-cache group of a page hash (vLLM's group_idx), where the hashes are the format's own.
+        self.group_of = publisher.format.group_of if block_hash is None else None
         self.chained = chained
         self._lock = threading.RLock()
         # page hash -> (event hash, key id, stamp); the stamp changes with every announcement, so an audit
@@ -128,6 +130,7 @@ class StoreFeed:
             for h, e in zip(hashes, events):
                 self._held[h] = (e, key_id, next(self._stamps))
                 self._aside.pop(h, None)
+            group = self.group_of
             if self.chained and parents is not None:
                 # One BlockStored per unbroken run of the chain, naming the parent of its first page.
                 start = 0
@@ -135,11 +138,12 @@ class StoreFeed:
                     if i == len(hashes) or parents[i] != hashes[i - 1]:
                         first = parents[start]
                         self.publisher.stored(self.tier, events[start:i], self.block_size,
-                                              self.block_hash(first) if first is not None else None)  # fmt: skip
+                                              self.block_hash(first) if first is not None else None,
+                                              group(hashes[start]) if group else None)  # fmt: skip
                         start = i
             else:
-                for e in events:
-                    self.publisher.stored(self.tier, [e], self.block_size, None)
+                for h, e in zip(hashes, events):
+                    self.publisher.stored(self.tier, [e], self.block_size, None, group(h) if group else None)
             self._count(why, len(hashes))
 
     def gone(self, hashes: Sequence[str], reason: str) -> None:
@@ -149,11 +153,13 @@ class StoreFeed:
                 tick = next(self._ticks)
                 for h in hashes:
                     self._removed_at[h] = tick
-            events = [self._held.pop(h)[0] for h in hashes if h in self._held]
+            by_group: dict[int | None, list[Any]] = {}
             for h in hashes:
                 self._aside.pop(h, None)
-            if events:
-                self.publisher.removed(self.tier, events)
+                if h in self._held:
+                    by_group.setdefault(self.group_of(h) if self.group_of else None, []).append(self._held.pop(h)[0])
+            for group, events in by_group.items():
+                self.publisher.removed(self.tier, events, group)
                 self._count(f"removed_{reason}", len(events))
 
     def removed_keys(self, full_keys: Sequence[str], reason: str) -> None:

@@ -36,6 +36,11 @@ def sglang_block_hash(page_hash: str) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def vllm_group(page_hash: str) -> int:
+    """The KV-cache group of a vLLM L3 key: its last 4 bytes (``get_offload_group_idx``)."""
+    return int.from_bytes(bytes.fromhex(page_hash[-8:]), "big")
+
+
 def vllm_block_hash(page_hash: str, as_int: bool | None = None) -> int | bytes:
     """vLLM's event hash of one L3 key (an ``OffloadKey`` in hex): the block hash, as vLLM publishes it.
 
@@ -57,32 +62,35 @@ class EventFormat:
     :param name: ``"vllm"`` or ``"sglang"``.
     :param media: the ``medium`` string of each tier kind (``host``, ``disk``, ``shared``, ``object``, ``peer``).
     :param block_hash: the server's event hash of a page hash the server gave the store.
+    :param group_of: the server's KV-cache group of a page hash, where its events name one (vLLM's ``group_idx``).
     """
 
     name: str
     media: dict[str, str]
     block_hash: Callable[[str], int | bytes]
+    group_of: Callable[[str], int] | None = None
 
     def medium(self, tier: Tier) -> str:
         """The ``medium`` this server names ``tier``'s kind by."""
         return self.media[tier.kind]
 
-    def stored(self, tier: Tier, hashes: list[Any], block_size: int, parent: Any = None) -> Any:
-        """A ``BlockStored`` of ``hashes`` (event hashes, in chain order) held by ``tier``."""
+    def stored(self, tier: Tier, hashes: list[Any], block_size: int, parent: Any = None, group: int | None = None
+               ) -> Any:  # fmt: skip
+        """A ``BlockStored`` of ``hashes`` (event hashes, in chain order) held by ``tier``, of KV-cache ``group``."""
         s = _structs(self.name)
         if self.name == "vllm":
             return s.BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=[], block_size=block_size,
-                                 lora_id=None, medium=self.medium(tier), lora_name=None, locality=tier.locality,
-                                 ownership=tier.store)  # fmt: skip
+                                 lora_id=None, medium=self.medium(tier), lora_name=None, group_idx=group,
+                                 locality=tier.locality, ownership=tier.store)  # fmt: skip
         return s.BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=[], block_size=block_size,
                              lora_id=None, medium=self.medium(tier), store=tier.store)  # fmt: skip
 
-    def removed(self, tier: Tier, hashes: list[Any]) -> Any:
-        """A ``BlockRemoved`` of ``hashes`` that ``tier`` no longer holds."""
+    def removed(self, tier: Tier, hashes: list[Any], group: int | None = None) -> Any:
+        """A ``BlockRemoved`` of ``hashes`` (of KV-cache ``group``) that ``tier`` no longer holds."""
         s = _structs(self.name)
         if self.name == "vllm":
-            return s.BlockRemoved(block_hashes=hashes, medium=self.medium(tier), locality=tier.locality,
-                                  ownership=tier.store)  # fmt: skip
+            return s.BlockRemoved(block_hashes=hashes, medium=self.medium(tier), group_idx=group,
+                                  locality=tier.locality, ownership=tier.store)  # fmt: skip
         return s.BlockRemoved(block_hashes=hashes, medium=self.medium(tier), store=tier.store)
 
     def cleared(self) -> Any:
@@ -110,6 +118,7 @@ VLLM = EventFormat(
     "vllm",
     {"host": "CPU", "disk": "STORAGE", "shared": "STORAGE", "object": "STORAGE", "peer": "STORAGE"},
     vllm_block_hash,
+    vllm_group,
 )
 SGLANG = EventFormat(
     "sglang",

@@ -128,15 +128,16 @@ class KVEventPublisher:
             if feed in self._feeds:
                 self._feeds.remove(feed)
 
-    def stored(self, tier: Tier, hashes: list[Any], block_size: int, parent: Any = None) -> None:
-        """Queue a ``BlockStored``: ``tier`` holds these pages now (event hashes, chain order)."""
+    def stored(self, tier: Tier, hashes: list[Any], block_size: int, parent: Any = None,
+               group: int | None = None) -> None:  # fmt: skip
+        """Queue a ``BlockStored``: ``tier`` holds these pages now (event hashes, chain order, one KV-cache group)."""
         if hashes:
-            self._put(self.format.stored(tier, list(hashes), block_size, parent))
+            self._put(self.format.stored(tier, list(hashes), block_size, parent, group))
 
-    def removed(self, tier: Tier, hashes: list[Any]) -> None:
-        """Queue a ``BlockRemoved``: ``tier`` no longer holds these pages."""
+    def removed(self, tier: Tier, hashes: list[Any], group: int | None = None) -> None:
+        """Queue a ``BlockRemoved``: ``tier`` no longer holds these pages (of KV-cache ``group``)."""
         if hashes:
-            self._put(self.format.removed(tier, list(hashes)))
+            self._put(self.format.removed(tier, list(hashes), group))
 
     def _put(self, event: Any) -> None:
         if self._closed:

@@ -26,6 +26,7 @@ class VllmBlockStored(_Event, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
 
@@ -35,6 +36,7 @@ class VllmBlockRemoved(_Event, tag="BlockRemoved"):
 
     block_hashes: list[BlockHash]
     medium: str | None
+    group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
 

@@ -38,7 +38,12 @@ from vllm.distributed.kv_events import (  # noqa: E402
     KVEventBatch,
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
-from vllm.v1.kv_offload.base import OffloadKey, get_offload_block_hash, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    OffloadKey,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
 
 from hicache_core.testing.servers import free_port  # noqa: E402
 
@@ -204,12 +209,13 @@ def test_l3_pages_are_announced_in_vllms_format_removed_when_gone_and_replayed(
         finish(m, {1})
         stream.until(lambda s: len(s.storage_events()) >= 3)
         stored = stream.storage_events()
-        for event, h in zip(stored, want[:3]):
+        for event, h, key in zip(stored, want[:3], keys[:3]):
             # One per key, no parent: a store job's keys need not be one prefix's chain (vLLM's own per-key events).
             assert isinstance(event, BlockStored), event
             assert (event.block_hashes, event.parent_block_hash, event.token_ids) == ([h], None, [])
             assert (event.block_size, event.lora_id, event.lora_name) == (BLOCK, None, None)
             assert (event.medium, event.locality, event.ownership) == (MEDIUM_STORAGE, "LOCAL", tier.store)
+            assert event.group_idx == get_offload_group_idx(key)  # vLLM's own group_idx of the key
 
         # A fourth page: the store holds three, so it evicts the least recently used one and says so at once.
         m.submit_store(2, np.array([5]), np.array([3]), storage_keys=[storage_key(keys[3])])
@@ -217,7 +223,8 @@ def test_l3_pages_are_announced_in_vllms_format_removed_when_gone_and_replayed(
         stream.until(lambda s: len(s.storage_events()) >= 5)
         removed, fourth = stream.storage_events()[3:5]
         assert isinstance(removed, BlockRemoved) and removed.block_hashes == [want[0]], removed
-        assert (removed.medium, removed.locality, removed.ownership) == (MEDIUM_STORAGE, "LOCAL", tier.store)
+        assert (removed.medium, removed.locality, removed.ownership, removed.group_idx) == (
+            MEDIUM_STORAGE, "LOCAL", tier.store, 0)  # fmt: skip
         assert isinstance(fourth, BlockStored) and fourth.block_hashes == [want[3]], fourth
 
         # A page deleted behind the worker's back (another instance, an operator): the audit finds it gone.

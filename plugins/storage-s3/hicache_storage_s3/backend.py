@@ -126,6 +126,10 @@ class S3Storage(StorageBackend):
         refresh = _seconds(options.get("refresh", 60.0), "refresh")
         self.settings: Settings = resolve(options, anonymous=anonymous, refresh_s=refresh)
         endpoint = self.settings.endpoint
+        # The store's name in KV events: the same bucket and prefix on two S3 services are two stores.
+        # Its host and port only: no user-info an endpoint URL might carry, no path.
+        where = endpoint.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1] if endpoint else "aws"
+        self.event_store_id = f"s3://{where}/{self.bucket}/{self.prefix}".rstrip("/")
         if "ca" in options and not (endpoint or "https").startswith("https"):
             raise ValueError("option ca= needs an https:// endpoint")
         ca_pem = None
