@@ -906,14 +906,7 @@ def _mmap_address(buf: mmap.mmap) -> int:
 def _write_all(fd: int, views: list[memoryview]) -> None:
     views = [v for v in views if len(v)]
     while views:
-        n = os.writev(fd, views[:1024])  # IOV_MAX
-        while n:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        views = _advance(views, os.writev(fd, views[:1024]))  # IOV_MAX
 
 
 def _read_all(fd: int, views: list[memoryview]) -> int:
@@ -924,13 +917,7 @@ def _read_all(fd: int, views: list[memoryview]) -> int:
         if n == 0:
             break
         total += n
-        while n:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        views = _advance(views, n)
     if views:
         return total
     # One byte more than expected means the file grew while we read it.
