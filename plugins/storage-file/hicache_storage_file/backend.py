@@ -831,23 +831,13 @@ def gds_status() -> str:
     import ctypes.util
     import glob
 
-    have = []
-    if glob.glob("/dev/nvidia-fs*"):
-        have.append("the nvidia-fs driver is loaded")
-    if ctypes.util.find_library("cufile"):
-        have.append("libcufile is installed")
-    if glob.glob("/dev/nvidia[0-9]*"):
-        have.append("an NVIDIA GPU is present")
-    lacks = []
-    if not glob.glob("/dev/nvidia-fs*"):
-        lacks.append("no nvidia-fs driver (/dev/nvidia-fs* absent)")
-    if not ctypes.util.find_library("cufile"):
-        lacks.append("no libcufile")
-    if not glob.glob("/dev/nvidia[0-9]*"):
-        lacks.append("no NVIDIA GPU")
-    machine = "this machine has " + ", ".join(have) if have else "this machine has " + ", ".join(lacks)
-    if have and lacks:
-        machine += "; " + ", ".join(lacks)
+    fs, cufile, gpu = glob.glob("/dev/nvidia-fs*"), ctypes.util.find_library("cufile"), glob.glob("/dev/nvidia[0-9]*")
+    have = [what for ok, what in ((fs, "the nvidia-fs driver"), (cufile, "libcufile"), (gpu, "an NVIDIA GPU")) if ok]
+    lacks = [what for ok, what in ((fs, "nvidia-fs driver (/dev/nvidia-fs* absent)"), (cufile, "libcufile"),
+                                   (gpu, "NVIDIA GPU")) if not ok]  # fmt: skip
+    machine = "; ".join(part for part in (
+        "this machine has " + ", ".join(have) if have else "",
+        "it has no " + ", ".join(lacks) if lacks else "") if part)  # fmt: skip
     return f"not used: the file:// tier reads into the host pool, never straight to the GPU; {machine}"
 
 
