@@ -66,6 +66,8 @@ background lane-a bash -c 'echo "a: first line"; echo "a: the reason"; touch {fi
 background lane-b bash -c 'echo "b: the reason"; touch {second}; exit 5'
 background lane-ok bash -c 'echo "ok: fine"'
 while [ ! -f {first} ] || [ ! -f {second} ]; do sleep 0.05; done
+# lane-b wrote its file before it exited: what is tested is a job that has ended, so wait for its end too
+while ! ended "$bg_pid_lane_b"; do sleep 0.05; done
 await lane-ok
 await lane-a
 """,
