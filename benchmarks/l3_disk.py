@@ -83,37 +83,22 @@ def _aligned(n: int) -> mmap.mmap:
     return mmap.mmap(-1, n)
 
 
-def _threads_write(files: list[Path], size: int, depth: int, request: int) -> float:
-    """GB/s of O_DIRECT writes of ``files`` (``size`` bytes each), ``depth`` requests of ``request`` in flight."""
+def _threads(files: list[Path], size: int, depth: int, request: int, write: bool) -> float:
+    """GB/s of O_DIRECT writes or reads of ``files`` (``size`` bytes each), ``depth`` requests of ``request`` in
+    flight, each thread taking every ``depth``-th request."""
     bufs = [_aligned(request) for _ in range(depth)]
-    for b in bufs:
-        b.write(os.urandom(min(request, 1 << 16)) * (request // min(request, 1 << 16)))
-    fds = [os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644) for f in files]
+    if write:
+        for b in bufs:
+            b.write(os.urandom(min(request, 1 << 16)) * (request // min(request, 1 << 16)))
+    flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
+    fds = [os.open(f, flags | os.O_DIRECT, 0o644) for f in files]
     work = [(fd, off) for fd in fds for off in range(0, size, request)]
+    move = os.pwritev if write else os.preadv
 
     def run(i: int) -> int:
         done = 0
         for fd, off in work[i::depth]:
-            done += os.pwritev(fd, [memoryview(bufs[i])[: min(request, size - off)]], off)
-        return done
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(depth) as pool:
-        total = sum(pool.map(run, range(depth)))
-    for fd in fds:
-        os.close(fd)
-    return total / (time.perf_counter() - t0) / 1e9
-
-
-def _threads_read(files: list[Path], size: int, depth: int, request: int) -> float:
-    bufs = [_aligned(request) for _ in range(depth)]
-    fds = [os.open(f, os.O_RDONLY | os.O_DIRECT) for f in files]
-    work = [(fd, off) for fd in fds for off in range(0, size, request)]
-
-    def run(i: int) -> int:
-        done = 0
-        for fd, off in work[i::depth]:
-            done += os.preadv(fd, [memoryview(bufs[i])[: min(request, size - off)]], off)
+            done += move(fd, [memoryview(bufs[i])[: min(request, size - off)]], off)
         return done
 
     t0 = time.perf_counter()
@@ -122,6 +107,8 @@ def _threads_read(files: list[Path], size: int, depth: int, request: int) -> flo
     elapsed = time.perf_counter() - t0
     for fd in fds:
         os.close(fd)
+    if write:  # a write's time includes its files' close
+        return total / (time.perf_counter() - t0) / 1e9
     if total != size * len(files):
         raise RuntimeError(f"ceiling read {total} of {size * len(files)} bytes")
     return total / elapsed / 1e9
@@ -202,18 +189,19 @@ def ceiling(directory: Path, pages: int, size: int) -> dict[str, Any]:
     out: dict[str, dict[str, float]] = {"write": {}, "read": {}}
     for depth, request in ((16, 1 << 20), (4, 4 << 20)):
         name = f"threads depth {depth} x {request >> 20} MiB, file per page"
-        out["write"][name] = _threads_write(files, size, depth, request)
+        out["write"][name] = _threads(files, size, depth, request, write=True)
         _drop_cache(directory)
-        out["read"][name] = _threads_read(files, size, depth, request)
+        out["read"][name] = _threads(files, size, depth, request, write=False)
     for depth in (16, 32):
         name = f"thread pool queue depth {depth} x 1 MiB, file per page"
         out["write"][name] = _queue(files, size, depth, 1 << 20, write=True)
         _drop_cache(directory)
         out["read"][name] = _queue(files, size, depth, 1 << 20, write=False)
-    out["write"]["threads depth 16 x 1 MiB, one big file"] = _threads_write(big, size * pages, 16, 1 << 20)
+    out["write"]["threads depth 16 x 1 MiB, one big file"] = _threads(big, size * pages, 16, 1 << 20, write=True)
     _drop_cache(directory)
-    out["read"]["threads depth 16 x 1 MiB, one big file"] = _threads_read(big, size * pages, 16, 1 << 20)
-    out["read"]["one stream x 8 MiB, one big file (dd iflag=direct)"] = _threads_read(big, size * pages, 1, 8 << 20)
+    out["read"]["threads depth 16 x 1 MiB, one big file"] = _threads(big, size * pages, 16, 1 << 20, write=False)
+    out["read"]["one stream x 8 MiB, one big file (dd iflag=direct)"] = _threads(big, size * pages, 1, 8 << 20,
+                                                                                  write=False)  # fmt: skip
     nixl = _nixl_read(files, size)
     if nixl is not None:
         out["read"]["NIXL POSIX, 16 files of a page per transfer"] = nixl

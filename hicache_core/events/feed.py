@@ -148,6 +148,8 @@ class StoreFeed:
 
     def gone(self, hashes: Sequence[str], reason: str) -> None:
         """These pages are not in the store, or not readable there: removed if they were announced."""
+        if not hashes:
+            return
         with self._lock:
             if self._puts:
                 tick = next(self._ticks)

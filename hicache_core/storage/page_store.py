@@ -768,10 +768,12 @@ class PageStore:
         # A tier that serves other instances only (peer://) reads from others, never from what it announced.
         if not self.backend.capabilities.reads_own_writes:
             return
-        if not self.device_checked:
-            self._feed.seen([r.key for r in results if r.ok])
-        self._feed.gone([r.key for r in results if r.status is PageStatus.MISSING], "missing")
-        self._feed.gone([r.key for r in results if r.status in _REFUSED], "refused")
+        ok = [r.key for r in results if r.ok]
+        if ok and not self.device_checked:
+            self._feed.seen(ok)
+        if len(ok) < len(results):  # the usual read is all hits: no further pass
+            self._feed.gone([r.key for r in results if r.status is PageStatus.MISSING], "missing")
+            self._feed.gone([r.key for r in results if r.status in _REFUSED], "refused")
 
     def _check_object(self, h: str, key: str, header_bytes: Any, runs: list[tuple[int, int]], size: int,
                 digest: int | bytes | None = None) -> PageResult:  # fmt: skip
