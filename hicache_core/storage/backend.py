@@ -220,6 +220,24 @@ class StorageBackend:
         """The store's own figures (capacity, bytes used, evictions, refusals, ...), as far as it knows them."""
         return {}
 
+    def attach_leases(self, book: Any) -> str:
+        """How this store's evictions meet hicache's leases (``docs/retention.md``); called once, by the page store.
+
+        ``book`` is the store's :class:`~hicache_core.retention.LeaseBook`, keyed by full keys. Returns:
+
+        * ``"ordered"``: the store evicts in the order the book gives (hicache's own
+          :class:`~hicache_core.retention.RetentionQueue`), and refreshes its leases on a hit;
+        * ``"never"``: the store evicts nothing on its own (a full store refuses writes): a lease has
+          nothing to protect against;
+        * ``"own"`` (the default): the store's own policy evicts, and cannot be told of leases.
+        """
+        return "own"
+
+    def prefetch_objects(self, keys: Sequence[str]) -> int:
+        """Start bringing these objects up to a faster tier of the store's own (a page cache, a local
+        replica) ahead of a read; returns how many it started on. Default: 0, the store has none."""
+        return 0
+
     def report_removed(self, keys: Sequence[str], reason: str) -> None:
         """Say that the store dropped these full keys on its own (``reason``: ``"evicted"``, ``"expired"``, ...).
 

@@ -18,7 +18,9 @@ or copied under another key), ``timed_out``,
 ``ranks_disagreed``, ``host_pool_full``, ``queue_full``, ``cancelled``, ``store_unreachable``,
 ``earlier_page_missing`` / ``earlier_page_failed`` (a prefix is only usable up to its first
 missing page), ``old_weight_version`` (not under this weight version's key, but stored under the
-key of weights the server replaced: a page of the old weights is never loaded), ``error``.
+key of weights the server replaced: a page of the old weights is never loaded), ``dropped_under_lease``
+(the store evicted it lately although a lease covered it, and the detail says why: superseded, over the
+retention cap, or the lightest lease when nothing else was left), ``error``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from .weights import OLD_WEIGHT_VERSION
 LOADED = "loaded"
 REASONS = ("in_host", "in_store", LOADED, "not_in_store", "checksum_failed", "layout_mismatch", "auth_failed",
            "timed_out", "ranks_disagreed", "host_pool_full", "queue_full", "cancelled", "store_unreachable",
-           "earlier_page_missing", "earlier_page_failed", OLD_WEIGHT_VERSION, "error")  # fmt: skip
+           "earlier_page_missing", "earlier_page_failed", OLD_WEIGHT_VERSION, "dropped_under_lease", "error")  # fmt: skip
 OUTCOMES_FORMAT = "hicache-outcomes-1"
 #: Reasons that leave no trace in the store: only the controller's memory can give them.
 TRANSIENT = frozenset({"timed_out", "ranks_disagreed", "host_pool_full", "queue_full", "cancelled",
@@ -270,6 +272,8 @@ def explain_miss(
         elif (old := _old_version(storage, key)) is not None:
             reason = OLD_WEIGHT_VERSION
             detail = f"stored for weight version {old!r}; the server now serves {storage.weight_version!r}"
+        elif (why := storage.why_dropped(key)) is not None:
+            reason, detail = "dropped_under_lease", why
         else:
             reason = "not_in_store"
         if first_gap is not None and reason in ("in_store",):

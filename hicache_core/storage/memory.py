@@ -89,6 +89,9 @@ class MemoryStorage(StorageBackend):
         with self._store.lock:
             return [bytes(self._store.objects[k]) if k in self._store.objects else None for k in keys]
 
+    def attach_leases(self, book: Any) -> str:
+        return "never"  # a full memory:// refuses writes: it evicts nothing
+
     def remove_objects(self, keys: Sequence[str]) -> None:
         with self._store.lock:
             for k in keys:

@@ -11,7 +11,9 @@ results and the statistics, and SGLang's ``HiCacheStorage`` page API.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
+import logging
 import re
 import threading
 import time
@@ -53,6 +55,8 @@ from .page_format import (
 )
 from .pages import PageMap, Span
 from .weights import WeightVersions
+
+_log = logging.getLogger("hicache_core.storage")
 
 #: The most pages one backend call moves (SGLang's ``STORAGE_BATCH_SIZE``).
 STORAGE_BATCH_SIZE = 128
@@ -141,6 +145,8 @@ class PageStore:
         own["_stats_lock"] = threading.Lock()
         own["_io_pool"] = None
         own["_feed"] = None  # the KV events' feed (publish_events), or None
+        own["_leases"] = None  # the store's LeaseBook (made on first use), or None
+        own["_eviction"] = ""  # how the backend's evictions meet the leases (attach_leases)
         own["checksum_threads"] = checksum_threads()
         host_check = L3_HOST_CHECK.read()  # read before any byte moves, with or without a pool
         own["device_checked"] = False
@@ -214,6 +220,8 @@ class PageStore:
         self.backend.namespace = new
         if self._feed is not None:  # no page of the old weights is read again
             self._feed.everything_gone("weight_version")
+        if self._leases is not None:  # a lease on the old weights' pages would keep what is never read again
+            self._leases.release_all()
         return True
 
     def rotate_cluster_key(self, key: ClusterKey) -> None:
@@ -231,6 +239,75 @@ class PageStore:
         self.backend.cluster_key = key
         if self._feed is not None:
             self._feed.key_changed()
+
+    # ---- retention (hicache_core.retention) ----------------------------------------------------------
+
+    @property
+    def leases(self) -> Any:
+        """This store's :class:`~hicache_core.retention.LeaseBook` (keyed by full keys), made on first use."""
+        with self._stats_lock:
+            if self._leases is None:
+                from ..retention import LeaseBook
+
+                book = LeaseBook(f"L3 {self.url.redacted}")
+                self.__dict__["_eviction"] = self.backend.attach_leases(book)
+                self.__dict__["_leases"] = book
+            return self._leases
+
+    @property
+    def eviction(self) -> str:
+        """How the store's evictions meet leases: ``"ordered"``, ``"never"`` or ``"own"`` (``attach_leases``)."""
+        _ = self.leases
+        return self._eviction
+
+    def retain(self, keys: Sequence[str], retain: Any, *, supersede: bool = False) -> Any:
+        """Lease the pages ``keys`` (page hashes, in chain order) as ``retain`` asks; returns the
+        :class:`~hicache_core.retention.Grant`.
+
+        The lease holds on this store's pages under the current weight version; a hit on its last page
+        refreshes it. ``supersede``: the session's earlier leases go first. On a store whose own policy
+        evicts (``eviction == "own"``: Redis, Mooncake, S3 lifecycle rules) the lease is recorded and
+        reported, but cannot order the store's evictions: the grant says so, and a warning says it once.
+        """
+        from ..retention import Retain
+
+        if not isinstance(retain, Retain):
+            raise TypeError(f"retain takes a hicache_core.retention.Retain, got {type(retain).__name__}")
+        hashes = check_keys(keys)
+        if self.namespace is None:
+            raise self._unbound()
+        grant = self.leases.retain(self.namespace.keys(hashes), retain, supersede=supersede)
+        if self._eviction == "own" and not self.__dict__.get("_warned_own"):
+            self.__dict__["_warned_own"] = True
+            _log.warning("%s evicts by its own policy: hicache's leases are kept and reported but cannot order "
+                         "its evictions (docs/retention.md)", self.url.redacted)  # fmt: skip
+        return dataclasses.replace(grant, eviction=self._eviction)
+
+    def supersede(self, session: str, keep: Sequence[str] = ()) -> int:
+        """``session``'s leases on this store are superseded (its pages go first), but for the pages ``keep``."""
+        if self.namespace is None:
+            raise self._unbound()
+        return self.leases.supersede(session, self.namespace.keys(check_keys(keep)) if keep else ())
+
+    def release(self, *, session: str | None = None, lease_id: int | None = None) -> int:
+        """End a lease of this store, or every lease of ``session``, now; returns how many ended."""
+        return self.leases.release(session=session, lease_id=lease_id)
+
+    def prefetch(self, keys: Sequence[str]) -> int:
+        """A session resumes soon: bring its stored pages up a tier ahead of the request, where the store
+        can (``file://``: into the page cache); returns how many pages it started to bring up (0 where the
+        store has no faster tier of its own, as ``prefetch_objects`` says)."""
+        hashes = check_keys(keys)
+        if self.namespace is None:
+            raise self._unbound()
+        return self.backend.prefetch_objects(self.namespace.keys(hashes))
+
+    def why_dropped(self, key: str) -> str | None:
+        """Why page ``key`` left this store under a lease, if it did lately (``explain-miss`` says it)."""
+        (h,) = check_keys([key])
+        if self._leases is None or self.namespace is None:
+            return None
+        return self._leases.why_dropped(self.namespace.key(h))
 
     # ---- KV events (hicache_core.events) ---------------------------------------------------------
 

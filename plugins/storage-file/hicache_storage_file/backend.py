@@ -44,13 +44,13 @@ import mmap
 import os
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from hicache_core.retention import LeaseBook, RetentionQueue
 from hicache_core.storage.backend import (
     Capabilities,
     ObjectMissing,
@@ -170,8 +170,8 @@ class FileStorage(StorageBackend):
             # flight and cost the page store's checksums nothing they would otherwise gain.
             self.io_chunk_bytes = 64 << 20
         self._lock = threading.Lock()
-        self._lru: OrderedDict[str, int] = OrderedDict()  # key -> bytes, least recently used first
-        self._used = 0
+        # key -> bytes, least recently used first; evictions in the order the store's leases allow
+        self._queue = RetentionQueue()
         self._evicted = 0
         self._refused = 0
         self._fallbacks: dict[str, int] = {}
@@ -234,8 +234,7 @@ class FileStorage(StorageBackend):
                 continue
             found.append((st.st_atime_ns, self._key_of(path), st.st_size))
         for _, key, size in sorted(found):
-            self._lru[key] = size
-            self._used += size
+            self._queue.add(key, size)
 
     # ---- primitives ----------------------------------------------------------------------------
 
@@ -310,11 +309,36 @@ class FileStorage(StorageBackend):
             if isinstance(out[i], FileNotFoundError):
                 self._forget(key)
                 out[i] = ObjectMissing(key)
-            elif out[i] is None and self.capacity is not None:
-                with self._lock:
-                    if key in self._lru:
-                        self._lru.move_to_end(key)
+        if self.capacity is not None:
+            self._queue.touch([key for i, key in enumerate(keys) if out[i] is None])
         return out
+
+    def attach_leases(self, book: LeaseBook) -> str:
+        if self.capacity is None:
+            return "never"
+        book.capacity = self.capacity
+        self._queue.attach(book)
+        return "ordered"
+
+    def prefetch_objects(self, keys: Sequence[str]) -> int:
+        # Into the page cache (readahead): a buffered read is then at memory speed. A direct read bypasses
+        # the page cache, so a directory read direct gains nothing and is not counted.
+        started = 0
+        for key in keys:
+            if self.direct_mode != "0" and self.direct_refused.get(self.root_of(key)) is None:
+                continue
+            try:
+                fd = os.open(self.path_of(key), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                started += 1
+            finally:
+                os.close(fd)
+        if self.capacity is not None:
+            self._queue.touch([k for k in keys if k in self._queue])
+        return started
 
     def remove_objects(self, keys: Sequence[str]) -> None:
         for key in keys:
@@ -332,8 +356,7 @@ class FileStorage(StorageBackend):
             except FileNotFoundError:
                 pass
         with self._lock:
-            self._lru.clear()
-            self._used = 0
+            self._queue.clear()
 
     def close(self) -> None:
         pool, self._pool = self._pool, None
@@ -343,7 +366,7 @@ class FileStorage(StorageBackend):
     def backend_stats(self) -> dict[str, Any]:
         if self.capacity is not None:
             with self._lock:
-                objects, used = len(self._lru), self._used
+                objects, used = len(self._queue), self._queue.used
         else:
             sizes = []
             for p in self._page_files():
@@ -448,14 +471,8 @@ class FileStorage(StorageBackend):
             if size > self.capacity:
                 self._refused += 1
                 raise StorageFull(f"a {size}-byte page exceeds the capacity of {self.capacity} bytes")
-            old = self._lru.pop(key, 0)
-            self._used -= old
-            while self._used + size > self.capacity and self._lru:
-                victim, vsize = self._lru.popitem(last=False)
-                self._used -= vsize
-                victims.append(victim)
-            self._lru[key] = size  # reserved now, so concurrent writers do not overshoot
-            self._used += size
+            self._queue.add(key, size)  # reserved now, so concurrent writers do not overshoot
+            victims = self._queue.evict(self._queue.used - self.capacity, skip=(key,))
             self._evicted += len(victims)
         later = [v for v in victims if v in pending]
         victims = [v for v in victims if v not in pending]
@@ -471,9 +488,7 @@ class FileStorage(StorageBackend):
         if self.capacity is None:
             return
         with self._lock:
-            size = self._lru.pop(key, None)
-            if size is not None:
-                self._used -= size
+            self._queue.remove([key])
 
     # ---- direct I/O: straight between the pool's pages and the drive ----------------------------
 
