@@ -43,7 +43,8 @@ from .weights import OLD_WEIGHT_VERSION
 LOADED = "loaded"
 REASONS = ("in_host", "in_store", LOADED, "not_in_store", "checksum_failed", "layout_mismatch", "auth_failed",
            "timed_out", "ranks_disagreed", "host_pool_full", "queue_full", "cancelled", "store_unreachable",
-           "earlier_page_missing", "earlier_page_failed", OLD_WEIGHT_VERSION, "dropped_under_lease", "error")  # fmt: skip
+           "earlier_page_missing", "earlier_page_failed", OLD_WEIGHT_VERSION, "dropped_under_lease",
+           "error")  # fmt: skip
 OUTCOMES_FORMAT = "hicache-outcomes-1"
 #: Reasons that leave no trace in the store: only the controller's memory can give them.
 TRANSIENT = frozenset({"timed_out", "ranks_disagreed", "host_pool_full", "queue_full", "cancelled",
