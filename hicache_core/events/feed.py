@@ -131,20 +131,29 @@ class StoreFeed:
                 self._held[h] = (e, key_id, next(self._stamps))
                 self._aside.pop(h, None)
             group = self.group_of
+            sessions = self._sessions(hashes)
             if self.chained and parents is not None:
-                # One BlockStored per unbroken run of the chain, naming the parent of its first page.
+                # One BlockStored per unbroken run of the chain (and of one lease's session), naming the parent
+                # of its first page.
                 start = 0
                 for i in range(1, len(hashes) + 1):
-                    if i == len(hashes) or parents[i] != hashes[i - 1]:
+                    if i == len(hashes) or parents[i] != hashes[i - 1] or sessions[i] != sessions[i - 1]:
                         first = parents[start]
                         self.publisher.stored(self.tier, events[start:i], self.block_size,
                                               self.block_hash(first) if first is not None else None,
-                                              group(hashes[start]) if group else None)  # fmt: skip
+                                              group(hashes[start]) if group else None, sessions[start])  # fmt: skip
                         start = i
             else:
-                for h, e in zip(hashes, events):
-                    self.publisher.stored(self.tier, [e], self.block_size, None, group(h) if group else None)
+                for h, e, sid in zip(hashes, events, sessions):
+                    self.publisher.stored(self.tier, [e], self.block_size, None, group(h) if group else None, sid)
             self._count(why, len(hashes))
+
+    def _sessions(self, hashes: Sequence[str]) -> list[str | None]:
+        """The session of each page's lease in the store, where one holds it (the events' ``session_id``)."""
+        book = getattr(self.store, "_leases", None)
+        if book is None or not len(book):
+            return [None] * len(hashes)
+        return [book.session_of(k) for k in self.store.namespace.keys(list(hashes))]
 
     def gone(self, hashes: Sequence[str], reason: str) -> None:
         """These pages are not in the store, or not readable there: removed if they were announced."""
@@ -273,8 +282,18 @@ class StoreFeed:
             "page_bytes": self.store.page_bytes, "block_size": self.block_size,
             "load_us_per_page": s.read_seconds / s.pages_read * 1e6 if s.pages_read else None,
             "store_us_per_page": s.write_seconds / s.pages_written * 1e6 if s.pages_written else None,
+            "leases": self._lease_stats(),
             **{k: v for k, v in self._stats.items()},
         }  # fmt: skip
+
+    def _lease_stats(self) -> dict[str, Any] | None:
+        """The tier's leases (live, pages protected, the cap), where any was ever asked for; ``None`` otherwise."""
+        book = getattr(self.store, "_leases", None)
+        if book is None:
+            return None
+        s = book.stats()
+        return {"eviction": self.store.eviction, **{k: s[k] for k in ("leases", "pages_leased", "pages_protected",
+                "cap_units", "dropped_under_lease", "demoted")}}  # fmt: skip
 
     def _count(self, name: str, n: int) -> None:
         self.counts[name] = self.counts.get(name, 0) + n

@@ -74,16 +74,18 @@ class EventFormat:
         """The ``medium`` this server names ``tier``'s kind by."""
         return self.media[tier.kind]
 
-    def stored(self, tier: Tier, hashes: list[Any], block_size: int, parent: Any = None, group: int | None = None
-               ) -> Any:  # fmt: skip
-        """A ``BlockStored`` of ``hashes`` (event hashes, in chain order) held by ``tier``, of KV-cache ``group``."""
+    def stored(self, tier: Tier, hashes: list[Any], block_size: int, parent: Any = None, group: int | None = None,
+               session: str | None = None) -> Any:  # fmt: skip
+        """A ``BlockStored`` of ``hashes`` (event hashes, in chain order) held by ``tier``, of KV-cache ``group``;
+        ``session``: the session whose lease holds them (both servers' ``session_id``)."""
         s = _structs(self.name)
         if self.name == "vllm":
             return s.BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=[], block_size=block_size,
                                  lora_id=None, medium=self.medium(tier), lora_name=None, group_idx=group,
-                                 locality=tier.locality, ownership=tier.store)  # fmt: skip
+                                 locality=tier.locality, ownership=tier.store, session_id=session)  # fmt: skip
         return s.BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=[], block_size=block_size,
-                             lora_id=None, medium=self.medium(tier), store=tier.store)  # fmt: skip
+                             lora_id=None, medium=self.medium(tier), session_id=session,
+                             store=tier.store)  # fmt: skip
 
     def removed(self, tier: Tier, hashes: list[Any], group: int | None = None) -> Any:
         """A ``BlockRemoved`` of ``hashes`` (of KV-cache ``group``) that ``tier`` no longer holds."""

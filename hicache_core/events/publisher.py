@@ -129,10 +129,11 @@ class KVEventPublisher:
                 self._feeds.remove(feed)
 
     def stored(self, tier: Tier, hashes: list[Any], block_size: int, parent: Any = None,
-               group: int | None = None) -> None:  # fmt: skip
-        """Queue a ``BlockStored``: ``tier`` holds these pages now (event hashes, chain order, one KV-cache group)."""
+               group: int | None = None, session: str | None = None) -> None:  # fmt: skip
+        """Queue a ``BlockStored``: ``tier`` holds these pages now (event hashes, chain order, one KV-cache group;
+        ``session``: the session whose lease holds them)."""
         if hashes:
-            self._put(self.format.stored(tier, list(hashes), block_size, parent, group))
+            self._put(self.format.stored(tier, list(hashes), block_size, parent, group, session))
 
     def removed(self, tier: Tier, hashes: list[Any], group: int | None = None) -> None:
         """Queue a ``BlockRemoved``: ``tier`` no longer holds these pages (of KV-cache ``group``)."""

@@ -29,6 +29,7 @@ class VllmBlockStored(_Event, tag="BlockStored"):
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
+    session_id: str | None = None
 
 
 class VllmBlockRemoved(_Event, tag="BlockRemoved"):
@@ -50,6 +51,7 @@ class SglangBlockStored(_Event, tag="BlockStored"):
     block_size: int
     lora_id: int | None
     medium: str | None = None
+    session_id: str | None = None
     store: str | None = None
 
 

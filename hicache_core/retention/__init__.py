@@ -11,7 +11,16 @@
 
 from .book import Grant, LeaseBook
 from .lease import PRIORITY_MAX, Lease, Retain, parse_ttl, retain_from_cache_control
-from .queue import RetentionQueue
+from .queue import RetentionQueue, eviction_walk
 
-__all__ = ["PRIORITY_MAX", "Grant", "Lease", "LeaseBook", "Retain", "RetentionQueue", "parse_ttl",
-           "retain_from_cache_control"]
+__all__ = [
+    "PRIORITY_MAX",
+    "Grant",
+    "Lease",
+    "LeaseBook",
+    "Retain",
+    "RetentionQueue",
+    "parse_ttl",
+    "eviction_walk",
+    "retain_from_cache_control",
+]

@@ -230,6 +230,15 @@ class LeaseBook:
             ids = self._of_key.get(key)
             return max(self._leases[i].weight(now) for i in ids) if ids else None
 
+    def session_of(self, key: Hashable) -> str | None:
+        """The session of ``key``'s heaviest live lease (``None``: no lease, or one of no session)."""
+        with self._lock:
+            now = self._tick()
+            ids = self._of_key.get(key)
+            if not ids:
+                return None
+            return max((self._leases[i] for i in ids), key=lambda x: x.weight(now)).session
+
     def left_tier(self, keys: Iterable[Hashable], reason: str, *, demoted: Iterable[Hashable] = ()) -> int:
         """Pages left the tier (``reason``: ``"evicted"``, ``"removed"``...); those in ``demoted`` went to the
         next tier. A page that left under a live lease without being demoted is counted dropped, and
@@ -272,7 +281,8 @@ class LeaseBook:
             past_end = sum(1 for lease in self._leases.values() if not lease.alive(now))
             return {"tier": self.tier, "leases": len(self._leases), "pages_leased": len(self._of_key),
                     "pages_protected": len(protected), "pages_superseded": len(first),
-                    "protected_units": sum(self.size_of(k) for k in protected), "cap_units": self._cap_units(),
+                    "protected_units": sum(self.size_of(k) for k in protected),
+                    "cap_units": None if self.capacity is None else self._cap_units(),
                     "leases_past_end": past_end, **self.counters}  # fmt: skip
 
     def __len__(self) -> int:

@@ -9,14 +9,14 @@ refused because of a lease.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from .book import LeaseBook
 
-__all__ = ["RetentionQueue"]
+__all__ = ["RetentionQueue", "eviction_walk"]
 
 
 class RetentionQueue:
@@ -116,18 +116,21 @@ class RetentionQueue:
                     chosen.append(key)
                     got += size
             return chosen
-        first, protected = self.book.rank()
-        # Superseded pages in any order, then ordinary pages by recency (a lazy walk: it stops once enough
-        # is found), then protected pages lightest first.
-        walk = itertools.chain(
-            (k for k in first if k in self._pages),
-            (k for k in self._pages if k not in first and k not in protected),
-            sorted((k for k in protected if k in self._pages), key=protected.__getitem__),
-        )
-        for key in walk:
+        for key in eviction_walk(self._pages, self.book):
             if got >= need:
                 break
             if key not in skip:
                 chosen.append(key)
                 got += self._pages[key]
         return chosen
+
+
+def eviction_walk(by_recency: Mapping[Hashable, Any], book: LeaseBook) -> Iterator[Hashable]:
+    """A tier's pages in the order its leases let it evict them: superseded pages, then ordinary
+    pages, each by recency (``by_recency``: least recently used first; a lazy walk that stops when the caller does),
+    then protected pages lightest first. For a tier that keeps its own recency (the peer tier's area)."""
+    first, protected = book.rank()
+    if first:
+        yield from (k for k in by_recency if k in first)
+    yield from (k for k in by_recency if k not in first and k not in protected)
+    yield from sorted((k for k in protected if k in by_recency), key=protected.__getitem__)

@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 import torch
 
 from hicache_core.host_memory import host_tensor
+from hicache_core.retention import LeaseBook, eviction_walk
 from hicache_core.storage.backend import Capabilities, ObjectMissing, SizeMismatch, StorageBackend, StorageError
 from hicache_core.storage.pages import Span
 from hicache_core.storage.url import StorageURL, option_bool, option_bytes, option_float
@@ -148,6 +149,7 @@ class PeerStorage(StorageBackend):
         self._free: list[int] = []
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # published key -> slot, oldest first
         self._published: dict[str, bytes] = {}  # published key -> packed entry
+        self._book: LeaseBook | None = None  # the area's leases (attach_leases), ordering its evictions
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
         # Reader state.
         self._reader: PeerAgent | None = None
@@ -280,12 +282,26 @@ class PeerStorage(StorageBackend):
         return out
 
     def _take_slot(self) -> int:
-        """A free slot of the area; when none is free, the oldest page's (its generation moves first)."""
+        """A free slot of the area; when none is free, the oldest page's (its generation moves first), or the
+        first page the area's leases let go (``attach_leases``)."""
         if not self._free:
-            oldest = next(iter(self._slot_of))
-            self._release_slot(oldest, "evicted")
+            book = self._book
+            if book is not None and len(book):
+                victim = next(eviction_walk(self._slot_of, book))
+            else:
+                victim = next(iter(self._slot_of))
+            self._release_slot(victim, "evicted")
             self.counters["evicted"] += 1
+            if book is not None:
+                book.left_tier([victim], "evicted")
         return self._free.pop()
+
+    def attach_leases(self, book: LeaseBook) -> str:
+        if not self.serve:
+            return "never"  # a reader-only instance holds no pages of its own
+        book.capacity = self.slots or None
+        self._book = book
+        return "ordered"
 
     def _release_slot(self, key: str, reason: str) -> None:
         """Unpublish ``key``: its slot's generation moves (readers of it now miss), its entry is queued for deletion.
