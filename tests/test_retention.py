@@ -271,3 +271,41 @@ def test_a_new_weight_version_ends_the_stores_leases(tmp_path):
     assert len(store.leases) == 1
     store.set_weight_version("v2")
     assert len(store.leases) == 0 and store.leases.stats()["released"] == 1
+
+
+def _lease_and_die(url: str, keys: list[str], ready) -> None:
+    host = make_pool(F.BIG, pages=8, seed=11)
+    store = make_storage(url, host, model_id="ret")
+    assert all(r.ok for r in store.write_pages(keys, slots_of([1, 2, 3, 4], 64)))
+    store.retain(keys, Retain(100, "1h", "doomed"))
+    ready.set()
+    import time
+
+    time.sleep(60)  # killed before this ends
+
+
+def test_a_crashed_instances_leases_end_with_it(tmp_path):
+    """Leases live in the process that granted them: after it is killed, its pages in a shared store are
+    ordinary pages that the next instance evicts as any other (nothing in the store pins them)."""
+    import multiprocessing as mp
+    import os
+    import signal
+
+    host = make_pool(F.BIG, pages=40, seed=12)
+    page = _page_bytes(tmp_path, host)
+    url = f"file://{tmp_path}/l3?capacity={8 * page}"
+    keys = [f"{0xD000 + i:064x}" for i in range(4)]
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_lease_and_die, args=(url, keys, ready))
+    proc.start()
+    assert ready.wait(60)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    store = make_storage(url, host, model_id="ret")  # a restarted instance on the same directory
+    assert store.backend.exists_objects(store.namespace.keys(keys)) == [True] * 4
+    assert len(store.leases) == 0
+    flood = [f"{0xC000 + i:064x}" for i in range(8)]
+    for start in range(0, 8, 4):
+        assert all(r.ok for r in store.write_pages(flood[start : start + 4], slots_of([5, 6, 7, 8], 64)))
+    assert store.backend.exists_objects(store.namespace.keys(keys)) == [False] * 4
