@@ -121,6 +121,8 @@ RETENTION_CAP = number("HICACHE_RETENTION_CAP", default=0.5,
                            "the rest is always left to new requests)")  # fmt: skip
 LEASE_MAX_TTL_S = number("HICACHE_LEASE_MAX_TTL_S", above=True, default=86400.0, unit="seconds",
                          doc="the longest time to live a lease may ask for (a longer one is refused)")
+LEASE_TOUCH_S = number("HICACHE_LEASE_TOUCH_S", above=True, default=1.0, unit="seconds",
+                       doc="how often protected pages are touched in a store whose own LRU or LFU evicts (Redis)")
 LEASE_DECAY = number("HICACHE_LEASE_DECAY", default=0.5,
                      doc="after its time to live, a lease's priority decays to 0 over this fraction of the "
                          "time to live, then the lease ends")  # fmt: skip
@@ -192,7 +194,7 @@ SETTINGS: list[Setting] = [
     PLUGINS, PROFILE, METRICS_DIR,
     L3_HOST_CHECK, L3_HASH_THREADS, L3_KEY_FILE, L3_KEY,
     KV_EVENTS, KV_EVENTS_REPLAY, KV_EVENTS_TOPIC, KV_EVENTS_AUDIT_S,
-    RETENTION_CAP, LEASE_MAX_TTL_S, LEASE_DECAY,
+    RETENTION_CAP, LEASE_MAX_TTL_S, LEASE_DECAY, LEASE_TOUCH_S,
     KIT_ISOLATE, KIT_CASE_TIMEOUT, KIT_WORKER_FD,
     BENCH_ANCHOR, CHECK_DEADLINE, LIVE_REPORT, TEST_DEVICE,
     DEV_VENV, DEV_SGLANG_VENV, DEV_SGLANG_SITE, DEV_VLLM_VENV, DEV_DOCS_VENV, DEV_TORCH_SPEC, DEV_GPU_PYTHON,

@@ -227,11 +227,19 @@ class StorageBackend:
 
         * ``"ordered"``: the store evicts in the order the book gives (hicache's own
           :class:`~hicache_core.retention.RetentionQueue`), and refreshes its leases on a hit;
+        * ``"touched"``: the store evicts by its own measure of recency or frequency, and the page store
+          keeps protected pages ahead of it by touching them (:meth:`touch_objects`) every
+          ``HICACHE_LEASE_TOUCH_S``; a protected page it finds gone is counted dropped under its lease;
         * ``"never"``: the store evicts nothing on its own (a full store refuses writes): a lease has
           nothing to protect against;
         * ``"own"`` (the default): the store's own policy evicts, and cannot be told of leases.
         """
         return "own"
+
+    def touch_objects(self, keys: Sequence[str]) -> list[bool]:
+        """Mark objects as just used, for the store's own eviction (a ``"touched"`` store); one bool per key:
+        whether the object is still there."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement touch_objects")
 
     def prefetch_objects(self, keys: Sequence[str]) -> int:
         """Start bringing these objects up to a faster tier of the store's own (a page cache, a local

@@ -252,6 +252,10 @@ class PageStore:
                 book = LeaseBook(f"L3 {self.url.redacted}")
                 self.__dict__["_eviction"] = self.backend.attach_leases(book)
                 self.__dict__["_leases"] = book
+                if self._eviction == "touched":
+                    from ..retention.keeper import LeaseKeeper
+
+                    self.__dict__["_keeper"] = LeaseKeeper(book, self.backend)
             return self._leases
 
     @property
@@ -469,7 +473,11 @@ class PageStore:
         work = [(hashes[a:b], self.namespace.keys(hashes[a:b]), [pm.object_spans(p) for p in pages[a:b]])
                 for a, b in self._chunks(len(hashes))]  # fmt: skip
         # Two stages in flight: the store reads the next chunk while this one's checksums are checked.
-        return self._pipelined(work, self._stage_fetch, self._stage_check, fetch_first=True, landed=on_landed)
+        results = self._pipelined(work, self._stage_fetch, self._stage_check, fetch_first=True, landed=on_landed)
+        book = self._leases
+        if book is not None and self._eviction != "ordered" and len(book):  # an ordered store refreshes on its own
+            book.refresh(self.namespace.keys([r.key for r in results if r.ok]))
+        return results
 
     def set(self, key: str, value: torch.Tensor | None = None, target_location: Any = None,
             target_sizes: Any = None) -> bool:  # fmt: skip
@@ -932,6 +940,9 @@ class PageStore:
             io.shutdown(wait=True)
         if self.weights is not None:
             self.weights.close()
+        keeper = self.__dict__.pop("_keeper", None)
+        if keeper is not None:
+            keeper.close()
         feed, self.__dict__["_feed"] = self._feed, None
         if feed is not None:
             feed.close()

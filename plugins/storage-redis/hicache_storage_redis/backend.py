@@ -195,6 +195,18 @@ class RedisStorage(StorageBackend):
             for value, span in zip(pipe.execute(), spans[start : start + per]):
                 span.view[:] = value  # the raw client's bytes land in the same buffer, as the tier's do
 
+    def attach_leases(self, book: Any) -> str:
+        # Redis evicts by its own LRU or LFU (maxmemory-policy allkeys-*): a TOUCH counts as an access for both,
+        # so protected pages touched every few seconds stay ahead of ordinary ones. Its volatile-* policies evict
+        # only keys with an expiry, which hicache never sets: nothing of hicache's is evicted there.
+        return "touched"
+
+    def touch_objects(self, keys: Sequence[str]) -> list[bool]:
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.touch(self._k(k))
+        return [bool(n) for n in pipe.execute()]
+
     def remove_objects(self, keys: Sequence[str]) -> None:
         if keys:
             self.client.delete(*[self._k(k) for k in keys])
