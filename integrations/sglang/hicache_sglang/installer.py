@@ -99,6 +99,10 @@ def install() -> None:
         from . import weight_updates
 
         weight_updates.install()
+        # POST /hicache/pin_prefix, unpin_prefix, prefetch: leases in hicache's stores (SGLang 0.5.23 has no pin API).
+        from . import retention
+
+        retention.install()
         _original = original
 
 
@@ -106,8 +110,9 @@ def uninstall() -> None:
     """Give SGLang its own ``build_kv_host_pool`` back (pools already built stay hicache's)."""
     global _original
     with _lock:
-        from . import builders, layer_loads, weight_updates
+        from . import builders, layer_loads, retention, weight_updates
 
+        retention.uninstall()
         weight_updates.uninstall()
         layer_loads.uninstall()
         builders.uninstall()

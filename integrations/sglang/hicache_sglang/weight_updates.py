@@ -55,6 +55,11 @@ def track(storage: Any) -> None:
     _stores.add(storage)
 
 
+def bound_storages() -> list[Any]:
+    """Every hicache storage of this process bound to its host pool (what a pin leases in, :mod:`hicache_sglang.retention`)."""
+    return [s for s in list(_stores) if getattr(s, "store", None) is not None]
+
+
 def sglang_weight_version() -> str:
     """The weight version SGLang reports in this process (``--weight-version``, or the last update's)."""
     from sglang.srt.runtime_context import get_serving
@@ -100,7 +105,7 @@ def _follow(manager: Any, entry: str, recv_req: Any, before: str) -> None:
     # Every rank runs every update, stores or not: the token's broadcast is matched on all of them.
     _current = next_version(getattr(recv_req, "weight_version", None), before, sglang_weight_version(),
                             _rank0_token(manager), flushes=bool(getattr(recv_req, "flush_cache", True)))  # fmt: skip
-    for storage in [s for s in list(_stores) if getattr(s, "store", None) is not None]:
+    for storage in bound_storages():
         storage.set_weight_version(_current, reason=entry)
 
 
@@ -142,5 +147,5 @@ def uninstall() -> None:
         setattr(owner, name, old)
 
 
-__all__ = ["ENTRY_POINTS", "current_version", "install", "next_version", "sglang_weight_version", "track",
+__all__ = ["ENTRY_POINTS", "bound_storages", "current_version", "install", "next_version", "sglang_weight_version", "track",
            "uninstall"]  # fmt: skip

@@ -23,6 +23,7 @@ _LAZY = {
     "HicacheOffloadingManager": "spec",
     "HicacheOffloadingWorker": "spec",
     "HicacheLoadStoreSpec": "spec",
+    "HicacheCachePolicy": "retention",
     "BlockMover": "mover",
     "VllmPagePool": "pool_kind",
     "VLLM_PAGE": "pool_kind",

@@ -10,7 +10,8 @@ vLLM's CUDA wheel cannot go. Semantics are vLLM's ``OffloadingWorker``'s:
 * a job is finished (``get_finished``) only once its bytes have landed: device copies done (an
   event, on CUDA), and, with L3, pages read from the store and verified before the load copies,
   pages written to the store before the store job ends (so the host page is never reused while
-  the store still reads it);
+  the store still reads it); a store job's lease (the request's retention hints) is granted on the
+  pages it wrote, in the store's :class:`~hicache_core.retention.LeaseBook`, before the job ends;
 * ``wait(jobs)`` returns once those jobs are finished in that sense;
 * a job that cannot deliver its bytes (a page the store no longer holds or that fails its
   checksum, a layer whose copies failed) is reported by ``get_finished`` as failed, once, with a
@@ -39,6 +40,7 @@ import torch
 
 from hicache_core import BACKUP_ALL, LOAD, make_host_pool
 from hicache_core.layer_loads import LayerLoad, LayerLoadError
+from hicache_core.retention.hints import RetentionHints
 
 from .errors import NotServedError
 from .pool_kind import VllmPagePool
@@ -261,9 +263,17 @@ class BlockMover:
     # ---- jobs ----------------------------------------------------------------------------------
 
     def submit_store(self, job_id: int, block_ids: np.ndarray, chunk_ids: np.ndarray, skip: int = 0,
-                     storage_keys: Sequence[str] | None = None) -> None:  # fmt: skip
-        """Copy device blocks ``block_ids`` into host chunks ``chunk_ids`` (and, with L3, on to the store)."""
+                     storage_keys: Sequence[str] | None = None,
+                     lease: RetentionHints | None = None) -> None:  # fmt: skip
+        """Copy device blocks ``block_ids`` into host chunks ``chunk_ids`` (and, with L3, on to the store).
+
+        ``lease``: the request's retention hints: the store grants their lease on the pages written (in the
+        order of ``storage_keys``), supersedes the session's earlier leases if they ask, and keeps the
+        session's other leases alive.
+        """
         self._check_new(job_id)
+        if lease is not None and not isinstance(lease, RetentionHints):
+            raise TypeError(f"a store job's lease is a RetentionHints, got {type(lease).__name__}")
         count = len(block_ids)
         pages = self.host_pages(chunk_ids, count, skip)
         host_slots, dev_slots = self._slots(pages), self._device_slots(block_ids)
@@ -276,7 +286,7 @@ class BlockMover:
             if len(keys) != len(pages):
                 raise ValueError(f"{len(keys)} storage keys for {len(pages)} stored pages")
             event = job.event
-            job.future = self._pool().submit(self._write_through, event, keys, host_slots)
+            job.future = self._pool().submit(self._write_through, event, keys, host_slots, lease)
         self._jobs[job_id] = job
 
     def submit_load(self, job_id: int, chunk_ids: np.ndarray, block_ids: np.ndarray, skip: int = 0,
@@ -444,10 +454,13 @@ class BlockMover:
         job.start_event = load.start_event if self.cuda else None
         job.load = load
 
-    def _write_through(self, event, keys: list[str], host_slots: torch.Tensor) -> None:
+    def _write_through(self, event, keys: list[str], host_slots: torch.Tensor,
+                       lease: RetentionHints | None = None) -> None:  # fmt: skip
         if event is not None:
             event.synchronize()
         results = self.storage.write_pages(keys, host_slots)
+        if lease:
+            self._lease(lease, [k for k, r in zip(keys, results) if r.ok])
         failed = [r for r in results if not r.ok]
         if failed:
             # The host tier holds these pages; the store only misses them later (a counted miss, not a wrong load).
@@ -455,6 +468,15 @@ class BlockMover:
                 self.storage_write_failures += len(failed)
             log.warning("hicache-vllm: %d of %d pages were not written to %s: %s", len(failed), len(results),
                         self.storage.url.redacted, failed[0].detail or failed[0].status.value)  # fmt: skip
+
+    def _lease(self, lease: RetentionHints, written: list[str]) -> None:
+        """Grant a store job's lease on the pages it wrote (its session's other leases live on)."""
+        if lease.session is not None:
+            self.storage.leases.refresh_session(lease.session)
+        if lease.retain is not None and written:
+            self.storage.retain(written, lease.retain, supersede=lease.supersede)
+        elif lease.supersede:
+            self.storage.supersede(lease.session)
 
     def _fetch_then_load(self, job: Job, keys, fetch_slots, after, host_slots, dev_slots, count) -> None:
         if self.cuda:

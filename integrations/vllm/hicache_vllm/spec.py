@@ -1,15 +1,18 @@
 """``HicacheOffloadingSpec``: vLLM's OffloadingConnector with a hicache host tier and L3 behind it.
 
-* Scheduler side (EngineCore process): vLLM's own ``CPUOffloadingManager`` (LRU or ARC, ref counts,
-  events, metrics), whose chunk ids index hicache host pages. With an L3 store, a key the host tier
-  lacks is looked up in the store; a hit is promoted into a host chunk by the load job itself and
-  becomes an ordinary host-tier entry once it lands.
+* Scheduler side (EngineCore process): vLLM's own ``CPUOffloadingManager`` (ref counts, events, metrics),
+  whose chunk ids index hicache host pages, with hicache's lease-aware LRU policy
+  (:class:`hicache_vllm.retention.HicacheCachePolicy`; vLLM's ARC where ``eviction_policy`` asks). With an
+  L3 store, a key the host tier lacks is looked up in the store; a hit is promoted into a host chunk by the
+  load job itself and becomes an ordinary host-tier entry once it lands.
 * Worker side (Worker process): :class:`hicache_vllm.mover.BlockMover` moves the blocks through
-  hicache's dispatcher, and writes stored chunks through to L3.
+  hicache's dispatcher, and writes stored chunks through to L3, with the request's lease (its
+  retention hints ride on the store job).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +22,7 @@ from .version import check_vllm_version
 check_vllm_version()
 
 import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats  # noqa: E402
 from vllm.logger import init_logger  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     CanonicalKVCaches,
@@ -30,7 +34,9 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     OffloadingSpec,
     OffloadingWorker,
     OffloadKey,
+    PrepareStoreOutput,
     ReqContext,
+    RequestOffloadingContext,
     TransferResult,
 )
 from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
@@ -39,22 +45,31 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
+from hicache_core.retention.hints import RetentionHints  # noqa: E402
+
 from . import weight_updates  # noqa: E402
 from .config import HicacheOptions, parse_extra_config  # noqa: E402
 from .errors import NotServedError  # noqa: E402
 from .mover import BlockMover  # noqa: E402
 from .pool_kind import VllmPagePool  # noqa: E402
+from .retention import METRICS, HicacheCachePolicy, host_policy_name, request_hints  # noqa: E402
 
 logger = init_logger(__name__)
 
 
 class HicacheLoadStoreSpec(CPULoadStoreSpec):
-    """Host chunks of a job (``block_ids``, as vLLM's CPU spec), each chunk's L3 key, and which to fetch from L3."""
+    """Host chunks of a job (``block_ids``, as vLLM's CPU spec), each chunk's L3 key, and which to fetch from L3.
 
-    def __init__(self, chunk_ids: list[int], keys: list[str], fetch: list[bool] | None = None) -> None:
+    ``lease``: on a store job, the retention hints of the request it stores for; the worker grants the same
+    lease on the pages it writes to L3 (``supersede`` only on the request's first store job).
+    """
+
+    def __init__(self, chunk_ids: list[int], keys: list[str], fetch: list[bool] | None = None,
+                 lease: RetentionHints | None = None) -> None:  # fmt: skip
         super().__init__(chunk_ids)
         self.keys = keys
         self.fetch = fetch or [False] * len(chunk_ids)
+        self.lease = lease
 
 
 def storage_key(key: OffloadKey) -> str:
@@ -69,6 +84,13 @@ class _Promotions:
     from_storage: set = field(default_factory=set)
     host_hits: set = field(default_factory=set)
     promoted: set = field(default_factory=set)
+
+
+@dataclass
+class _StoreLease:
+    """Per request: whether a store job has carried its ``supersede`` to L3 already (the first one does)."""
+
+    superseded: bool = False
 
 
 class StorageProbe:
@@ -106,12 +128,60 @@ class StorageProbe:
 
 
 class HicacheOffloadingManager(CPUOffloadingManager):
-    """vLLM's CPU manager over hicache host chunks, with L3 hits promoted into the host tier by the load job."""
+    """vLLM's CPU manager over hicache host chunks, with L3 hits promoted into the host tier by the load job.
+
+    Reads each request's retention hints once, when it arrives (:func:`hicache_vllm.retention.request_hints`:
+    a malformed hint raises ``ValueError`` there, which vLLM 0.32 makes fatal to the engine, see
+    :mod:`hicache_vllm.retention`); the host tier's policy leases the request's pages when it finishes, and
+    its store jobs carry the lease to L3. With L3, a leased page the host tier evicts counts as demoted when
+    L3 holds it. :meth:`get_stats` adds the host tier's lease figures to vLLM's offloading metrics.
+    """
 
     def __init__(self, *, storage: StorageProbe | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._storage = storage
         self._promoting: set = set()
+        self._warned_no_leases = False
+        if storage is not None and isinstance(self._policy, HicacheCachePolicy):
+            self._policy.next_tier = storage.exists
+
+    def retention_stats(self) -> dict[str, Any] | None:
+        """The host tier's lease book (``None``: the policy takes no leases, as vLLM's ARC)."""
+        return self._policy.stats() if isinstance(self._policy, HicacheCachePolicy) else None
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        hints = request_hints(req_context)  # first: a malformed hint stops the request before anything is held
+        context = super().on_new_request(req_context)
+        if hints:
+            if isinstance(self._policy, HicacheCachePolicy):
+                self._policy.on_new_request(hints)
+            elif hints.retain is not None and not self._warned_no_leases:
+                self._warned_no_leases = True
+                logger.warning("hicache-vllm: the host tier's eviction_policy (%s) takes no leases: requests' "
+                               "leases hold in L3 only%s", type(self._policy).__name__,
+                               "" if self._storage is not None else " (and there is no L3)")  # fmt: skip
+        return context
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        out = super().prepare_store(keys, req_context)
+        if out is not None and out.keys_to_store and self._storage is not None:
+            hints = request_hints(req_context)
+            if hints:
+                sent = req_context.get_state(_StoreLease)
+                if sent is None:
+                    sent = _StoreLease()
+                    req_context.set_state(sent)
+                # The request's first store job supersedes the session's earlier leases in L3; a later one
+                # must not supersede the lease its own first job granted.
+                out.store_spec.lease = hints if not sent.superseded else dataclasses.replace(hints, supersede=False)
+                sent.superseded = True
+        return out
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        stats = super().get_stats()
+        if stats is not None and isinstance(self._policy, HicacheCachePolicy):
+            self._policy.report(stats)
+        return stats
 
     def _get_load_store_spec(self, keys, chunks) -> HicacheLoadStoreSpec:
         return HicacheLoadStoreSpec([c.chunk_id for c in chunks], [storage_key(k) for k in keys])
@@ -208,7 +278,8 @@ class HicacheOffloadingWorker(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         assert isinstance(dst_spec, HicacheLoadStoreSpec), type(dst_spec)
         skip = self._skip(src_spec, self.mover.blocks_per_chunk)
-        self.mover.submit_store(job_id, src_spec.block_ids, dst_spec.block_ids, skip, dst_spec.keys)
+        self.mover.submit_store(job_id, src_spec.block_ids, dst_spec.block_ids, skip, dst_spec.keys,
+                                lease=dst_spec.lease)  # fmt: skip
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
@@ -235,7 +306,8 @@ class HicacheOffloadingWorker(OffloadingWorker):
 class HicacheOffloadingSpec(OffloadingSpec):
     """vLLM's offloading spec on hicache: ``spec_module_path: "hicache_vllm"``, ``spec_name: "HicacheOffloadingSpec"``.
 
-    Takes vLLM's CPU spec's keys (``cpu_bytes_to_use``, ``eviction_policy``, ``store_threshold``, ...) and
+    Takes vLLM's CPU spec's keys (``cpu_bytes_to_use``, ``eviction_policy``: ``lru``, the default, is hicache's
+    lease-aware LRU, ``arc`` vLLM's ARC; ``store_threshold``, ...) and
     hicache's (``hicache_layout``, ``hicache_io_backend``, ``hicache_storage_url``,
     ``hicache_storage_options``); refuses any other key, and anything it does not serve, with
     :class:`NotServedError` when vLLM builds it.
@@ -243,8 +315,8 @@ class HicacheOffloadingSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        # The manager is vLLM's CPU manager: it emits exactly the CPU spec's metrics.
-        return CPUOffloadingSpec.build_metric_definitions(extra_config)
+        # The manager is vLLM's CPU manager: it emits the CPU spec's metrics, and the host tier's leases.
+        return {**CPUOffloadingSpec.build_metric_definitions(extra_config), **METRICS}
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -282,7 +354,7 @@ class HicacheOffloadingSpec(OffloadingSpec):
             self._manager = HicacheOffloadingManager(
                 storage=storage,
                 num_chunks=self.num_chunks,
-                cache_policy=self.extra_config.get("eviction_policy", "lru"),
+                cache_policy=host_policy_name(self.extra_config.get("eviction_policy", "lru")),
                 cache_policy_module_path=self.extra_config.get("cache_policy_module_path"),
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 store_threshold=int(self.extra_config.get("store_threshold", 0)),
