@@ -56,7 +56,7 @@ def track(storage: Any) -> None:
 
 
 def bound_storages() -> list[Any]:
-    """Every hicache storage of this process bound to its host pool (what a pin leases in, :mod:`hicache_sglang.retention`)."""
+    """Every hicache storage of this process bound to its host pool (:mod:`hicache_sglang.retention` leases in them)."""
     return [s for s in list(_stores) if getattr(s, "store", None) is not None]
 
 
@@ -147,5 +147,5 @@ def uninstall() -> None:
         setattr(owner, name, old)
 
 
-__all__ = ["ENTRY_POINTS", "bound_storages", "current_version", "install", "next_version", "sglang_weight_version", "track",
-           "uninstall"]  # fmt: skip
+__all__ = ["ENTRY_POINTS", "bound_storages", "current_version", "install", "next_version", "sglang_weight_version",
+           "track", "uninstall"]  # fmt: skip
