@@ -9,14 +9,13 @@
   ``"1"``, whose payload has the fields of ``"hicache"``.
 
 They are read once per request (:func:`request_hints`, from the manager's ``on_new_request``) by
-:func:`hicache_core.retention.hints.hints_from_mapping`: strict, a malformed hint is a ``ValueError`` naming
-the field. vLLM 0.32 has no per-request error path from an offloading manager: the scheduler calls it while
-adding the request, and an exception there is the EngineCore's. What a user sees: the engine's log has
-"EngineCore encountered a fatal error" and the ``ValueError`` with the hint's message, and the engine stops:
-the offline ``LLM`` raises ``EngineDeadError`` from ``generate``; the OpenAI server fails the request with an
-engine error and shuts down (``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`` keeps the process up, without an engine). A
-hint is checked before any page is touched and is never ignored; a front end that must not stop on one
-client's bad hint checks it first with :func:`parse_request_hints`.
+:func:`hicache_core.retention.hints.hints_from_mapping`: strict, a malformed hint is refused naming the field.
+vLLM 0.32 has no per-request error path from an offloading manager (the scheduler calls it while adding the
+request, and an exception there ends the EngineCore and every request it serves), so a refused hint does not
+fail its request: the request is served without a lease, and the refusal is an error in the engine's log
+("hicache-vllm: request <id>: retention hint refused: ...") and a count (``vllm:hicache_host_hints_refused``).
+One client's bad hint never stops the server; it is never taken in part or silently ignored. A front end
+that wants to answer the client with the refusal checks the hint first with :func:`parse_request_hints`.
 
 **The policy** (:class:`HicacheCachePolicy`, ``eviction_policy: "lru"``, the default) is vLLM's LRU policy
 until leases exist; then it evicts in the order of a :class:`~hicache_core.retention.LeaseBook` over the host
@@ -88,17 +87,36 @@ def parse_request_hints(kv_transfer_params: Mapping[str, Any] | None, kv_hints: 
 def request_hints(req_context: ReqContext) -> RetentionHints:
     """The request's hints, read on first use and kept in its ``ReqContext`` (vLLM's per-request state).
 
-    Raises ``ValueError`` ("hicache-vllm: request <id>: ...") for a malformed hint: see the module's text for
-    what vLLM 0.32 makes of it.
+    A malformed hint is refused whole: logged as an error naming the request and the field, counted
+    (:data:`refused_hints`), and the request gets no lease (see the module's text for why not an exception).
     """
     hints = req_context.get_state(RetentionHints)
     if hints is None:
         try:
             hints = parse_request_hints(req_context.kv_transfer_params, req_context.kv_hints)
         except ValueError as exc:
-            raise ValueError(f"hicache-vllm: request {req_context.req_id}: {exc}") from None
+            refused_hints.append(req_context.req_id)
+            logger.error("hicache-vllm: request %s: retention hint refused: %s; the request is served without a "
+                         "lease", req_context.req_id, exc)  # fmt: skip
+            hints = _NO_HINTS
         req_context.set_state(hints)
     return hints
+
+
+class _Refused(list):
+    """Request ids whose hint was refused, the newest :data:`REFUSED_KEPT` (the count goes on past them)."""
+
+    count = 0
+
+    def append(self, req_id: str) -> None:
+        type(self).count += 1
+        super().append(req_id)
+        del self[:-REFUSED_KEPT]
+
+
+REFUSED_KEPT = 64
+#: Requests whose retention hint was refused in this process (``.count``: how many since it started).
+refused_hints = _Refused()
 
 
 #: The host tier's retention metrics (vLLM's offloading metrics: Prometheus, ``LLM.get_metrics()``).
@@ -114,12 +132,15 @@ METRICS: dict[str, Any] = {
         documentation="Leased host chunks evicted while L3 held their page (demoted to L3)."),
     "vllm:hicache_host_pages_dropped_under_lease": OffloadingCounterMetadata(
         documentation="Leased host chunks evicted that L3 did not hold (dropped from every tier)."),
+    "vllm:hicache_host_hints_refused": OffloadingCounterMetadata(
+        documentation="Requests whose retention hint was malformed and refused (served without a lease)."),
 }  # fmt: skip
 _GAUGES = {"vllm:hicache_host_leases": "leases", "vllm:hicache_host_pages_leased": "pages_leased",
            "vllm:hicache_host_pages_protected": "pages_protected"}  # fmt: skip
 _COUNTERS = {"vllm:hicache_host_leases_granted": "granted", "vllm:hicache_host_pages_capped": "capped",
              "vllm:hicache_host_pages_demoted": "demoted",
-             "vllm:hicache_host_pages_dropped_under_lease": "dropped_under_lease"}  # fmt: skip
+             "vllm:hicache_host_pages_dropped_under_lease": "dropped_under_lease",
+             "vllm:hicache_host_hints_refused": "hints_refused"}  # fmt: skip
 
 
 class HicacheCachePolicy(LRUCachePolicy):
@@ -167,7 +188,7 @@ class HicacheCachePolicy(LRUCachePolicy):
 
     def report(self, stats: Any) -> None:
         """Put the book's figures on vLLM's ``OffloadingConnectorStats`` (gauges now, counters since last time)."""
-        now = self.book.stats()
+        now = {**self.book.stats(), "hints_refused": refused_hints.count}
         for metric, field in _GAUGES.items():
             stats.set_gauge(metric, now[field])
         for metric, field in _COUNTERS.items():

@@ -150,7 +150,7 @@ class HicacheOffloadingManager(CPUOffloadingManager):
         return self._policy.stats() if isinstance(self._policy, HicacheCachePolicy) else None
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        hints = request_hints(req_context)  # first: a malformed hint stops the request before anything is held
+        hints = request_hints(req_context)  # first: a malformed hint is refused (logged, counted) before anything
         context = super().on_new_request(req_context)
         if hints:
             if isinstance(self._policy, HicacheCachePolicy):

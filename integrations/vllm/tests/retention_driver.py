@@ -7,7 +7,8 @@
 * ``cache_control``: it carries Dynamo's ``{"cache_control": {"type": "ephemeral", "ttl": "10m"}}`` and
   ``{"hicache": {"session": "s1"}}``;
 * ``plain``: no hint anywhere (vLLM's LRU on both tiers);
-* ``malformed``: one prompt whose hint has a field hicache does not know; records what ``generate`` raised.
+* ``malformed``: one prompt whose hint has a field hicache does not know (refused: served without a lease), then
+  another prompt (the engine serves on).
 
 Scenario (greedy, fixed lengths): "s1" (session s1's prompt, 8 whole blocks); "s0" (another prompt, after it:
 more recently used); "other 1..3" (prompts enough to overflow the host tier and L3); "s1 again". After each
@@ -94,14 +95,12 @@ def main() -> None:
                                  "pages": settled(root, stored), "metrics": metrics(llm)}  # fmt: skip
 
     s1 = prompt_ids(11, PROMPT)
-    if mode == "malformed":
-        try:
-            llm.generate([{"prompt_token_ids": s1}], hinted, use_tqdm=False)
-            record["raised"] = None
-        except Exception as exc:  # noqa: BLE001 - what the user of the offline engine sees is the record
-            record["raised"] = {"type": type(exc).__name__, "message": str(exc)}
+    if mode == "malformed":  # refused: the request is served without a lease, and the engine lives on
+        run("s1", s1, hinted, 8)
+        record["l3_leases"] = llm.collective_rpc(l3_leases, args=(pages(root),))[0]
+        run("s0", prompt_ids(12, PROMPT), plain, 16)
         out_path.write_text(json.dumps(record))
-        os._exit(0)  # the engine is dead: nothing to shut down cleanly
+        return
     run("s1", s1, hinted, 8)
     run("s0", prompt_ids(12, PROMPT), plain, 16)
     for i in range(1, 4):

@@ -9,7 +9,7 @@
   L3; a leased page the host tier evicts counts demoted where L3 holds it, dropped where it does not.
 * vLLM's own offline engine (``retention_driver.py``): a session's prompt sent with a lease keeps its pages in
   a ``file://?capacity=`` store that later prompts overflow, where the same run without the hint loses them;
-  a malformed hint stops the engine with its message.
+  a malformed hint is refused (logged, counted) and its request served without a lease.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ pytest.importorskip("vllm", reason="the retention tests run in integrations/vllm
 
 from hicache_vllm.config import HicacheOptions  # noqa: E402
 from hicache_vllm.mover import BlockMover  # noqa: E402
-from hicache_vllm.retention import HicacheCachePolicy, host_policy_name, parse_request_hints  # noqa: E402
+from hicache_vllm.retention import HicacheCachePolicy, host_policy_name, parse_request_hints, request_hints  # noqa: E402
 from hicache_vllm.spec import (  # noqa: E402
     HicacheLoadStoreSpec,
     HicacheOffloadingManager,
@@ -332,12 +332,15 @@ def manager(num_chunks: int = 8, storage=None, policy: str = "lru") -> HicacheOf
 
 
 def test_the_manager_refuses_a_malformed_hint_when_the_request_arrives():
+    from hicache_vllm.retention import refused_hints
+
     m = manager()
+    before = refused_hints.count
     bad = ctx("req-7", {"priority": 90, "ttl": "10m", "session": "s1", "pinned": True})
-    with pytest.raises(ValueError, match=r"^hicache-vllm: request req-7: kv_transfer_params\['hicache'\] has fields "
-                                         r"hicache does not know: pinned"):  # fmt: skip
-        m.on_new_request(bad)
+    m.on_new_request(bad)  # never raises: vLLM would end the EngineCore, and every request with it
+    assert refused_hints.count == before + 1 and refused_hints[-1] == "req-7"
     assert m.retention_stats()["leases"] == 0
+    assert not request_hints(bad)  # the request has no lease, whole: no field of the hint was taken
 
 
 def test_lru_is_hicaches_policy_and_arc_stays_vllms():
@@ -519,13 +522,18 @@ def test_a_leased_session_keeps_its_pages_in_l3_where_lru_evicts_them(session_ru
     assert ("UNAUTHENTICATED" in log) == (not verified), "the keyed run writes with the cluster key"
 
 
-def test_a_malformed_hint_stops_the_engine_with_its_message(session_run):
-    """vLLM 0.32 has no per-request error path from an offloading manager: the hint's ValueError, raised when
-    the request arrives, ends the EngineCore; the user's generate() raises EngineDeadError, and the engine's log
-    names the field."""
+def test_a_malformed_hint_is_refused_and_the_engine_serves_on(session_run):
+    """vLLM 0.32 has no per-request error path from an offloading manager (an exception there ends the
+    EngineCore): a malformed hint is refused whole, logged as an error naming the request and the field, and
+    counted; the request is served without a lease, token for token as without the hint, and so is the next."""
     record, root, log = session_run("malformed")
-    assert record["raised"]["type"] == "EngineDeadError"
-    assert ("ValueError: hicache-vllm: request" in log and "kv_transfer_params['hicache'] has fields hicache does not "
-            "know: pinned (known: priority, ttl, session, supersede)" in log)  # fmt: skip
-    assert "EngineCore encountered a fatal error" in log
-    assert not on_disk(root), "nothing was stored for the refused request"
+    plain, _, _ = session_run("plain")
+    assert "retention hint refused: kv_transfer_params['hicache'] has fields hicache does not know: pinned" in log
+    assert "the request is served without a lease" in log
+    assert "EngineCore encountered a fatal error" not in log
+    steps = record["steps"]
+    assert steps["s1"]["tokens"] == plain["steps"]["s1"]["tokens"]
+    assert steps["s0"]["tokens"] == plain["steps"]["s0"]["tokens"]
+    assert steps["s0"]["metrics"]["vllm:hicache_host_hints_refused"] == 1
+    assert record["l3_leases"]["stats"]["leases"] == 0 and not record["l3_leases"]["weights"]
+    assert set(steps["s1"]["pages"]) <= on_disk(root), "the request was served and its pages stored, unleased"
