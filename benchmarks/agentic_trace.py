@@ -855,6 +855,9 @@ def plot(path: Path, record: dict[str, Any]) -> bool:
         ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="upper left")
         ax.set_title(f"a simulated day ({record['params']['day_live_sessions']:g} live sessions): leases end, "
                      "no growth", fontsize=10)  # fmt: skip
+    else:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "no simulated day in this run", ha="center", va="center", fontsize=10)
     fig.suptitle(f"Agentic trace: LRU against retention leases (median {record['trace']['turns_median_finished']:g} "
                  f"turns, {record['trace']['final_context_tokens_median_finished'] / 1e3:.0f}K tokens per session; "
                  f"{record['machine']['cores']}-core CPU, simulated time)", fontsize=10)  # fmt: skip
