@@ -257,10 +257,11 @@ class RunConfig:
     ttl_s: float = 300.0  # Anthropic's default ephemeral TTL, "5m"
     priority: int = 50  # a cache_control TTL's default priority
     decay: float = 0.5  # HICACHE_LEASE_DECAY's default
-    # How a turn leases: "regrant" (release, then retain the whole prompt), "supersede" (retain the whole prompt,
-    # supersede=True), "stack" (retain the whole prompt: one more lease per turn, as a request's hint without
-    # supersede does), "chunks" (retain only the pages the turn adds).
-    lease_call: str = "regrant"
+    # How a turn leases: "stack" (retain the whole prompt with the session, as a request's hint without supersede
+    # does in both adapters: the new lease takes over the session's earlier ones and its place in line),
+    # "supersede" (the same with supersede=True), "regrant" (release, then retain: the session gives its place in
+    # line up every turn), "chunks" (retain only the pages the turn adds).
+    lease_call: str = "stack"
     # An agent's hint: the priority while waiting on a tool, and while waiting on a slow tool or a human (None: one
     # priority for every lease).
     hinted: tuple[int, int] | None = None
@@ -750,11 +751,11 @@ def findings(record: dict[str, Any]) -> list[str]:
                f"first turns under the TTL: retention {cap['young_sessions_under_ttl']['retention']:.1%}, LRU "
                f"{cap['young_sessions_under_ttl']['lru']:.1%}")  # fmt: skip
     costs = {c["lease_call"]: c for c in record.get("lease_call_costs") or []}
-    if "regrant" in costs and len(costs) > 1:
-        base = costs["regrant"]["max"]
+    if "stack" in costs and len(costs) > 1:
+        base = costs["stack"]["max"]
         out.append("lease calls on a small trace, most leases / lease references a book held: "
                    + ", ".join(f"{n} {c['max']['leases']} / {c['max']['lease_refs']} "
-                               f"({c['max']['lease_refs'] / max(1, base['lease_refs']):.1f}x regrant's)"
+                               f"({c['max']['lease_refs'] / max(1, base['lease_refs']):.1f}x stack's)"
                                for n, c in costs.items()))  # fmt: skip
     if record.get("day"):
         day = record["bars"]["day"]
@@ -883,7 +884,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decay", type=float, default=0.5, help="HICACHE_LEASE_DECAY (its default)")
     ap.add_argument("--cap", type=float, default=0.5, help="HICACHE_RETENTION_CAP (its default)")
     ap.add_argument("--caps", default=None, help="other caps for the sensitivity, comma-separated (1)")
-    ap.add_argument("--lease-call", default="regrant", choices=("regrant", "supersede", "stack", "chunks"))
+    ap.add_argument("--lease-call", default="stack", choices=("regrant", "supersede", "stack", "chunks"))
     ap.add_argument(
         "--other-calls", default=None, help="other lease calls, comma-separated (supersede, stack, chunks; none)"
     )

@@ -309,3 +309,42 @@ def test_a_crashed_instances_leases_end_with_it(tmp_path):
     for start in range(0, 8, 4):
         assert all(r.ok for r in store.write_pages(flood[start : start + 4], slots_of([5, 6, 7, 8], 64)))
     assert store.backend.exists_objects(store.namespace.keys(keys)) == [False] * 4
+
+
+def test_a_sessions_new_lease_takes_over_its_earlier_ones():
+    _, book, _ = tier(100)
+    book.retain([1, 2], Retain(50, 60, "A"))
+    book.retain([1, 2, 3], Retain(50, 60, "A"))  # the next turn: the whole prefix again, and more
+    book.retain([9], Retain(50, 60, "A"))  # not a superset: both stand
+    assert len(book) == 2 and book.stats()["subsumed"] == 1
+
+
+def test_a_last_page_several_leases_share_refreshes_none_of_them():
+    """A session whose prompt is only the shared system prompt would be kept alive by every other session's hits."""
+    _, book, clock = tier(100)
+    book.retain(["sys"], Retain(50, 10, "A"))
+    book.retain(["sys", "b1"], Retain(50, 10, "B"))
+    clock.now += 9
+    assert book.refresh(["sys", "b1"]) == 1  # B's own last page; "sys" is A's last page and B's head
+    clock.now += 7  # A: 16 s idle, past 10 s of TTL and 5 of decay
+    assert book.session_of("sys") == "B" and book.stats()["leases"] == 1
+
+
+def test_among_equal_leases_a_session_keeps_its_place_in_line_from_turn_to_turn():
+    """What a grant said is protected stays protected while its session comes back within the TTL: a newcomer
+    of equal priority is capped, and an abandoned session gives its place up once its lease decays."""
+    queue, book, clock = tier(4, cap=0.5)  # room for one session of two pages
+    for k in ["a1", "a2", "b1", "b2", "a3"]:
+        queue.add(k, 1)
+    assert book.retain(["a1", "a2"], Retain(50, 100, "A")).protected == 2
+    clock.now += 5
+    assert book.retain(["b1", "b2"], Retain(50, 100, "B")).capped == 2
+    clock.now += 90
+    grant = book.retain(["a1", "a2", "a3"], Retain(50, 100, "A"))  # A's next turn: still first in line
+    assert (grant.protected, grant.capped) == (2, 1) and book.stats()["subsumed"] == 1
+    book.refresh_session("B")
+    clock.now += 95  # A is abandoned; B goes on
+    book.refresh_session("B")
+    clock.now += 7  # A: 102 s idle, past its TTL, decaying; B at full weight
+    _, protected = book.rank()
+    assert set(protected) == {"b1", "b2"}

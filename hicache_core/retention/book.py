@@ -91,13 +91,15 @@ class LeaseBook:
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._leases: dict[int, Lease] = {}
+        self._next_end = float("inf")  # no lease ends before this (a lower bound: refreshes move ends later)
         self._of_key: dict[Hashable, set[int]] = {}
         self._tail: dict[int, Hashable] = {}  # a lease's deepest page: a hit on it continues the session
         self._rank: tuple[float, int, set, dict] | None = None
         self._version = 0
-        self._drops: OrderedDict[Hashable, str] = OrderedDict()
+        self._drops: OrderedDict[Hashable, tuple] = OrderedDict()
         self.counters = {"granted": 0, "pages_granted": 0, "capped": 0, "refreshed": 0, "superseded": 0,
-                         "ended": 0, "released": 0, "demoted": 0, "dropped_under_lease": 0}  # fmt: skip
+                         "ended": 0, "released": 0, "subsumed": 0, "demoted": 0,
+                         "dropped_under_lease": 0}  # fmt: skip
 
     # ---- granting, refreshing, ending --------------------------------------------------------------
 
@@ -118,10 +120,23 @@ class LeaseBook:
                 if retain.session is None:
                     raise ValueError("supersede needs the session whose earlier state is superseded")
                 self._supersede(retain.session, keep=())
-            lease = Lease(next(self._ids), retain.priority, retain.ttl_s, retain.ttl_s * self.decay, now, now,
+            since = now
+            if retain.session is not None:
+                # The session keeps its place in line: the new lease dates from its oldest live lease.
+                since = min([lease.granted_at for lease in self._leases.values() if lease.session == retain.session],
+                            default=now)  # fmt: skip
+                # Its new state holds its earlier leases' pages: one lease, not a pile of them.
+                fresh = set(keys)
+                older = [lid for lid, lease in self._leases.items() if lease.session == retain.session
+                         and not lease.superseded and lease.keys.keys() <= fresh]  # fmt: skip
+                for lid in older:
+                    self._end(lid)
+                self.counters["subsumed"] += len(older)
+            lease = Lease(next(self._ids), retain.priority, retain.ttl_s, retain.ttl_s * self.decay, since, now,
                           retain.session, keys=dict.fromkeys(keys))  # fmt: skip
             self._leases[lease.id] = lease
             self._tail[lease.id] = keys[-1]
+            self._next_end = min(self._next_end, lease.ends_at)
             for key in keys:
                 self._of_key.setdefault(key, set()).add(lease.id)
                 self._drops.pop(key, None)
@@ -133,24 +148,31 @@ class LeaseBook:
             self.counters["capped"] += len(keys) - held
             return Grant(lease.id, len(keys), held, len(keys) - held, lease.ends_at)
 
-    def refresh(self, keys: Iterable[Hashable]) -> int:
-        """A hit on ``keys``: every lease whose deepest page is among them lives on (refresh-on-hit).
+    def refresh(self, keys: Sequence[Hashable]) -> int:
+        """A hit on ``keys`` (a read, in chain order): the lease whose last page is the deepest page read lives on
+        (refresh-on-hit: its session continued).
 
-        A hit on a shared head (a system prompt) refreshes no other session's lease. Returns how many
-        leases were refreshed.
+        Only the deepest page counts: a read through a shared head (a system prompt) on to its own pages
+        refreshes no lease that ends in the head, and a last page several leases share refreshes none of them
+        (the hit cannot say whose session continued). Those live on through their sessions' own requests
+        (:meth:`retain`, :meth:`refresh_session`), or end. Returns how many leases were refreshed (0 or 1).
         """
+        if not keys:
+            return 0
+        deepest = keys[-1]
         with self._lock:
             now = self._tick()
-            hit = set(keys)
-            refreshed = 0
-            for lid, tail in self._tail.items():
-                if tail in hit:
-                    self._leases[lid].refreshed_at = now
-                    refreshed += 1
-            if refreshed:
-                self.counters["refreshed"] += refreshed
-                self._changed()
-            return refreshed
+            ids = self._of_key.get(deepest)
+            if not ids or len(ids) != 1:
+                return 0
+            (lid,) = ids
+            lease = self._leases[lid]
+            if self._tail.get(lid) != deepest or lease.superseded:
+                return 0
+            lease.refreshed_at = now
+            self.counters["refreshed"] += 1
+            self._changed()
+            return 1
 
     def refresh_session(self, session: str) -> int:
         """``session`` is active (a new turn): every live lease of it lives on; returns how many."""
@@ -271,7 +293,8 @@ class LeaseBook:
     def why_dropped(self, key: Hashable) -> str | None:
         """Why ``key`` was dropped from this tier under a lease, if it was lately (``explain-miss``)."""
         with self._lock:
-            return self._drops.get(key)
+            facts = self._drops.get(key)
+            return None if facts is None else self._drop_text(facts)
 
     def stats(self) -> dict[str, Any]:
         """Live leases, pages leased and protected, the cap, and the counters."""
@@ -294,12 +317,15 @@ class LeaseBook:
 
     def _tick(self) -> float:
         now = self.clock()
+        if now < self._next_end:  # no lease can have ended: refreshes only move ends later
+            return now
         ended = [lid for lid, lease in self._leases.items() if not lease.alive(now)]
         for lid in ended:
             self._end(lid)
         if ended:
             self.counters["ended"] += len(ended)
             self._changed()
+        self._next_end = min((lease.ends_at for lease in self._leases.values()), default=float("inf"))
         return now
 
     def _end(self, lid: int) -> None:
@@ -355,7 +381,10 @@ class LeaseBook:
         first = {k for k, w in weights.items() if w < 0}
         room = self._cap_units()
         protected: dict[Hashable, float] = {}
-        # Heaviest leases first; among equals the older lease, so a newcomer cannot push out a held session.
+        # Heaviest leases first; among equals the session that has held one longest (a session keeps its place in
+        # line from turn to turn, see retain), so what a grant said is protected stays protected while its session
+        # comes back within the TTL, and a newcomer cannot push it out. An abandoned session loses its place when
+        # its lease starts to decay (a lower weight), one TTL after its last turn.
         for lease in sorted(self._leases.values(), key=lambda x: (-x.weight(now), x.granted_at, x.id)):
             if lease.weight(now) < 0:
                 continue
@@ -375,14 +404,21 @@ class LeaseBook:
 
     def _note_drop(self, key: Hashable, ids: set[int], reason: str, now: float, protected: bool, first: bool) -> None:
         lease = max((self._leases[i] for i in ids), key=lambda x: x.weight(now))
+        # Kept as facts; the text is made only when asked (why_dropped): a tier may drop many pages at once.
+        self._drops[key] = (reason, lease.id, lease.priority, lease.ttl_s, lease.weight(now), protected, first)
+        self._drops.move_to_end(key)
+        while len(self._drops) > RECENT_DROPS:
+            self._drops.popitem(last=False)
+
+    def _drop_text(self, facts: tuple) -> str:
+        reason, lid, priority, ttl_s, weight, protected, first = facts
         if first:
             why = "its lease was superseded (the session's earlier state)"
         elif protected:
             why = "every ordinary page was gone and its lease weighed least"
         else:
             why = f"its lease was over the tier's retention cap ({self.cap:.0%} of the capacity)"
-        self._drops[key] = (f"{reason} from {self.tier} under lease {lease.id} (priority {lease.priority}, ttl "
-                            f"{lease.ttl_s:g} s, weight {lease.weight(now):.1f}): {why}")  # fmt: skip
-        self._drops.move_to_end(key)
-        while len(self._drops) > RECENT_DROPS:
-            self._drops.popitem(last=False)
+        return (
+            f"{reason} from {self.tier} under lease {lid} (priority {priority}, ttl {ttl_s:g} s, weight "
+            f"{weight:.1f}): {why}"
+        )

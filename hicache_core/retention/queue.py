@@ -59,7 +59,8 @@ class RetentionQueue:
             self.used += size
 
     def touch(self, keys: Iterable[Hashable]) -> None:
-        """``keys`` were read: the most recently used, and their sessions' leases refreshed."""
+        """``keys`` were read (in chain order): the most recently used, and the lease ending at the deepest
+        refreshed (:meth:`LeaseBook.refresh`)."""
         keys = list(keys)
         with self._lock:
             for key in keys:

@@ -202,8 +202,8 @@ class HicacheCachePolicy(LRUCachePolicy):
     def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]], insertion_only_keys: set[OffloadKey],
                             reused_keys: set[OffloadKey], req_context: ReqContext) -> None:  # fmt: skip
         super().on_request_finished(key_groups, insertion_only_keys, reused_keys, req_context)
-        if reused_keys:
-            self.book.refresh(reused_keys)  # a hit on a lease's last page continues its session
+        if reused_keys:  # a hit on a lease's last page continues its session (the deepest page reused counts)
+            self.book.refresh([k for k in order_request_keys(key_groups, req_context) if k in reused_keys])
         hints = request_hints(req_context)
         if hints:
             self.grant(order_request_keys(key_groups, req_context), hints)
