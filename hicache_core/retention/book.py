@@ -201,25 +201,22 @@ class LeaseBook:
             raise ValueError("release takes one of session= or lease_id=")
         with self._lock:
             self._tick()
-            ids = [lid for lid, lease in self._leases.items()
-                   if (lid == lease_id if lease_id is not None else lease.session == session)]  # fmt: skip
-            for lid in ids:
-                self._end(lid)
-            self.counters["released"] += len(ids)
-            if ids:
-                self._changed()
-            return len(ids)
+            mine = [lid for lid, lease in self._leases.items()
+                    if (lid == lease_id if lease_id is not None else lease.session == session)]  # fmt: skip
+            return self._release(mine)
 
     def release_all(self) -> int:
         """End every lease now (the tier's pages changed meaning: a new weight version); returns how many."""
         with self._lock:
-            ids = list(self._leases)
-            for lid in ids:
-                self._end(lid)
-            self.counters["released"] += len(ids)
-            if ids:
-                self._changed()
-            return len(ids)
+            return self._release(list(self._leases))
+
+    def _release(self, ids: list[int]) -> int:
+        for lid in ids:
+            self._end(lid)
+        self.counters["released"] += len(ids)
+        if ids:
+            self._changed()
+        return len(ids)
 
     def expire(self) -> int:
         """End every lease whose end has passed; returns how many ended (every public call does this first)."""
