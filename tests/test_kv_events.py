@@ -417,3 +417,28 @@ def test_a_chain_names_its_parent_and_a_batch_never_announces_what_it_evicted(tm
         sub.close()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_a_page_announced_under_a_lease_names_its_session(tmp_path, publisher, fmt):
+    from hicache_core.retention import Retain
+
+    pub = publisher(fmt)
+    host = kit.host_pool(pages=8)
+    store = make_storage(f"file://{tmp_path / 'l3'}?capacity=10MiB", host, model_id="events", cluster_key=None)
+    try:
+        store.publish_events(pub, audit_interval=None)
+        sub = _subscribe(pub)
+        sub.sync()
+        events = _stream(sub)
+        h = _hashes(3)
+        store.write_pages(h[:2], _slots([0, 1]))  # before any lease: no session
+        store.retain(h[:2], Retain(60, "5m", "agent-7"))  # pinned after the write ...
+        store.write_pages(h[:3], _slots([0, 1, 2]))  # ... and written again (the next turn's backup): named
+        sub.poll(0.3)
+        stored = [(x, e.session_id) for e in events if type(e).__name__.endswith("BlockStored") for x in e.block_hashes]
+        block = pub.format.block_hash
+        assert stored == [(block(h[0]), None), (block(h[1]), None), (block(h[0]), "agent-7"), (block(h[1]), "agent-7"),
+                          (block(h[2]), None)]  # fmt: skip
+    finally:
+        store.close()
