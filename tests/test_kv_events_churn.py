@@ -180,16 +180,22 @@ class Router:
         return [s for s in (self.early, self.late) if s is not None]
 
     def settle(self, timeout: float = 15.0) -> None:
-        """Poll until every subscriber's index is what the feeds announced (the events all arrived)."""
+        """Poll until every subscriber's index is what the feeds announced and every batch sent so far was
+        consumed (a page announced again changes no index: its batch could otherwise be checked after the test
+        moved on, against what the store holds by then)."""
         deadline = time.monotonic() + timeout
+        drained_once = False
         while True:
             for sub in self.subscribers():
                 sub.poll(0.01)
             behind = [(sub is self.late, t.name) for sub in self.subscribers() for t in self.tiers
                       if sub.index.pages(*t.where(self.fmt)) != {self.fmt.block_hash(h) for h in t.feed.held()}
                       ]  # fmt: skip
-            if not behind:
+            pub = self.publisher
+            drained = pub._queue.empty() and all(sub.last_seq >= pub._seq for sub in self.subscribers())
+            if not behind and drained and drained_once:  # twice in a row: nothing was between queue and socket
                 return
+            drained_once = drained and not behind
             assert time.monotonic() < deadline, f"(late?, tier) indexes never matched their feeds: {behind}"
 
     def close(self) -> None:
