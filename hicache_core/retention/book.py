@@ -265,8 +265,11 @@ class LeaseBook:
         demoted = set(demoted)
         with self._lock:
             now = self._tick()
+            keys = [k for k in keys if k in self._of_key]
+            if not keys:  # the common eviction: no page of it was leased, so no ranking to make or invalidate
+                return 0
             dropped = 0
-            first, protected = self._ranked(now) if self._leases else (set(), {})
+            first, protected = self._ranked(now)
             for key in keys:
                 ids = self._of_key.pop(key, None)
                 if not ids:
