@@ -110,40 +110,47 @@ def _page_of(image, host, page):
 def slow_store_timeout(url: str, slow_down=None, **options: Any) -> None:
     """A slow store: the ``timeout`` policy returns, within its limit (plus the batch in flight), what arrived.
 
-    ``slow_down(stop_event, slowed_event)`` makes the real server slow (pauses it), sets ``slowed_event``
-    once it is, and keeps it slow until ``stop_event`` is set; the prefetch starts only once the store is
-    slow (a thread that starts late on a busy machine must not let the whole prefetch through). Without
-    one, each read call of the store is delayed by 0.3 s at the primitive (for stores a test cannot pause).
+    ``slow_down(stop_event, slowed_event)`` makes the real server slow (pauses it for longer than the
+    1 s limit), sets ``slowed_event`` once it is, and keeps it slow until ``stop_event`` is set or its
+    pause runs out. It is started when the prefetch's first batch has arrived, and that batch's read
+    returns only once the server is slow: the first batch is the part that arrives, and no gap between
+    two pauses on a busy machine can let the whole prefix through. Without one, each read call of the
+    store is delayed by 0.3 s at the primitive (for stores a test cannot pause).
     """
     host, store, toks, keys, src = stored_pages(url, n_pages=16, salt=9, **options)
-    if slow_down is None:
-        name = "get_objects_into" if store.backend.capabilities.zero_copy else "get_objects"
-        real = getattr(store.backend, name)
+    name = "get_objects_into" if store.backend.capabilities.zero_copy else "get_objects"
+    real = getattr(store.backend, name)
+    stop, slowed = threading.Event(), threading.Event()
+    slower: list[threading.Thread] = []
 
-        def delayed(*args):
+    if slow_down is None:
+
+        def read(*args):
             time.sleep(0.3)
             return real(*args)
 
-        setattr(store.backend, name, delayed)
+    else:
 
-        def slow_down(stop, slowed):
-            slowed.set()
-            stop.wait()
+        def read(*args):
+            out = real(*args)
+            if not slower:  # the first batch is in: the server is slowed before it is handed over
+                slower.append(threading.Thread(target=slow_down, args=(stop, slowed), daemon=True))
+                slower[0].start()
+                assert slowed.wait(10), "the store was not slowed within 10 s"
+            return out
 
+    setattr(store.backend, name, read)
     limit = PrefetchTimeout(base_s=1.0, per_ki_token_s=0.0, max_s=1.0)
     with StorageController(store, prefetch_policy="timeout", prefetch_timeout=limit, batch_pages=2,
                            op_timeout=30) as ctl:  # fmt: skip
-        stop, slowed = threading.Event(), threading.Event()
-        slower = threading.Thread(target=slow_down, args=(stop, slowed), daemon=True)
-        slower.start()
         try:
-            assert slowed.wait(10), "the store was not slowed within 10 s"
             t0 = time.monotonic()
             res = ctl.prefetch(toks).result(30)
             waited = time.monotonic() - t0
         finally:
             stop.set()
-            slower.join(10)
+            for thread in slower:
+                thread.join(10)
     assert res.terminated, res
     assert 0 < res.completed < len(keys), f"expected part of the prefix, got {res.completed} of {len(keys)}"
     assert waited < 1.0 + 3.0, waited
