@@ -1,4 +1,4 @@
-"""The markdown table of verification's cost (docs/correctness.md) from ``verify_cost.py`` results.
+"""The markdown table of verification's cost (docs/verification-cost.md) from ``verify_cost.py`` results.
 
     python benchmarks/verify_cost_table.py benchmarks/results/verify-cost-all-4096-h200.json [more.json ...]
 

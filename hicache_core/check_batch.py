@@ -140,11 +140,11 @@ class CheckBatch:
 
 #: Runs a load's checks are launched in when its copies run on the GPU's threads; the last one follows the
 #: load's last copy. One: checks beside the copies of later layers slow SM copy kernels more than one run
-#: after the last copy costs (benchmarks/results/verify-profile-h200.json, docs/correctness.md).
+#: after the last copy costs (benchmarks/results/verify-profile-h200.json, docs/verification-cost.md).
 CHECK_RUNS = 1
 #: Runs when the copy engine moves the bytes. More than one would hide all but the last run's checks
 #: behind later layers' copies while the SMs are idle, but runs queued beside the copies slowed small
-#: layer-wise loads far more than that saves (docs/correctness.md).
+#: layer-wise loads far more than that saves (docs/verification-cost.md).
 CHECK_RUNS_COPY_ENGINE = 1
 
 

@@ -56,7 +56,7 @@ class Layout:
     :param oracle: where an item's bytes land, stated independently of ``axes``. A
         layout registers without one, but since hicache-core 0.2.0 the conformance kit
         **fails** every implementation that claims a layout without an oracle
-        (docs/plugins.md, "Layouts", has a worked example).
+        (docs/plugin-layouts.md, "A worked oracle", has an example).
     :param description: one line for ``hicache matrix`` and the docs.
     :param unsplit_as: for a ``split`` layout, the layout that stores a pool kind with
         nothing to split (one part and no ``split_by``: the DSA indexer's page rows) in

@@ -1,6 +1,6 @@
 """Host-tier verification: every page's checksum taken on the device at backup, checked on the device after load.
 
-On by default for CUDA pools that can be verified (its cost: ``docs/correctness.md``), off for CPU
+On by default for CUDA pools that can be verified (its cost: ``docs/verification-cost.md``), off for CPU
 pools, where hashing costs more than the copy;
 ``make_host_pool(..., verify=True/False)`` or ``HICACHE_VERIFY=1/0`` decides for a pool or every
 pool. ``HICACHE_VALIDATE`` does not imply it: validation checks a call's arguments on the

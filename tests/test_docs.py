@@ -1,4 +1,4 @@
-"""Meta-tests: every hook spec is typed, documented in its docstring and in docs/plugins.md, and tested.
+"""Meta-tests: every hook spec is typed, documented in its docstring and in docs/plugin-hooks.md, and tested.
 
 The same goes for the implementation base class's declared attributes and for the kit's tests and options.
 """
@@ -20,7 +20,7 @@ from hicache_core import Implementation
 from hicache_core.testing import ConformanceTests
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = (ROOT / "docs" / "plugins.md").read_text()
+DOCS = "".join(p.read_text() for p in sorted((ROOT / "docs").glob("plugin*.md")))  # plugins.md and its pages
 TEST_FILES = [
     p
     for pattern in ("tests/**/*.py", "plugins/*/tests/**/*.py", "examples/*/tests/**/*.py")
@@ -57,10 +57,10 @@ def test_every_hook_spec_has_a_typed_signature_and_a_docstring(hook):
 def test_every_hook_spec_is_in_docs_plugins_md_word_for_word(hook):
     spec = getattr(hookspecs, hook)
     params = ", ".join(inspect.signature(spec).parameters)
-    assert f"### `{hook}({params})`" in DOCS, f"docs/plugins.md has no section for {hook}"
+    assert f"### `{hook}({params})`" in DOCS, f"docs/plugin-hooks.md has no section for {hook}"
     doc = inspect.getdoc(spec)
     assert doc in DOCS, (
-        f"docs/plugins.md does not carry {hook}'s docstring word for word; paste this under its heading:\n\n{doc}"
+        f"docs/plugin-hooks.md does not carry {hook}'s docstring word for word; paste this under its heading:\n\n{doc}"
     )
 
 
@@ -80,7 +80,7 @@ def test_every_declared_attribute_of_implementation_is_documented(attribute):
 
 @pytest.mark.parametrize("test", sorted(n for n in dir(ConformanceTests) if n.startswith("test_")))
 def test_every_conformance_test_is_documented(test):
-    assert f"| `{test}` |" in DOCS, f"docs/plugins.md's kit table lacks {test}"
+    assert f"| `{test}` |" in DOCS, f"docs/plugin-kit.md's kit table lacks {test}"
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_every_conformance_test_is_documented(test):
 )  # fmt: skip
 def test_every_kit_option_is_documented(option):
     assert hasattr(ConformanceTests, option)
-    assert f"`{option}" in DOCS, f"docs/plugins.md does not document the kit option {option}"
+    assert f"`{option}" in DOCS, f"docs/plugin-kit.md does not document the kit option {option}"
 
 
 # The README and the docs site: every relative link resolves, every page is in the site's navigation,

@@ -1,4 +1,4 @@
-"""docs/plugins.md's conformance-kit table says what the kit does, and its worked oracle example runs.
+"""docs/plugin-kit.md's conformance-kit table says what the kit does, and its worked oracle example runs.
 
 The table is checked against the kit's code: its rows are the kit's tests in order, each row's matrix
 is the one the kit generates (``MATRIX_DOCS``), and what a row says about skipping and failing is what
@@ -24,7 +24,7 @@ from hicache_core.testing.conformance import _CASES, MATRIX_DOCS
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = (ROOT / "docs" / "plugins.md").read_text()
+DOCS = "".join(p.read_text() for p in sorted((ROOT / "docs").glob("plugin*.md")))  # plugins.md and its pages
 KIT_SECTION = DOCS[DOCS.index("## The conformance kit") :]
 KIT_SECTION = KIT_SECTION[: KIT_SECTION.index("\n## ", 3)]
 ROWS = {
@@ -54,7 +54,7 @@ def _fails_without_oracle(test: str) -> bool:
 
 def test_the_table_lists_the_kits_tests_in_order():
     assert list(ROWS) == KIT_TESTS, (
-        f"docs/plugins.md's kit table lists {list(ROWS)}; the kit's tests are {KIT_TESTS}")
+        f"docs/plugin-kit.md's kit table lists {list(ROWS)}; the kit's tests are {KIT_TESTS}")
 
 
 @pytest.mark.parametrize("test", KIT_TESTS)
@@ -104,7 +104,7 @@ def _example(swap_axes: bool = False) -> dict:
         assert before in code
         code = code.replace(before, '("page", "token", "layer", "component", "head", "dim")')
     namespace: dict = {"__name__": "docs_example"}
-    exec(compile(code, "docs/plugins.md (worked oracle example)", "exec"), namespace)
+    exec(compile(code, "docs/plugin-layouts.md (worked oracle example)", "exec"), namespace)
     return namespace
 
 

@@ -3,7 +3,7 @@
 The vectors below were taken from hicache-core 0.2.0 (the last version where the backend was also the
 page store) and must hold for every later version that reads format 2: pages already in users' stores
 (files, Redis, Mooncake) are read by key and checked byte by byte, so a change here is a format change
-(a new format version, a note in docs/plugins.md), never a refactoring.
+(a new format version, a note in docs/plugin-storage.md), never a refactoring.
 """
 
 from __future__ import annotations

@@ -959,7 +959,7 @@ _CASES: dict[str, Callable[[type[ConformanceTests]], Iterable[tuple[Case, str | 
     "unpinned": lambda cls: list(_per_layout(cls, ["plain"])),
 }
 
-#: Each matrix in words, as docs/plugins.md's kit table states it (tests/test_kit_docs.py keeps them equal).
+#: Each matrix in words, as docs/plugin-kit.md's kit table states it (tests/test_kit_docs.py keeps them equal).
 MATRIX_DOCS: dict[str, str] = {
     "round_trip": "pool kind x layout x operation x plain/sharded/draft x page size 1 and 64 x int32/int64",
     "order": "pool kind x layout x operation x order",

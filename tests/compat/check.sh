@@ -5,7 +5,7 @@
 #      pins hicache-core>=0.1) installs and loads: `hicache plugins` lists it, loaded, compatible;
 #   2. dispatch reaches it, and its bytes land where its layout says;
 #   3. its own tests and hicache's conformance kit, as it wrote them in 0.1, pass, except what
-#      docs/plugins.md ("Versions") lists as changed on purpose, which must fail with the documented
+#      docs/plugin-versions.md lists as changed on purpose, which must fail with the documented
 #      message: since 0.2.0 the kit requires a layout oracle (its page_blob_direct has none);
 #   4. the example as published for 0.3 (tests/compat/pageblob-0.3, pinned hicache-core>=0.3,<0.4) loads
 #      on 0.4 (the previous plugin API is still served), moves bytes, and passes its tests and the kit;
@@ -85,7 +85,7 @@ tail -n 3 "$work/pytest.log"
 import sys
 import xml.etree.ElementTree as ET
 
-#: What docs/plugins.md ("Versions") lists as changed on purpose, and the message each must fail with.
+#: What docs/plugin-versions.md lists as changed on purpose, and the message each must fail with.
 CHANGED = {
     "test_declaration": "declares no oracle",
     "test_layout_matches_its_oracle": "declares no oracle",
