@@ -581,7 +581,8 @@ class HostPool(PageAccess):
                 ready = torch.cuda.Event()
                 ready.record(side)
         count = sum(m is not None for m in layers)
-        watches = [w for started in self._on.load_started if (w := started(count, entry[0].engine)) is not None]
+        started_by = self._on.load_started if entry[0].load_check is None else ()  # loads that check in the copy
+        watches = [w for started in started_by if (w := started(count, entry[0].engine)) is not None]
         return PoolLoad(self, entry[0], device_pool, io_backend, (host_indices, device_indices), h, d, layers,
                         watches, ready)  # fmt: skip
 
@@ -638,8 +639,8 @@ class HostPool(PageAccess):
                 nbytes = pages * self._layer_page_bytes * (1 if layer is not None else self.layer_num)
                 for tell in timed:
                     tell(op, impl.name, pages, nbytes, seconds)
-            if heard is None:
-                heard = on.after_load if op == LOAD else on.after_backup
+            if heard is None:  # a load whose copy checked its pages is nobody's news
+                heard = (on.after_load if impl.load_check is None else ()) if op == LOAD else on.after_backup
             if heard:
                 seq = self._call_now.seq
                 for tell in heard:

@@ -150,6 +150,11 @@ class Implementation:
     #: Selection policy (``auto``'s rule) and the bench read this, never an implementation's name.
     engine: ClassVar[str] = "sm"
     description: ClassVar[str] = ""
+    #: Whether its per-layer loads can check the pages they move against a verifying pool's checksums in the
+    #: copy itself (:meth:`bind_load_check`), so that the pool runs no separate check for them.
+    checks_loads: ClassVar[bool] = False
+    #: What its loads check against now (set by :meth:`bind_load_check`); ``None``: they are checked apart.
+    load_check: Any = None
 
     @property
     def path(self) -> str | None:
@@ -226,6 +231,17 @@ class Implementation:
     def load_to_device_per_layer(self, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int) -> None:
         """Copy items ``host_indices`` of host layer ``layer`` to device rows ``device_indices``."""
         raise NotImplementedError
+
+    def bind_load_check(self, verifier: Any) -> list[str]:
+        """Check every per-layer load against ``verifier`` (a :class:`~hicache_core.verify.PageVerifier`) in the
+        copy from now on, and set :attr:`load_check`; ``None``: stop. Returns why it cannot (empty: it does).
+
+        Only implementations that declare :attr:`checks_loads` are asked; a pool's verification binds its
+        load implementations when it starts verifying and unbinds them when it stops. A load that checks in the
+        copy reports a mismatch as the separate check does: the call's number in the verifier's failure word
+        and in the failing pages' slots, on the call's own stream.
+        """
+        return [f"{self.name} does not check its loads in the copy"]
 
     def backup_from_device_per_layer(
         self, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int

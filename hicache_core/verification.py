@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .check_batch import CheckBatch
+from .implementation import LOAD
 from .pool_events import PoolObserver
 from .verify import ENV_VERIFY, PageVerifier, host_rows, verify_default
 
@@ -33,6 +34,8 @@ class Verification(PoolObserver):
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self.verifier: PageVerifier | None = None
+        #: Per load implementation that can check in its copy: why it does not (empty: it does).
+        self.in_copy: dict[str, list[str]] = {}
         self.reason = "off"
         self.asked = False
 
@@ -78,7 +81,15 @@ class Verification(PoolObserver):
         # Python call a layer is a measurable share of the load (benchmarks/verify_ablate.py).
         self.__dict__.pop("before_call", None)
         self.__dict__.pop("after_load", None)
+        loads = list({id(e[0]): e[0] for (op, _), e in self.pool._impls.items() if op == LOAD and e[0].checks_loads}
+                     .values())  # fmt: skip
+        self.in_copy = {}
+        for impl in loads:
+            impl.bind_load_check(None)
         if verifier is not None:
+            if verifier.in_copy:
+                # Loads whose copy checks their pages: the pool tells this observer nothing of them.
+                self.in_copy = {impl.name: impl.bind_load_check(verifier) for impl in loads}
             self.before_call = verifier.raise_if_flagged  # type: ignore[method-assign]
             self.after_load = verifier.check  # type: ignore[method-assign]
             self.pool.observe(self)

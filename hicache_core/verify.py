@@ -105,6 +105,9 @@ class PageVerifier:
         which is how the tests hold the kernel to the torch definition).
     :param last_layers: host layers that end a run of per-layer loads (default: the last one; a pool
         with draft layers also ends one at its last model layer).
+    :param in_copy: let load implementations that can (``Implementation.checks_loads``) check per-layer loads
+        in the copy itself, with the checksum kernel (:mod:`hicache_core.gpu.checked_load`); ``False``: every
+        load is checked apart, after its last layer.
     :raises ValueError: a pool this cannot verify (rows not whole 32-bit words, CUDA without triton,
         CUDA under the Triton interpreter, unpinned host memory on CUDA).
     """
@@ -112,10 +115,11 @@ class PageVerifier:
     def __init__(self, plan: Any, page_size: int, describe: Callable[[int], tuple],
                  move: Callable[[torch.Tensor, torch.device], torch.Tensor], *,
                  kernel: bool | None = None, last_layers: tuple[int, ...] = (),
-                 label: str = "host pool") -> None:  # fmt: skip
+                 label: str = "host pool", in_copy: bool = True) -> None:  # fmt: skip
         geometry = plan.geometry
         self.tokens = plan.tokens_per_page
         self.page_size = page_size
+        self.in_copy = in_copy
         self.num_pages = plan.spec.num_pages
         self.num_layers = plan.num_layers
         by_component: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -169,6 +173,8 @@ class PageVerifier:
         self.table = host_tensor(table, torch.int64, label=label, name="checksum table", pinned=pinned,
                                  fill=NO_CHECKSUM)  # fmt: skip
         self._words = host_tensor(words, torch.int64, label=label, name="failure words", pinned=pinned)
+        #: The failure words (word 0, then one per host page), for kernels that check loads (their offsets).
+        self.failure_words = self._words
         self._flag = ctypes.c_int64.from_address(self._words.data_ptr())
         self._failed = self._words[1:]
         self._describe = describe

@@ -200,7 +200,7 @@ def test_a_layer_wise_loads_checks_run_in_runs_of_layers_naming_each_failing_lay
         pytest.skip("the kernel on CPU pools: under TRITON_INTERPRET=1")
     dp, host = _pool("mha", "page_first")
     if with_kernel:
-        host.verifier = host.verification.make_verifier(kernel=True)
+        host.verifier = host.verification.make_verifier(kernel=True, in_copy=False)  # checked apart, in runs
     p = host.page_size
     slots = host.alloc(3 * p)
     dev = torch.arange(p, 4 * p)
@@ -346,7 +346,7 @@ def test_a_failing_layer_is_named_after_the_batch_numbers_wrapped_around_many_ti
     pytest.importorskip("triton")
     monkeypatch.setattr(hicache_core.verify, "_BATCH_CALLS", 4)
     dp, host = _pool("mha", "page_first")
-    host.verifier = host.verification.make_verifier(kernel=True)
+    host.verifier = host.verification.make_verifier(kernel=True, in_copy=False)  # checked apart, in batches
     p = host.page_size
     slots = host.alloc(p)
     dev = torch.arange(p, 2 * p)

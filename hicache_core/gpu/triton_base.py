@@ -219,6 +219,7 @@ class TritonImplementation(SMBudget, Implementation):
     merge_heads: ClassVar[bool] = True
     #: Programs standing in for "one per SM" under the interpreter (it runs them in turn).
     cpu_programs: ClassVar[int] = 4
+    checks_loads = True
 
     @classmethod
     def not_supported_reasons(cls, request: TransferRequest) -> list[str]:
@@ -287,6 +288,8 @@ class TritonImplementation(SMBudget, Implementation):
 
     def _budget_changed(self) -> None:
         super()._budget_changed()
+        if self.load_check is not None:
+            self.load_check.programs = self._cap
         for group in self._groups:  # scratch is sized by the budget
             group.fast.clear()
             group.scratch.clear()
@@ -324,6 +327,28 @@ class TritonImplementation(SMBudget, Implementation):
     def _loop_stages(self) -> int:
         """The STAGES constexpr: 0 under the interpreter (it cannot run ``tl.range`` with run-time bounds)."""
         return 0 if self._interpreting else self._stages
+
+    # ---- loads that check what they move -------------------------------------------------------
+
+    def bind_load_check(self, verifier: Any) -> list[str]:
+        """Per-layer loads copy and check in one launch (:mod:`hicache_core.gpu.checked_load`), for a verifier that
+        checks with its kernel and a plan whose components are whole device rows; else the reasons."""
+        from .checked_load import CheckedLoads, refusals
+
+        self.__dict__.pop("load_to_device_per_layer", None)  # the plain copy again
+        self.load_check = None
+        if verifier is None:
+            return []
+        if not verifier.kernel:
+            return ["the verifier checks in torch (a CPU pool), not with the checksum kernel"]
+        reasons = refusals(self.plan, len(verifier.components))
+        if reasons:
+            return reasons
+        checked = CheckedLoads(self.plan, verifier, self._call_now, self._cap, self._loop_stages())
+        # An attribute of the instance: the pool calls what `load_to_device_per_layer` holds, with no test per call.
+        self.load_to_device_per_layer = checked.load  # type: ignore[method-assign]
+        self.load_check = checked
+        return []
 
     # ---- for subclasses -------------------------------------------------------------------------
 

@@ -1,0 +1,176 @@
+"""Loads that check what they move: the copy and the page checksum in one launch (this module does not import triton).
+
+A verifying pool checks every load against the checksums its backups took (:mod:`hicache_core.verify`).
+Done apart, that check is a second kernel after the last layer, which reads the loaded rows again, and
+host time on every call and at the end of every load: the cost of verification on small loads, which
+are bound by host time. :class:`CheckedLoads` folds the check into the copy instead: a Triton
+implementation that takes it (:meth:`hicache_core.gpu.triton_base.TritonImplementation.bind_load_check`)
+launches :func:`~hicache_core.gpu.checked_load_kernel.checked_load` for each per-layer load, which moves
+the pages and compares their checksums in the same pass, on the caller's stream, in the call itself. So a
+verified load costs the host what a plain one does, the check runs before anything enqueued after the
+load (it is the load), and a mismatch is reported as the separate check reports it (the failure word
+names the call).
+
+It takes plans whose every component is one part spanning the whole device row, laid out in whole
+32-bit words on both sides: :func:`refusals` says why another plan is not (its loads are checked apart,
+as before).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..page_checksum import seed, tile_shape
+from .device import cuda_current_functions
+from .triton_base import compiled_launch, hooks_idle
+
+#: int64 columns of an entry of the kernel (one per host layer and component), in the kernel's order: where the
+#: layer's device rows start, their stride, their 32-bit words; the checksum's seed and table column; device rows;
+#: where the host layer starts, its page, item and head strides, words per head; host items. Addresses and strides
+#: count 32-bit words from the anchor.
+ENTRY_FIELDS = ("device_layer", "row_stride", "row_words", "seed", "column", "rows", "host_layer", "page_stride",
+                "token_stride", "head_stride", "head_words", "host_items")  # fmt: skip
+
+#: Items a work unit of the kernel covers at most (a tile): a page of 64 items is four units, so a load of one
+#: page keeps several programs busy.
+TILE_ITEMS = 16
+#: 32-bit words a step of a unit reads (items x words): 8 KiB, as the checksum kernel's tile.
+TILE_WORDS = 2048
+
+
+def refusals(plan: Any, components: int) -> list[str]:
+    """Why this plan's loads cannot check in the copy (empty: they can)."""
+    out = []
+    by_component: dict[int, list[Any]] = {}
+    for part in plan.parts:
+        by_component.setdefault(part.spec.component, []).append(part)
+    for comp, parts in sorted(by_component.items()):
+        name = plan.geometry.components[comp].name
+        if len(parts) > 1:
+            out.append(f"component {name!r} is split over {len(parts)} host parts")
+            continue
+        part = parts[0]
+        row = part.device_layers[0].shape[1]
+        if part.device_offset or part.item_bytes != row or not part.device_item_contiguous:
+            out.append(f"component {name!r}'s part does not span its device row")
+        host_facts = [part.host.data_ptr() + part.host_offset, part.layer_stride, part.page_stride, part.token_stride,
+                      part.piece_bytes, part.head_stride if not part.host_item_contiguous else 0, row]  # fmt: skip
+        host_facts += [t.data_ptr() for t in part.device_layers] + [t.stride(0) for t in part.device_layers]
+        if any(f % 4 for f in host_facts):
+            out.append(f"component {name!r} is not laid out in whole 32-bit words on both sides")
+    if len(by_component) != components:
+        out.append("the plan's components differ from the verifier's")
+    return out
+
+
+class CheckedLoads:
+    """Per-layer loads of one pool that copy and check in one launch (see the module doc).
+
+    :param plan: the pool's transfer plan; :func:`refusals` must be empty for it.
+    :param verifier: the pool's :class:`~hicache_core.verify.PageVerifier` (its table, failure words, tiling).
+    :param call_number: the calling thread's call number holder (``.seq``, :class:`~hicache_core.drops.DropReport`).
+    :param programs: the persistent grid's size (the implementation's SM budget).
+    :param stages: pipelining stages of the word loop (0 under the interpreter).
+    """
+
+    def __init__(self, plan: Any, verifier: Any, call_number: Any, programs: int, stages: int) -> None:
+        self.plan = plan
+        self.verifier = verifier
+        self._call_now = call_number
+        self.programs = programs
+        self._cuda = plan.device.type == "cuda"
+        self._anchor = torch.zeros(8, dtype=torch.int32, device=plan.device)
+        base = self._anchor_ptr = self._anchor.data_ptr()
+
+        def words_from_anchor(address: int) -> int:
+            assert (address - base) % 4 == 0, "addresses are whole 32-bit words apart (refusals)"
+            return (address - base) // 4
+
+        tokens = plan.tokens_per_page
+        parts = {p.spec.component: p for p in plan.parts}
+        rows_by_layer = []
+        for layer in range(plan.num_layers):
+            rows = []
+            for comp in range(len(verifier.components)):
+                part = parts[comp]
+                dev = part.device_layers[layer]
+                merged = part.host_item_contiguous
+                rows.append([
+                    words_from_anchor(dev.data_ptr()), dev.stride(0) // 4, verifier.words[comp], seed(layer, comp),
+                    ((layer * len(verifier.components)) + comp) * verifier.groups, dev.shape[0],
+                    words_from_anchor(part.host.data_ptr() + part.host_offset + layer * part.layer_stride),
+                    part.page_stride // 4, part.token_stride // 4, 0 if merged else part.head_stride // 4,
+                    verifier.words[comp] if merged else part.piece_bytes // 4, plan.num_items,
+                ])  # fmt: skip
+            rows_by_layer.append(rows)
+        self._entries = torch.tensor(rows_by_layer, dtype=torch.int64).to(plan.device)
+        assert self._entries.shape[-1] == len(ENTRY_FIELDS)
+        self._entry_words = [words_from_anchor(self._entries[layer].data_ptr()) for layer in range(plan.num_layers)]
+        self._num_entries = len(verifier.components)
+        self._table = words_from_anchor(verifier.table.data_ptr())
+        self._fail_word = words_from_anchor(verifier.failure_words.data_ptr())
+        self._fail_pages = self._fail_word + 2  # one int64 after the word
+        self._drop = words_from_anchor(plan.drop_report.address)
+        self._host_pages = verifier.num_pages
+        self._columns = verifier.columns
+        widest = max(verifier.words)
+        tile_t, group, _ = tile_shape(tokens, widest)
+        tile_t = min(tile_t, max(group, TILE_ITEMS))
+        block_w = min(max(4, TILE_WORDS // tile_t), 1 << max(2, (widest - 1).bit_length()))
+        self._tile = (tile_t, group, block_w)
+        self._tiles_per_page = -(-tokens // tile_t)
+        facts = [e for rows in rows_by_layer for r in rows for e in (r[0], r[1], r[2], r[6], r[7], r[8], r[9], r[10])]
+        self._align = next(a for a in (4, 2, 1) if all(f % a == 0 for f in facts))
+        self._stages = stages
+        self._tokens = tokens
+        self._fast: dict[tuple[bool, bool], tuple] = {}
+        self._device_index = -1
+        if self._cuda:
+            index = plan.device.index
+            self._device_index = index if index is not None else torch.cuda.current_device()
+            self._get_stream = cuda_current_functions()[1]
+            torch.cuda.synchronize(plan.device)  # the entry tables are on the device before the first launch
+
+    def load(self, h: torch.Tensor, d: torch.Tensor, layer: int) -> None:
+        """Copy host layer ``layer`` of the items ``h`` to device rows ``d`` and check their pages (the call's
+        indices, as the implementation takes them: whole pages of items, on the pool's device)."""
+        n = h.shape[0]
+        if d.shape[0] != n:
+            raise ValueError(f"host_indices has {n} entries but device_indices has {d.shape[0]} (length mismatch)")
+        if n == 0:
+            return
+        pages = n // self._tokens
+        work = pages * self._num_entries * self._tiles_per_page
+        grid = work if work < self.programs else self.programs
+        wide = (h.dtype == torch.int64, d.dtype == torch.int64)
+        base = self._anchor_ptr
+        hw, dw = h.data_ptr() - base, d.data_ptr() - base
+        if hw % 4 or dw % 4:
+            raise ValueError("index tensors must start on 4 bytes")
+        args = (self._entry_words[layer], hw // 4, dw // 4, h.stride()[0], d.stride()[0], pages, self._num_entries,
+                self._table, self._fail_word, self._fail_pages, self._call_now.seq, self._drop, self._host_pages,
+                self._columns)  # fmt: skip
+        fast = self._fast.get(wide)
+        if fast is not None and hooks_idle():
+            call, head, constexprs = fast
+            call(grid, 1, 1, self._get_stream(self._device_index), *head, base, *args, *constexprs)
+            return
+        self._launch_slow(grid, args, wide, fast is None)
+
+    def _launch_slow(self, grid: int, args: tuple, wide: tuple[bool, bool], remember: bool) -> None:
+        from .checked_load_kernel import checked_load
+
+        tile_t, group, block_w = self._tile
+        constexprs = (self._tokens, self.verifier.groups, tile_t, group, block_w, self._align, self._stages, *wide)
+        names = ("TOKENS", "GROUPS", "TILE_T", "GROUP", "BLOCK_W", "ALIGN", "STAGES", "H_WIDE", "D_WIDE")
+        if self._cuda:
+            with torch.cuda.device(self._device_index):
+                compiled = checked_load[(grid,)](self._anchor, *args, **dict(zip(names, constexprs)), num_warps=8)
+        else:
+            compiled = checked_load[(grid,)](self._anchor, *args, **dict(zip(names, constexprs)), num_warps=8)
+        if self._cuda and remember:
+            direct = compiled_launch(compiled)
+            if direct is not None:  # the constexprs' values follow the runtime arguments, in the kernel's order
+                self._fast[wide] = (*direct, constexprs)
