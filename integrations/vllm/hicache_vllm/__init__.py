@@ -1,11 +1,8 @@
 """vLLM's ``OffloadingConnector`` with hicache as its host tier and L3.
 
-vLLM loads the spec by name::
+vLLM loads the spec by name (registered by :mod:`hicache_vllm._vllm_plugin`), sized by vLLM's own flag::
 
-    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-      "kv_connector_extra_config": {"spec_module_path": "hicache_vllm",
-                                    "spec_name": "HicacheOffloadingSpec",
-                                    "cpu_bytes_to_use": 4000000000}}'
+    --kv-offloading-size 8 --kv-transfer-config '{"kv_connector_extra_config": {"spec_name": "HicacheOffloadingSpec"}}'
 
 ``HicacheOffloadingSpec`` imports vLLM (and checks its version) on first use; the block mover
 (:mod:`hicache_vllm.mover`) and the pool kind (:mod:`hicache_vllm.pool_kind`) import without vLLM.

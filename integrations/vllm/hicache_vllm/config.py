@@ -1,12 +1,16 @@
 """``kv_connector_extra_config`` of the hicache spec: vLLM's CPU spec's keys plus hicache's, checked once.
 
-A vLLM user switches from ``CPUOffloadingSpec`` by changing ``spec_name`` and ``spec_module_path``:
-every key vLLM 0.32's CPU spec and OffloadingConnector read means here what it means there. A key
-neither knows is refused, naming the keys that are known, rather than ignored.
+A vLLM user switches from ``CPUOffloadingSpec`` by changing ``spec_name``: every key vLLM 0.32's CPU
+spec and OffloadingConnector read means here what it means there. A key neither knows is refused,
+naming the keys that are known, rather than ignored.
+
+The host tier's size is ``cpu_bytes_to_use`` (bytes; what vLLM's own ``--kv-offloading-size`` sets) or
+``kv_offloading_size`` (GiB, read as that flag reads it); given both, they must agree.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +31,8 @@ VLLM_KEYS = frozenset({
 
 #: hicache's own keys.
 HICACHE_KEYS = {
+    "kv_offloading_size": "the host tier's size in GiB, as vLLM's --kv-offloading-size reads it (or cpu_bytes_to_use, "
+    "in bytes)",
     "hicache_layout": "host layout: page_first (default; a chunk's layers in one run, one L3 object), layer_first, "
     "page_first_direct",
     "hicache_io_backend": "io backend: auto (default), direct, kernel, jit, torch, or any installed plugin's",
@@ -40,6 +46,7 @@ HICACHE_KEYS = {
 class HicacheOptions:
     """hicache's settings, from the extra config."""
 
+    host_bytes: int = 0  #: the host tier's size (cpu_bytes_to_use, or kv_offloading_size GiB in bytes)
     layout: str = "page_first"
     io_backend: str = "auto"
     storage_url: str | None = None
@@ -58,20 +65,12 @@ def parse_extra_config(extra: Mapping[str, Any]) -> HicacheOptions:
             f"vLLM's keys: {', '.join(sorted(VLLM_KEYS))}. hicache's keys: "
             + "; ".join(f"{k} ({v})" for k, v in HICACHE_KEYS.items())
         )
-    if not extra.get("cpu_bytes_to_use"):
-        raise NotServedError("cpu_bytes_to_use must be given in kv_connector_extra_config (bytes for the host tier)")
-    try:
-        cpu_bytes = int(extra["cpu_bytes_to_use"])
-    except (TypeError, ValueError):
-        raise NotServedError(f"cpu_bytes_to_use must be a number of bytes, got {extra['cpu_bytes_to_use']!r}") from None
-    if cpu_bytes <= 0:
-        raise NotServedError(f"cpu_bytes_to_use must be positive, got {cpu_bytes}")
+    out: dict[str, Any] = {"host_bytes": host_bytes(extra)}
     if extra.get("canonical_layout"):
         raise NotServedError(
             "canonical_layout is not served by HicacheOffloadingSpec: hicache keeps this worker's own pages "
             "(drop canonical_layout, or use vLLM's TieringOffloadingSpec)"
         )
-    out: dict[str, Any] = {}
     for key, name in (("hicache_layout", "layout"), ("hicache_io_backend", "io_backend")):
         if key in extra:
             value = extra[key]
@@ -97,3 +96,58 @@ def parse_extra_config(extra: Mapping[str, Any]) -> HicacheOptions:
             raise NotServedError("hicache_storage_options given without hicache_storage_url")
         out["storage_options"] = dict(options)
     return HicacheOptions(**out)
+
+
+#: A GiB, as vLLM 0.32 turns --kv-offloading-size into cpu_bytes_to_use (vllm/config/vllm.py).
+GIB = 1 << 30
+
+
+def host_bytes(extra: Mapping[str, Any]) -> int:
+    """The host tier's size in bytes: ``cpu_bytes_to_use``, or ``kv_offloading_size`` GiB; both must agree.
+
+    vLLM's ``--kv-offloading-size N`` arrives as ``cpu_bytes_to_use = N * 2**30`` (a float), so a
+    ``kv_offloading_size`` beside that flag must name the same size.
+    """
+    gib = _positive(extra, "kv_offloading_size", "GiB")
+    given = _positive(extra, "cpu_bytes_to_use", "bytes")
+    if gib is None and given is None:
+        raise NotServedError(
+            "the host tier's size must be given: vLLM's --kv-offloading-size GIB, or in kv_connector_extra_config "
+            "kv_offloading_size (GiB) or cpu_bytes_to_use (bytes)"
+        )
+    from_gib = None if gib is None else int(gib * GIB)
+    from_bytes = None if given is None else int(given)
+    if from_gib is not None and from_bytes is not None and from_gib != from_bytes:
+        raise NotServedError(
+            f"kv_offloading_size {extra['kv_offloading_size']!r} GiB is {from_gib} bytes, but cpu_bytes_to_use is "
+            f"{from_bytes}: give one of them (vLLM's --kv-offloading-size sets cpu_bytes_to_use)"
+        )
+    key, size = ("cpu_bytes_to_use", from_bytes) if from_bytes is not None else ("kv_offloading_size", from_gib)
+    if not size:
+        raise NotServedError(f"{key} {extra[key]!r} is less than a byte")
+    return size
+
+
+def _positive(extra: Mapping[str, Any], key: str, unit: str) -> int | float | None:
+    """``extra[key]`` as a finite number above 0 (a string of one is taken, as vLLM's ``int()`` takes it), or None
+    when the key is absent or null; raises :class:`NotServedError` naming the key otherwise."""
+    value = extra.get(key)
+    if value is None:
+        return None
+    number: int | float
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TypeError
+        number = value if isinstance(value, (int, float)) else _parse(value)
+    except (TypeError, ValueError):
+        raise NotServedError(f"{key} must be a number of {unit}, got {value!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise NotServedError(f"{key} must be a positive number of {unit}, got {value!r}")
+    return number
+
+
+def _parse(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)

@@ -167,7 +167,8 @@ class BlockMover:
     ) -> None:
         if num_chunks < 1:
             raise NotServedError(
-                f"the host tier has room for {num_chunks} chunks: raise cpu_bytes_to_use (one chunk here is "
+                f"the host tier has room for {num_chunks} chunks: raise its size (--kv-offloading-size GiB, "
+                f"kv_offloading_size or cpu_bytes_to_use; one chunk here is "
                 f"{blocks_per_chunk} blocks of {len(device_pages)} layer pages)"
             )
         if storage_url and blocks_per_chunk != 1:

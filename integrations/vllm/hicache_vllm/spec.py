@@ -304,13 +304,14 @@ class HicacheOffloadingWorker(OffloadingWorker):
 
 
 class HicacheOffloadingSpec(OffloadingSpec):
-    """vLLM's offloading spec on hicache: ``spec_module_path: "hicache_vllm"``, ``spec_name: "HicacheOffloadingSpec"``.
+    """vLLM's offloading spec on hicache: ``spec_name: "HicacheOffloadingSpec"`` (registered with vLLM by
+    :mod:`hicache_vllm._vllm_plugin`; ``spec_module_path: "hicache_vllm"`` finds it without the plugin).
 
-    Takes vLLM's CPU spec's keys (``cpu_bytes_to_use``, ``eviction_policy``: ``lru``, the default, is hicache's
-    lease-aware LRU, ``arc`` vLLM's ARC; ``store_threshold``, ...) and
-    hicache's (``hicache_layout``, ``hicache_io_backend``, ``hicache_storage_url``,
-    ``hicache_storage_options``); refuses any other key, and anything it does not serve, with
-    :class:`NotServedError` when vLLM builds it.
+    Takes vLLM's CPU spec's keys (``cpu_bytes_to_use``, which vLLM's ``--kv-offloading-size`` sets;
+    ``eviction_policy``: ``lru``, the default, is hicache's lease-aware LRU, ``arc`` vLLM's ARC;
+    ``store_threshold``, ...) and hicache's (``kv_offloading_size`` in GiB, ``hicache_layout``,
+    ``hicache_io_backend``, ``hicache_storage_url``, ``hicache_storage_options``); refuses any other key,
+    and anything it does not serve, with :class:`NotServedError` when vLLM builds it.
     """
 
     @classmethod
@@ -337,9 +338,9 @@ class HicacheOffloadingSpec(OffloadingSpec):
         self.page_bytes = bytes_per_block // self.num_layers if self.num_layers else 0
         self.num_chunks = 0
         if bytes_per_block > 0 and parallel.world_size > 0:
-            # As vLLM's CPU spec: cpu_bytes_to_use covers every worker's copy of a chunk.
+            # As vLLM's CPU spec: the size (cpu_bytes_to_use) covers every worker's copy of a chunk.
             per_chunk = bytes_per_block * parallel.world_size * self.blocks_per_chunk
-            self.num_chunks = int(self.extra_config["cpu_bytes_to_use"]) // per_chunk
+            self.num_chunks = self.options.host_bytes // per_chunk
         self._manager: OffloadingManager | None = None
         self._worker: HicacheOffloadingWorker | None = None
 

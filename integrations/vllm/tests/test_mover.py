@@ -123,7 +123,7 @@ def test_bad_indices_are_refused_before_any_byte_moves():
     with pytest.raises(ValueError, match="cannot hold"):
         m.submit_load(1, np.array([0]), np.array([0, 1]))
     assert m.get_finished() == []
-    with pytest.raises(NotServedError, match="raise cpu_bytes_to_use"):
+    with pytest.raises(NotServedError, match="raise its size"):
         mover(cache, num_chunks=0)
     m.shutdown()
 

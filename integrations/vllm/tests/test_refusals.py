@@ -47,10 +47,67 @@ def test_vllm_cpu_spec_keys_are_accepted_and_hicache_keys_read():
     assert opts.storage_url == "file:///tmp/x" and opts.storage_options == {"fsync": 1}
 
 
+GIB = 1 << 30
+SPEC = {"spec_name": "HicacheOffloadingSpec"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "size"),
+    [
+        ({"kv_offloading_size": 8}, 8 * GIB),  # the one-line config: GiB, as vLLM's flag reads it
+        ({"kv_offloading_size": "0.5"}, GIB // 2),
+        ({"cpu_bytes_to_use": 0.0625 * GIB}, 64 << 20),  # what vLLM's --kv-offloading-size 0.0625 hands the spec
+        ({"cpu_bytes_to_use": "8000000000"}, 8_000_000_000),  # vLLM's CPU spec takes int() of a string too
+        ({"kv_offloading_size": 1.5, "cpu_bytes_to_use": 1.5 * GIB}, 3 * GIB // 2),  # the flag and the key agree
+    ],
+)
+def test_the_host_tiers_size_in_gib_or_bytes(extra, size):
+    assert parse_extra_config({**SPEC, **extra}).host_bytes == size
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"cpu_bytes_to_use": None}, "cpu_bytes_to_use must be given"),
+        ({}, r"the host tier's size must be given: vLLM's --kv-offloading-size GIB"),
+        ({"cpu_bytes_to_use": None}, "size must be given"),
+        ({"kv_offloading_size": 8, "cpu_bytes_to_use": 8_000_000_000},
+         r"kv_offloading_size 8 GiB is 8589934592 bytes, but cpu_bytes_to_use is 8000000000: give one of them"),
+        ({"kv_offloading_size": 0}, r"kv_offloading_size must be a positive number of GiB, got 0"),
+        ({"kv_offloading_size": -2}, "must be a positive number of GiB"),
+        ({"kv_offloading_size": float("nan")}, r"must be a positive number of GiB, got nan"),
+        ({"kv_offloading_size": "inf"}, "must be a positive number of GiB"),
+        ({"kv_offloading_size": True}, r"kv_offloading_size must be a number of GiB, got True"),
+        ({"kv_offloading_size": "8G"}, "must be a number of GiB"),
+        ({"kv_offloading_size": 1e-12}, "kv_offloading_size 1e-12 is less than a byte"),
+        ({"cpu_bytes_to_use": 0}, r"cpu_bytes_to_use must be a positive number of bytes, got 0"),
+        ({"cpu_bytes_to_use": float("inf")}, "must be a positive number of bytes"),
+        ({"cpu_bytes_to_use": [1]}, "must be a number of bytes"),
+    ],
+)  # fmt: skip
+def test_a_bad_or_ambiguous_size_is_refused(extra, message):
+    with pytest.raises(NotServedError, match=message):
+        parse_extra_config({**SPEC, **extra})
+
+
+def test_vllm_finds_the_spec_by_name_through_the_general_plugin():
+    """``"spec_name": "HicacheOffloadingSpec"`` alone: the plugin registered the name in vLLM's factory."""
+    pytest.importorskip("vllm", reason="needs vLLM installed (integrations/vllm/dev's environment)")
+    code = ("from vllm.plugins import load_general_plugins\n"
+            "load_general_plugins()\n"
+            "from hicache_vllm._vllm_plugin import register\n"
+            "register()  # a second call changes nothing\n"
+            "from vllm.v1.kv_offload.factory import OffloadingSpecFactory\n"
+            "cls = OffloadingSpecFactory.get_spec_cls({'spec_name': 'HicacheOffloadingSpec'})\n"
+            "print(cls.__module__, cls.__name__)\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["hicache_vllm.spec", "HicacheOffloadingSpec"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
         ({"cpu_bytes_to_use": "lots"}, "must be a number of bytes"),
         ({"secondary_tiers": []}, "with hicache, L3 is hicache_storage_url"),
         ({"hicache_layuot": "page_first"}, "does not know: hicache_layuot"),

@@ -56,13 +56,15 @@ def server(model, run, tmp_path_factory):
     # the engine reported, where the test's 16 do not hold 480 tokens): the server gets the same cache.
     blocks = run("baseline")["engine"]["device_blocks"]
     port = free_port()
-    extra = {"spec_module_path": "hicache_vllm", "spec_name": "HicacheOffloadingSpec", "cpu_bytes_to_use": 64 << 20}
-    kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    # The README's turn-on line: vLLM's own --kv-offloading-size (GiB; 64 MiB here) and the spec named, nothing
+    # else (vLLM fills in the connector and its role; hicache-vllm's general plugin registered the name).
+    kv = {"kv_connector_extra_config": {"spec_name": "HicacheOffloadingSpec"}}
     args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(blocks),
             "--max-model-len", "384", "--max-num-seqs", "4", "--max-num-batched-tokens", "512",
             "--enable-prefix-caching", "--dtype", "float32", "--seed", "0", "--enforce-eager",
-            "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(kv)]  # fmt: skip
+            "--enable-prompt-tokens-details",
+            "--kv-offloading-size", "0.0625", "--kv-transfer-config", json.dumps(kv)]  # fmt: skip
     log = tmp_path_factory.mktemp("server") / "server.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env(), start_new_session=True)
