@@ -39,8 +39,11 @@ def test_matrix(capsys):
 def test_matrix_json(capsys):
     assert main(["matrix", "--json", "--device", "cpu", "--sharded"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {r["pool"] for r in rows} == set(hc.get_registry().pool_kinds) >= {
-        "mha", "mha_asym", "mha_k_only", "mla", "page_rows", "dsv4_paged", "dsv4_state"}
+    assert (
+        {r["pool"] for r in rows}
+        == set(hc.get_registry().pool_kinds)
+        >= {"mha", "mha_asym", "mha_k_only", "mla", "page_rows", "dsv4_paged", "dsv4_state"}
+    )
     row = next(r for r in rows if (r["pool"], r["layout"], r["operation"]) ==
                ("mha", "layer_first", "backup_from_device_per_layer"))  # fmt: skip
     assert row["io_backends"]["direct"] == "direct.copy_engine"
@@ -54,9 +57,13 @@ def test_explain_text(capsys):
 
 
 def test_explain_unknown_layout(capsys):
+    """A name nothing registers is bad usage (exit 2, one line on stderr); a combination no implementation serves is
+    an answer (exit 1, the reasons on stdout, --json's {"resolved": false})."""
     code = main(["explain", "--pool", "mha", "--layout", "nope", "--op", "load_to_device_per_layer",
                  "--io-backend", "direct", "--json"])  # fmt: skip
-    assert code == 1 and "Unknown layout 'nope'" in json.loads(capsys.readouterr().out)["error"]
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert err.startswith("hicache explain: error: argument --layout: unknown layout 'nope'; layouts: "), err
 
 
 def test_hicache_storage_check_runs_without_pytest(tmp_path):
@@ -67,7 +74,7 @@ def test_hicache_storage_check_runs_without_pytest(tmp_path):
     code = (
         "import sys; sys.modules['pytest'] = None\n"  # any import of pytest now raises ImportError
         "from hicache_core.cli import main\n"
-        f"sys.exit(main(['storage', 'check', 'file://{tmp_path}/l3']))\n"
+        f"sys.exit(main(['storage', 'check', 'file://{tmp_path}']))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

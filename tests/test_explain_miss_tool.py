@@ -83,7 +83,7 @@ def test_outcome_files_round_trip_and_bad_ones_are_refused(scenario, tmp_path, c
     with pytest.raises(ValueError, match="not \\[reason, detail, time\\]"):
         Outcomes.read(bad)
     assert main(kit.cli_args(scenario, "mixed", "--outcomes", str(bad))) == 2
-    assert "not [reason, detail, time]" in capsys.readouterr().out
+    assert "not [reason, detail, time]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -91,7 +91,8 @@ def test_outcome_files_round_trip_and_bad_ones_are_refused(scenario, tmp_path, c
     (["--token-ids", "1,-2"], "non-negative integers, got -2"),
     (["--token-ids", " "], "no token ids"),
     (["--token-ids", "1,2", "--layout", "nope"], "unknown layout 'nope'"),
-    (["--token-ids", "1,2", "--page-size", "0"], "must be positive"),
+    (["--token-ids", "1,2", "--page-size", "0"], "argument --page-size: takes an integer >= 1, got '0'"),
+    (["--token-ids", "1,2", "--rank", "2", "--tp-size", "2"], "--rank 2 is not a rank of --tp-size 2"),
     (["--token-ids", ",".join(map(str, range(8))), "--page-size", "4", "--host-pages", "3"],
      "host_pages=3 is not in [0, 2]"),
     (["--token-ids", "1,2", "--outcomes", "/nonexistent/x"], "neither an outcomes file"),
@@ -101,9 +102,9 @@ def test_bad_input_is_refused_before_the_store_is_asked(tmp_path, capsys, flags,
     store.mkdir()
     args = ["explain-miss", f"file://{store}", "--model-id", "m", "--shape", kit.SHAPE, "--layers", "2", *flags]
     assert main(args) == 2
-    out = capsys.readouterr().out
-    assert message in out and "Traceback" not in out
-    assert [p for p in store.rglob("*") if p.is_file()] == []  # nothing written
+    out, err = capsys.readouterr()
+    assert out == "" and message in err and err.count("\n") == 1, err  # one line, on stderr
+    assert [p for p in store.rglob("*")] == []  # nothing written, no folder made
 
 
 def test_tokens_from_a_file_and_json(scenario, tmp_path, capsys):
@@ -118,12 +119,11 @@ def test_tokens_from_a_file_and_json(scenario, tmp_path, capsys):
         assert [p["reason"] for p in json.loads(capsys.readouterr().out)["pages"]] == ["in_store"] * 2
     as_json.write_text(json.dumps([1, True]))
     args = ["explain-miss", scenario.url, "--model-id", scenario.model_id, *kit.CLI_GEOMETRY, "--tokens", str(as_json)]
-    assert main(args) == 2 and "got True" in capsys.readouterr().out
+    assert main(args) == 2 and "got True" in capsys.readouterr().err
 
 
 def test_help_says_where_the_remembered_reasons_come_from(capsys):
-    with pytest.raises(SystemExit):
-        main(["explain-miss", "--help"])
+    assert main(["explain-miss", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "timed_out, ranks_disagreed, host_pool_full" in out and "StorageController.explain_miss" in out
 

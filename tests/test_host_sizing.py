@@ -42,8 +42,10 @@ def test_the_three_models_bytes_per_token_equal_sglangs_shapes():
     assert state.slots == int(1e9 // QWEN_STATE) + 1
     tp4 = size_host_tier(LLAMA_3_8B, hicache_size_gb=1.0, tp_size=4, device="cpu").pools[0]
     assert tp4.host_bytes_per_unit == LLAMA_TOKEN // 4
-    assert size_host_tier(LLAMA_3_8B, hicache_size_gb=1.0, tp_size=16, device="cpu").pools[0].host_bytes_per_unit \
-        == LLAMA_TOKEN // 8  # fmt: skip  (SGLang replicates the 8 KV heads past TP 8)
+    assert (
+        size_host_tier(LLAMA_3_8B, hicache_size_gb=1.0, tp_size=16, device="cpu").pools[0].host_bytes_per_unit
+        == LLAMA_TOKEN // 8
+    )  # fmt: skip  (SGLang replicates the 8 KV heads past TP 8)
 
 
 @pytest.mark.parametrize("model,layout", [(LLAMA_3_8B, "page_first"), (LLAMA_3_8B, "layer_first"),
@@ -106,7 +108,8 @@ def test_size_checks_every_rank_on_the_host_together(tmp_path, capsys):
     gb = f"{available * 0.3 / 1e9:.3f}"  # one rank's pool fits with room to spare; eight of them do not
     args = ["size", "--config", str(tmp_path), "--tp", "8", "--hicache-size", gb, "--device", "cpu"]
     assert main(args) == 1
-    text = capsys.readouterr().out
+    text, err = capsys.readouterr()
+    assert err.startswith("hicache size: does not fit: 8 ranks on this host need") and err.count("\n") == 1, err
     assert "TP 8 (figures per TP rank); 8 ranks on this host (assumed: every TP rank on this one; " \
            "--ranks-per-host N to change)" in text  # fmt: skip
     assert "does not fit: 8 ranks on this host need" in text and "Ask for a smaller host pool" in text
@@ -117,5 +120,6 @@ def test_size_checks_every_rank_on_the_host_together(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert (out["ranks_per_host"], out["ranks_per_host_assumed"], out["fits"]) == (2, False, True)
     assert out["bytes_per_host"] == 2 * out["bytes_per_rank"] == 2 * out["pools"][0]["mapped_bytes"]
-    assert main([*args, "--ranks-per-host", "0"]) == 2
-    assert "ranks_per_host must be >= 1" in capsys.readouterr().err
+    assert main([*args, "--ranks-per-host", "0"]) == 2  # bad usage: one line on stderr, nothing on stdout
+    out, err = capsys.readouterr()
+    assert out == "" and "argument --ranks-per-host: takes an integer >= 1, got '0'" in err

@@ -87,6 +87,7 @@ def test_the_storage_commands_never_print_the_key(tmp_path):
     A guard: these printed no key before ``secret=True`` either (tests/test_storage_secrets.py scans them in
     process); here they run as the command a user pastes from.
     """
+    (tmp_path / "l3").mkdir()  # the check inspects a store; it creates none
     url = f"file://{tmp_path / 'l3'}"
     # The text form; the --json form runs in tests/test_storage_unkeyed.py, and `storage stats` in process in
     # tests/test_storage_secrets.py (each command a process costs CI seconds of torch's import).
@@ -98,7 +99,7 @@ def test_the_storage_commands_never_print_the_key(tmp_path):
     ], out
     assert "UNAUTHENTICATED" not in out + err and "WARN" not in out
     code, out, err, leaked = run_cli(HICACHE, "storage", "check", url, HICACHE_L3_KEY=SHORT)  # make_storage refuses
-    assert (code, leaked) == (2, 0) and "is 20 bytes; it must be at least 32" in out, out + err
+    assert (code, leaked) == (2, 0) and "is 20 bytes; it must be at least 32" in err, out + err
 
 
 def test_a_secret_is_hidden_by_default_and_its_refusal_does_not_quote_it(monkeypatch):

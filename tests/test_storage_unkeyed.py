@@ -107,6 +107,7 @@ def test_only_a_bound_store_without_a_key_warns(tmp_path, caplog, monkeypatch, n
 
 
 def test_storage_check_says_loudly_that_pages_are_unauthenticated(tmp_path):
+    (tmp_path / "l3").mkdir()  # the check inspects a store; it creates none
     url = f"file://{tmp_path / 'l3'}"
     code, out, err, _ = run_cli(HICACHE, "storage", "check", url)
     assert code == 0, out + err  # the store works; a missing key is the operator's choice, not a failed check

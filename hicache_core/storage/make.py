@@ -78,6 +78,19 @@ def make_storage(
         raise
 
 
+def check_url(url: str, registry: Registry | None = None) -> StorageURL:
+    """``url`` parsed, where an installed backend serves its scheme; nothing is opened or created.
+
+    :raises UnknownStorageScheme: no installed backend serves the scheme.
+    :raises ValueError: not a storage URL.
+    """
+    parsed = StorageURL.parse(url)
+    registry = registry or get_registry()
+    if parsed.scheme not in registry.storage_backends:
+        raise UnknownStorageScheme(_unknown_scheme_message(parsed, registry))
+    return parsed
+
+
 def _unknown_scheme_message(url: StorageURL, registry: Registry) -> str:
     installed = registry.storage_backends
     lines = [f"No storage backend serves {url.scheme}:// (URL {url.redacted!r})."]

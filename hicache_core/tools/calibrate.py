@@ -20,6 +20,7 @@ measured beside each choice.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -96,7 +97,7 @@ def under_compute(impl: Implementation, op: str, h, d, layers: int, nbytes_one: 
 def run_calibrate(shapes=("llama-8b", "deepseek-mla"), tokens=(64, 512, 4096, 32768), layouts=None,
                   page_size: int = 64, quick: bool = False, out: str | None = None) -> int:  # fmt: skip
     if not torch.cuda.is_available():
-        print("hicache calibrate needs a GPU: it measures this device")
+        print("hicache calibrate: needs a GPU: it measures this device", file=sys.stderr)
         return 1
     registry = get_registry()
     identity = autoselect.device_identity()

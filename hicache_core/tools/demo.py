@@ -17,6 +17,9 @@ from ..registry import get_registry
 from .progress import progress
 from .shapes import SHAPES
 
+#: The demo's page size on each device type (tokens per transfer are a multiple of it).
+PAGE_SIZE = {"cuda": 64, "cpu": 16}
+
 
 def random_pages(num_pages: int, count: int, page_size: int, generator: torch.Generator) -> torch.Tensor:
     """Token slots of ``count`` distinct random pages out of pages ``1 .. num_pages-1`` (page 0 is padding)."""
@@ -50,15 +53,18 @@ def run_demo(device: str | None = None, tokens: int | None = None) -> int:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
     tokens = tokens or (4096 if on_gpu else 256)
-    page_size = 64 if on_gpu else 16
+    page_size = PAGE_SIZE[device.type]
+    if tokens % page_size:
+        raise ValueError(f"--tokens {tokens}: takes a multiple of the page size, {page_size} on {device.type}")
     registry = get_registry()
     gen = torch.Generator().manual_seed(0)
     cases = [
         (shape, layout)
         for shape in SHAPES.values()
         for layout, decl in sorted(registry.layouts.items())
-        if TransferRequest("reference", LOAD, shape.geometry(page_size=page_size, device_type=device.type), decl)
-        .storable
+        if TransferRequest(
+            "reference", LOAD, shape.geometry(page_size=page_size, device_type=device.type), decl
+        ).storable
     ]
     print(f"hicache demo on {device} ({torch.cuda.get_device_name(device) if on_gpu else 'CPU'}), "
           f"{tokens} tokens per transfer, page size {page_size}")  # fmt: skip

@@ -32,10 +32,15 @@ from typing import Any
 from ..host_pool import make_host_pool
 from ..metrics import metrics_dir
 from ..registry import get_registry
+from ..settings import SettingError
+from ..storage.backend import StorageError
 from ..storage.explain import Outcomes, explain_miss
+from ..storage.url import redact_url
+from .arguments import non_negative_int, positive_int
 from .shapes import SHAPES
 from .storage_check import open_store
 
+WHO = "hicache explain-miss"
 EPILOG = """reasons from the store: in_store, not_in_store, checksum_failed, layout_mismatch, earlier_page_missing;
 in_host with --host-pages; old_weight_version with --old-weight-version. timed_out, ranks_disagreed, host_pool_full,
 queue_full and cancelled (and each page's last_outcome: loaded, earlier_page_failed, ...) come only from the
@@ -51,11 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="the store (file:///dir, redis://host:port/db, mooncake://host:port, ...)")
     p.add_argument("--model-id", required=True, help="the model id the server passed (SGLang: the model path)")
     p.add_argument("--shape", required=True, choices=sorted(SHAPES), help="the pool's model shape")
-    p.add_argument("--layers", type=int, help="host layers per page (default: the shape's)")
-    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--layers", type=positive_int, help="host layers per page (default: the shape's)")
+    p.add_argument("--page-size", type=positive_int, default=64)
     p.add_argument("--layout", default="page_first", help="the host pool layout (hicache plugins lists them)")
-    p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
-    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--rank", type=non_negative_int, default=0, help="tensor-parallel rank")
+    p.add_argument("--tp-size", type=positive_int, default=1)
     p.add_argument("--weight-version", default="", help="the server's weight version (SGLang: --weight-version, "
                    "or the version of its last in-place weight update; default: unversioned)")  # fmt: skip
     p.add_argument("--old-weight-version", action="append", default=[], metavar="VERSION",
@@ -65,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     tokens.add_argument("--tokens", metavar="FILE", help="token ids: a JSON list, or ids separated by spaces, "
                         "commas or newlines ('-': stdin)")  # fmt: skip
     tokens.add_argument("--token-ids", metavar="LIST", help="token ids, comma-separated")
-    p.add_argument("--host-pages", type=int, help="leading pages the host tier holds (reported in_host)")
+    p.add_argument("--host-pages", type=non_negative_int, help="leading pages the host tier holds (reported in_host)")
     p.add_argument("--outcomes", metavar="PATH", help="an outcomes file, or a folder of hicache-outcomes-*.json "
                    "(default: $HICACHE_METRICS_DIR)")  # fmt: skip
     p.add_argument("--json", action="store_true")
@@ -74,18 +79,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Explain the miss; exit 0 when every page would hit, 1 when some would not, 2 on bad input or no store."""
     try:
+        if args.rank >= args.tp_size:
+            raise ValueError(f"--rank {args.rank} is not a rank of --tp-size {args.tp_size} (ranks 0 to "
+                             f"{args.tp_size - 1})")  # fmt: skip
         token_ids = _token_ids(args)
         pool = _pool(args)
         outcomes, broken = _outcomes(args.outcomes, args.rank)
+    except SettingError:
+        raise
     except (ValueError, OSError) as exc:
-        print(f"hicache explain-miss: {exc}")
+        print(f"{WHO}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
     versions = [*args.old_weight_version, args.weight_version]
-    backend = open_store(args.url, pool, model_id=args.model_id, tp_rank=args.rank, tp_size=args.tp_size,
-                         weight_version=versions[0])  # fmt: skip
+    backend, code = open_store(args.url, pool, who=WHO, model_id=args.model_id, tp_rank=args.rank,
+                               tp_size=args.tp_size, weight_version=versions[0])  # fmt: skip
     if backend is None:
-        return 2
+        return code
     try:
         for version in versions[1:]:  # the store remembers each earlier version, as the server's did
             backend.set_weight_version(version)
@@ -93,8 +103,11 @@ def run(args: argparse.Namespace) -> int:
         report = explain_miss(backend, token_ids, host_pages=args.host_pages, outcomes=memory, rank=args.rank,
                               broken=broken.get(backend.namespace.prefix, ""))  # fmt: skip
     except (ValueError, TypeError) as exc:
-        print(f"hicache explain-miss: {exc}")
+        print(f"{WHO}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except StorageError as exc:
+        print(f"{WHO}: the store failed: {' '.join(redact_url(str(exc)).split())}", file=sys.stderr)
+        return 1
     finally:
         backend.close()
     if args.json:
@@ -104,7 +117,10 @@ def run(args: argparse.Namespace) -> int:
         if memory is None:
             print("(no outcome memory of this namespace and rank was read: timed_out, ranks_disagreed and "
                   "host_pool_full come from StorageController.write_outcomes() files or the live API)")  # fmt: skip
-    return 0 if report.hit_pages == len(report.pages) else 1
+    if report.hit_pages == len(report.pages):
+        return 0
+    print(f"{WHO}: {len(report.pages) - report.hit_pages} of {len(report.pages)} pages would miss", file=sys.stderr)
+    return 1
 
 
 def _token_ids(args: argparse.Namespace) -> list[int]:
@@ -136,8 +152,6 @@ def _token_ids(args: argparse.Namespace) -> list[int]:
 def _pool(args: argparse.Namespace) -> Any:
     """A small CPU host pool of the server's geometry (a page's key and namespace do not depend on its size)."""
 
-    if args.page_size < 1 or (args.layers is not None and args.layers < 1):
-        raise ValueError("--page-size and --layers must be positive")
     if args.layout not in get_registry().layouts:
         raise ValueError(f"unknown layout {args.layout!r}; layouts: {', '.join(sorted(get_registry().layouts))}")
     tokens = 4 * args.page_size

@@ -134,12 +134,29 @@ def _prefixes(p: PoolSize, prefix_tokens: int) -> int | None:
 
 
 def load_config(path: str | Path) -> dict[str, Any]:
-    """A Hugging Face ``config.json`` (or a folder holding one); a multimodal model's ``text_config`` inside."""
+    """A Hugging Face ``config.json`` (or a folder holding one); a multimodal model's ``text_config`` inside.
+
+    :raises ValueError: the file is not JSON, or not a JSON object (a model config is one).
+    :raises OSError: no such file, or it cannot be read.
+    """
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    config = json.loads(path.read_text())
-    return {**config, **config.get("text_config", {})} if "text_config" in config else config
+    try:
+        config = json.loads(path.read_bytes())
+    except ValueError as exc:  # bad JSON, or bytes that are not UTF-8
+        raise ValueError(f"--config {path}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path}: a model config is a JSON object, got a JSON {_json_type(config)}")
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise ValueError(f"--config {path}: text_config is a JSON object, got a JSON {_json_type(text)}")
+    return {**config, **text} if text is not None else config
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def size_host_tier(config: dict[str, Any], *, tp_size: int = 1, layout: str = "page_first", page_size: int = 64,
@@ -158,6 +175,13 @@ def size_host_tier(config: dict[str, Any], *, tp_size: int = 1, layout: str = "p
     if tp_size < 1 or page_size < 1 or prefix_tokens < 1 or (ranks_per_host is not None and ranks_per_host < 1):
         raise ValueError("tp_size, page_size, prefix_tokens and ranks_per_host must be >= 1")
     ranks = tp_size if ranks_per_host is None else ranks_per_host
+    if not 0 <= hicache_size_gb < math.inf or not 0 < hicache_ratio < math.inf:
+        raise ValueError(f"--hicache-size takes a finite number >= 0 and --hicache-ratio a finite number > 0, got "
+                         f"{hicache_size_gb} and {hicache_ratio}")  # fmt: skip
+    if hicache_size_gb * 1e9 == math.inf:
+        raise ValueError(f"--hicache-size {hicache_size_gb:g} GB is more bytes than a number can hold")
+    if (device_tokens is not None and device_tokens < 1) or (mamba_slots is not None and mamba_slots < 1):
+        raise ValueError("device_tokens and mamba_slots must be >= 1")
     if hicache_size_gb <= 0 and device_tokens is None:
         raise ValueError("give the host size: --hicache-size GB, or --device-tokens N with --hicache-ratio")
     dtype = _dtype(config, kv_dtype)
@@ -197,8 +221,11 @@ def size_host_tier(config: dict[str, Any], *, tp_size: int = 1, layout: str = "p
             need = f"{ranks} ranks on this host need {ranks * per_rank} bytes together ({per_rank} a rank)"
         refusal = (f"{need}{keep}, but {which} leaves {available} bytes. Ask for a smaller host pool (SGLang's "
                    "--hicache-size is per rank), or run fewer ranks on this host")  # fmt: skip
-    name = config.get("_name_or_path") or ",".join(config.get("architectures", [])) or config.get("model_type", "?")
-    return SizingReport(name, tp_size, tuple(pools), prefix_tokens, available, which, refusal, ranks,
+    architectures = config.get("architectures")
+    if not isinstance(architectures, list):
+        architectures = [] if architectures is None else [architectures]
+    name = config.get("_name_or_path") or ",".join(map(str, architectures)) or config.get("model_type") or "?"
+    return SizingReport(str(name), tp_size, tuple(pools), prefix_tokens, available, which, refusal, ranks,
                         ranks_per_host is None)  # fmt: skip
 
 
@@ -221,7 +248,7 @@ def _pool(name, geometry, layout, unit, size_gb, ratio, device_units, pinned, ve
 
 def _dtype(config: dict[str, Any], kv_dtype: str) -> torch.dtype:
     name = (config.get("torch_dtype") or config.get("dtype") or "bfloat16") if kv_dtype == "auto" else kv_dtype
-    if name not in _DTYPES:
+    if not isinstance(name, str) or name not in _DTYPES:
         raise ValueError(f"KV cache dtype {name!r} is not one of {', '.join(_DTYPES)}")
     return _DTYPES[name]
 
@@ -230,10 +257,12 @@ def _layers(config: dict[str, Any]) -> tuple[int, int]:
     """(attention layers, linear-attention (Mamba) layers)."""
     n = _need(config, "num_hidden_layers")
     types = config.get("layer_types")
+    if types is not None and (not isinstance(types, list) or not all(isinstance(t, str) for t in types)):
+        raise ValueError(f"the model config's 'layer_types' must be a list of names, got {json.dumps(types)[:80]}")
     if types:
         mamba = sum(1 for t in types if t in ("linear_attention", "mamba"))
         return len(types) - mamba, mamba
-    interval = config.get("full_attention_interval")
+    interval = _optional(config, "full_attention_interval")
     if interval and "linear_num_value_heads" in config:
         attention = n // interval
         return attention, n - attention
@@ -242,13 +271,17 @@ def _layers(config: dict[str, Any]) -> tuple[int, int]:
 
 def _kv_geometry(config, tp, layers, dtype, page_size, device):
     kinds = get_registry().pool_kinds
-    if config.get("kv_lora_rank"):
-        latent, rope = config["kv_lora_rank"], _need(config, "qk_rope_head_dim")
+    latent = _optional(config, "kv_lora_rank")
+    if latent:
+        rope = _need(config, "qk_rope_head_dim")
         return example_geometry(kinds["mla"], page_size=page_size, layer_num=layers, device_type=device, dtype=dtype,
                                 rows={"kv": (1, latent + rope)},
                                 extras={"kv_lora_rank": latent, "qk_rope_head_dim": rope})  # fmt: skip
-    heads = config.get("num_key_value_heads") or _need(config, "num_attention_heads")
-    head_dim = config.get("head_dim") or _need(config, "hidden_size") // _need(config, "num_attention_heads")
+    heads = _optional(config, "num_key_value_heads") or _need(config, "num_attention_heads")
+    head_dim = _optional(config, "head_dim") or _need(config, "hidden_size") // _need(config, "num_attention_heads")
+    if head_dim < 1:
+        raise ValueError(f"the model config's hidden_size {config['hidden_size']} is smaller than its "
+                         f"{config['num_attention_heads']} attention heads")  # fmt: skip
     per_rank = max(1, heads // tp)  # SGLang replicates KV heads when TP exceeds them
     return example_geometry(kinds["mha"], page_size=page_size, layer_num=layers, device_type=device, dtype=dtype,
                             rows={"k": (per_rank, head_dim), "v": (per_rank, head_dim)})  # fmt: skip
@@ -268,8 +301,23 @@ def _mamba_geometry(config, tp, layers, dtype, device):
                             rows={"temporal": (temporal,), "conv": (conv,)})  # fmt: skip
 
 
-def _need(config: dict[str, Any], key: str) -> Any:
+def _need(config: dict[str, Any], key: str) -> int:
+    """The config's ``key``, a whole number >= 1 (the model's shape: layers, heads, dims)."""
     if key not in config:
         raise ValueError(f"the model config has no {key!r}: hicache size knows MHA/GQA, MLA (kv_lora_rank) and "
                          "Qwen3-Next-style hybrid (linear_* keys) models")  # fmt: skip
-    return config[key]
+    return _count(config, key)
+
+
+def _optional(config: dict[str, Any], key: str) -> int | None:
+    """The config's ``key`` where it is set (not absent, null or 0), a whole number >= 1; else ``None``."""
+    if config.get(key) in (None, 0):
+        return None
+    return _count(config, key)
+
+
+def _count(config: dict[str, Any], key: str) -> int:
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"the model config's {key!r} must be a whole number >= 1, got {json.dumps(value)}")
+    return value

@@ -3,33 +3,51 @@
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from typing import Any
 
 import torch
 
 from ..host_pool import make_host_pool
-from ..storage.backend import PageStatus, StorageError
+from ..registry import get_registry
+from ..storage.backend import PageStatus
 from ..storage.keys import page_hashes
 from ..storage.make import make_storage
-from ..storage.url import redact_url
+from ..storage.url import StorageURL, redact_url
 from ..testing.cases import as_bytes, build_device_pools, fill_random, pages_of
 
 
-def open_store(url: str, host: Any = None, **kw: Any) -> Any:
-    """The store of ``url``, reachable; or ``None`` after printing why not (never a traceback)."""
+def open_store(url: str, host: Any = None, *, who: str = "hicache storage", **kw: Any) -> tuple[Any, int]:
+    """``(store, 0)``: the store of ``url``, reachable; or ``(None, exit status)`` after one line on stderr saying
+    why not (never a traceback): 2 for a URL, option or setting it does not take, 1 for a store it cannot reach.
+
+    The store is opened to be looked at (``storage check``, ``storage stats``, ``explain-miss``): a backend that
+    declares an ``inspect`` option (``file://``) gets ``inspect=1``, so that it creates nothing (a directory that
+    does not exist is refused, not made) and tidies nothing of what it finds.
+    """
     try:
+        cls = get_registry().storage_backends.get(StorageURL.parse(url).scheme)
+        if cls is not None and "inspect" in cls.options_help:
+            kw.setdefault("inspect", "1")
         store = make_storage(url, host, **kw)
-    except (StorageError, ValueError, OSError) as exc:
-        print(f"hicache storage: cannot open {redact_url(url)}: {redact_url(str(exc))}")
-        return None
+    except ValueError as exc:  # not a URL, no backend for its scheme, an option or a key setting it refuses
+        print(f"{who}: error: cannot open {redact_url(url)}: {_one_line(redact_url(str(exc)))}", file=sys.stderr)
+        return None, 2
+    except Exception as exc:  # noqa: BLE001 - the store (or its driver) failed to open: say so, no traceback
+        print(f"{who}: cannot open {redact_url(url)}: {_one_line(redact_url(str(exc)))}", file=sys.stderr)
+        return None, 1
     try:
         store.ping()
-    except StorageError as exc:
+    except Exception as exc:  # noqa: BLE001 - StorageError, or a driver's own error: the store is not reachable
         store.close()
-        print(f"hicache storage: {redact_url(str(exc))}")
-        return None
-    return store
+        print(f"{who}: {redact_url(url)} is not reachable: {_one_line(redact_url(str(exc)))}", file=sys.stderr)
+        return None, 1
+    return store, 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _small_pool(page_size: int = 4, pages: int = 16) -> Any:
@@ -50,23 +68,24 @@ def run_check(url: str, as_json: bool = False) -> int:
     """
     host = _small_pool()
     model_id = f"hicache-check-{uuid.uuid4().hex[:12]}"
-    store = open_store(url, host, model_id=model_id)
+    who = "hicache storage check"
+    store, code = open_store(url, host, who=who, model_id=model_id)
     if store is None:
-        return 2
+        return code
     second = not store.backend.capabilities.reads_own_writes
     reader, reader_host = store, host
     if second:
         reader_host = _small_pool()
-        reader = open_store(url, reader_host, model_id=model_id)
+        reader, code = open_store(url, reader_host, who=who, model_id=model_id)
         if reader is None:
             store.close()
-            return 2
+            return code
     via = " (by a second instance)" if second else ""
     steps: list[tuple[str, bool, str]] = []
+    p = host.page_size
+    keys = page_hashes(list(range(6 * p)), p)
     try:
         steps += store.backend.check_steps()
-        p = host.page_size
-        keys = page_hashes(list(range(6 * p)), p)
         src = pages_of(torch.tensor([1, 3, 5, 7, 9, 11]), p)
         dst = pages_of(torch.tensor([2, 4, 6, 8, 10, 12]), p)
         written = store.write_pages(keys[:5], src[: 5 * p])
@@ -90,8 +109,13 @@ def run_check(url: str, as_json: bool = False) -> int:
         stats = store.get_stats().as_dict()
         reader_stats = reader.get_stats().as_dict() if second else None
     except Exception as exc:  # noqa: BLE001 - the store failed mid-check: say so, without a traceback
-        print(f"hicache storage check {redact_url(url)}: the store failed: {type(exc).__name__}: "
-              f"{redact_url(str(exc))}; {store.backend.server_hint or 'check the store'}")  # fmt: skip
+        print(f"{who} {redact_url(url)}: the store failed: {type(exc).__name__}: "
+              f"{_one_line(redact_url(str(exc)))}; {store.backend.server_hint or 'check the store'}",
+              file=sys.stderr)  # fmt: skip
+        try:  # what the check wrote must not stay behind
+            store.backend.remove_objects(store.namespace.keys(keys))
+        except Exception:  # noqa: BLE001, S110 - the store is failing already; its error was said above
+            pass
         return 1
     finally:
         if second:
@@ -122,6 +146,10 @@ def run_check(url: str, as_json: bool = False) -> int:
         else:
             print(f"  WARN {auth}")
         print("all checks passed" if ok else "some checks FAILED")
+    if not ok:
+        failed = [s for s in steps if not s[1]]
+        print(f"{who} {redact_url(url)}: {len(failed)} check(s) FAILED, first: {failed[0][0]}"
+              f"{': ' + _one_line(failed[0][2]) if failed[0][2] else ''}", file=sys.stderr)  # fmt: skip
     return 0 if ok else 1
 
 
@@ -135,9 +163,9 @@ def _auth_warning(key: Any) -> str | None:
 
 def run_stats(url: str) -> int:
     """Print the store's own figures (and this process's counters, which start at zero) as JSON."""
-    store = open_store(url)
+    store, code = open_store(url, who="hicache storage stats")
     if store is None:
-        return 2
+        return code
     try:
         stats = store.get_stats().as_dict()
     finally:
@@ -146,7 +174,11 @@ def run_stats(url: str) -> int:
         stats["backend"]["error"] = redact_url(stats["backend"]["error"])
     print(json.dumps({"url": redact_url(url), "backend_class": type(store.backend).__name__,
                       "capabilities": vars(store.backend.capabilities), **stats}, indent=2, default=str))  # fmt: skip
-    return 0 if "error" not in stats["backend"] else 1
+    if "error" in stats["backend"]:
+        print(f"hicache storage stats {redact_url(url)}: the store's figures failed: "
+              f"{_one_line(str(stats['backend']['error']))}", file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
 
 
 def _why(results) -> str:

@@ -19,6 +19,7 @@ import torch
 from ..host_pool import make_host_pool
 from ..storage.controller import StorageController
 from ..storage.make import make_storage
+from ..storage.url import redact_url
 from .shapes import SHAPES
 
 SHAPE = "llama-8b"
@@ -88,18 +89,18 @@ def role_load(url: str, model_id: str, tokens: int, seed: int, device: str) -> i
           f"prefetched {res.completed} in {prefetch_s * 1e3:.1f} ms; the store's counters: pages_read "
           f"{stats.pages_read}, bytes_read {stats.bytes_read}, read_corrupt {stats.read_corrupt}")  # fmt: skip
     if res.completed != tokens // PAGE:
-        print(f"prefix not complete: {res.error or [r.detail for r in res.results if not r.ok][:3]}")
+        print(f"process 2: prefix not complete: {res.error or [r.detail for r in res.results if not r.ok][:3]}",
+              file=sys.stderr)  # fmt: skip
         return 1
     new_slots = torch.arange(PAGE, PAGE + tokens)  # any free device pages
     for layer in range(LAYERS):
         host.load_to_device_per_layer(dev, res.host_indices, new_slots.to(device), layer, "auto")
     rows = _device_rows(dev)
-    same = all(
-        torch.equal(_byte_rows(r)[new_slots].cpu(), data)
-        for r, data in zip(rows, kv)
+    same = all(torch.equal(_byte_rows(r)[new_slots].cpu(), data) for r, data in zip(rows, kv))
+    print(
+        f"process 2: loaded to {device} layer by layer; the bytes {'match' if same else 'DO NOT match'} "
+        "what process 1 computed"
     )
-    print(f"process 2: loaded to {device} layer by layer; the bytes {'match' if same else 'DO NOT match'} "
-          "what process 1 computed")
     return 0 if same else 1
 
 
@@ -124,12 +125,16 @@ def run_storage_demo(url: str, device: str | None = None, tokens: int = 512, wri
         cmd = [sys.executable, "-m", __name__, role, url, model_id, str(tokens), str(seed), device]
         done = subprocess.run(cmd, timeout=300)
         if done.returncode != 0:
-            print(f"hicache demo --storage: the {role} process failed (exit {done.returncode})")
+            print(f"hicache demo --storage: the {role} process failed (exit {done.returncode})", file=sys.stderr)
             if role == "load" and url.lower().startswith("mooncake://"):
-                print("  mooncake:// keeps a page in the segment of the client that stored it, and process 1's "
-                      "segment left with it. Keep pages beyond their writer with a mooncake_client that lends "
-                      "memory to the store: mooncake_client -master_server_address=HOST:PORT "
-                      "-global_segment_size=1GB -protocol=tcp -metadata_server=P2PHANDSHAKE")
+                print(
+                    "hicache demo --storage: mooncake:// keeps a page in the segment of the client that stored "
+                    "it, and process 1's segment left with it. Keep pages beyond their writer with a "
+                    "mooncake_client that lends memory to the store: mooncake_client "
+                    "-master_server_address=HOST:PORT -global_segment_size=1GB -protocol=tcp "
+                    "-metadata_server=P2PHANDSHAKE",
+                    file=sys.stderr,
+                )
             return 1
     print("L3 demo passed: a prefix backed up by one process was found, prefetched and loaded by another")
     return 0
@@ -145,7 +150,7 @@ def _demo_with_writer(url: str, model_id: str, tokens: int, seed: int, device: s
             line = writer.stdout.readline()
             print(line, end="")  # and whatever its libraries logged before
         if "staying" not in line:
-            print("hicache demo --storage: the backup process failed")
+            print("hicache demo --storage: the backup process failed", file=sys.stderr)
             return 1
         done = subprocess.run([sys.executable, "-m", __name__, "load", *args], timeout=300)
     finally:
@@ -155,15 +160,28 @@ def _demo_with_writer(url: str, model_id: str, tokens: int, seed: int, device: s
         finally:
             writer.kill()
     if done.returncode != 0:
-        print(f"hicache demo --storage: the load process failed (exit {done.returncode})")
+        print(f"hicache demo --storage: the load process failed (exit {done.returncode})", file=sys.stderr)
         return 1
-    print("L3 demo passed: a prefix backed up by one process was found, prefetched and loaded by another "
-          "while the first one held it")
+    print(
+        "L3 demo passed: a prefix backed up by one process was found, prefetched and loaded by another "
+        "while the first one held it"
+    )
     return 0
 
 
+def _role(argv: list[str]) -> int:
+    """One process of the demo; whatever stops it is one line on stderr (the parent says which process failed)."""
+    role, url, model_id, tokens, seed, device = argv[:6]
+    try:
+        if role == "load":
+            return role_load(url, model_id, int(tokens), int(seed), device)
+        return role_backup(url, model_id, int(tokens), int(seed), device, stay=role == "backup-stay")
+    except Exception as exc:  # noqa: BLE001 - the store or the pools refused: say so, no traceback
+        text = " ".join(redact_url(str(exc)).split())
+        print(f"hicache demo --storage: process {'2' if role == 'load' else '1'}: {type(exc).__name__}: {text}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 1
+
+
 if __name__ == "__main__":
-    role, url, model_id, tokens, seed, device = sys.argv[1:7]
-    if role == "load":
-        sys.exit(role_load(url, model_id, int(tokens), int(seed), device))
-    sys.exit(role_backup(url, model_id, int(tokens), int(seed), device, stay=role == "backup-stay"))
+    sys.exit(_role(sys.argv[1:7]))

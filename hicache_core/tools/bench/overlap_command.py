@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -50,7 +51,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
     ``modes`` (default: ``sglang`` and ``loader`` with ``quick``, else all): how the loads are issued,
     :data:`hicache_core.tools.bench.overlap.MODES`."""
     if not torch.cuda.is_available():
-        print("hicache bench --overlap needs a GPU")
+        print("hicache bench: --overlap needs a GPU", file=sys.stderr)
         return 1
     registry = get_registry()
     impls = implementations_to_time(registry, only)
@@ -146,7 +147,7 @@ def run_overlap(out: str = "benchmarks/results", quick: bool = False, only: str 
                     print(f"auto backup: not measured: {exc}")
                 for impl_name, impl in backups.items():
                     where = host.plan.device if impl.index_device == "device" else torch.device("cpu")
-                    for budget in ((8, 0) if hasattr(impl, "max_ctas") else (None,)):
+                    for budget in (8, 0) if hasattr(impl, "max_ctas") else (None,):
                         if budget is not None:
                             impl.max_ctas = budget
                         try:

@@ -117,6 +117,9 @@ class FileStorage(StorageBackend):
         "URL's directory and these by key",
         "io_depth": "direct-I/O requests in flight at once (default 16)",
         "request_bytes": "bytes of one direct-I/O request, a multiple of 4096 (default 1MiB)",
+        "inspect": "1: opened to be looked at (hicache storage check, stats, explain-miss): a directory that does not "
+        "exist is refused, not created; nothing found is tidied (no stale temporary file removed, no O_DIRECT probe "
+        "written: check_steps probes); a page removed takes the folders it emptied with it. Default 0",
     }
 
     def __init__(self, url: StorageURL, **options: Any) -> None:
@@ -146,7 +149,14 @@ class FileStorage(StorageBackend):
         if self.request_bytes < _ALIGN or self.request_bytes % _ALIGN:
             raise ValueError(f"option request_bytes={options['request_bytes']!r} must be a multiple of 4096")
         self.capacity = option_bytes(options["capacity"], "capacity") if "capacity" in options else None
+        #: Opened to be looked at (``inspect=1``): nothing is created or tidied (see :attr:`options_help`).
+        self.inspect = option_bool(options.get("inspect", False), "inspect")
         for root in self.roots:
+            if self.inspect:
+                if not root.is_dir():
+                    what = "is not a directory" if root.exists() else "does not exist"
+                    raise StorageError(f"the storage directory {root} {what} (opened to inspect: nothing is created)")
+                continue
             try:
                 root.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -155,8 +165,13 @@ class FileStorage(StorageBackend):
                 raise StorageError(f"the storage directory {root} is not writable")
         #: Per directory: ``None`` when it takes O_DIRECT, else why not (a fall back reason).
         self.direct_refused: dict[Path, str | None] = {}
+        #: Directories not probed for O_DIRECT (``inspect=1``): tried direct, an EINVAL falls back as it comes.
+        self._unprobed: set[Path] = set(self.roots) if self.inspect and self.o_direct else set()
         if self.o_direct:
             for root in self.roots:
+                if root in self._unprobed:
+                    self.direct_refused[root] = None
+                    continue
                 why = _probe_direct(root) if hasattr(os, "O_DIRECT") else "no O_DIRECT on this platform"
                 self.direct_refused[root] = why
                 if why is not None and self.direct_mode == "1":
@@ -180,7 +195,7 @@ class FileStorage(StorageBackend):
         self._buffered = {"read": 0, "write": 0}
         self._local = threading.local()
         self._pool: ThreadPoolExecutor | None = None
-        self._cleaned_tmp = self._remove_stale_tmp()
+        self._cleaned_tmp = 0 if self.inspect else self._remove_stale_tmp()
         if self.capacity is not None:
             self._scan()
         for root, why in self.direct_refused.items():
@@ -343,11 +358,18 @@ class FileStorage(StorageBackend):
     def remove_objects(self, keys: Sequence[str]) -> None:
         for key in keys:
             _unlink(self.root_of(key) / "raw" / key.replace("/", "_"))
+            path = self.path_of(key)
             try:
-                self.path_of(key).unlink()
+                path.unlink()
             except FileNotFoundError:
                 pass
             self._forget(key)
+            if self.inspect:  # the folders this page emptied go too: an inspection leaves the store as it was
+                for folder in (path.parent, path.parent.parent):
+                    try:
+                        folder.rmdir()
+                    except OSError:  # not empty (other pages), or already gone
+                        break
 
     def clear(self) -> None:
         for path in list(self._page_files()):
@@ -389,12 +411,17 @@ class FileStorage(StorageBackend):
             "stale_tmp_removed": self._cleaned_tmp,
             "fsync": self.fsync,
             "o_direct": {"auto": "auto", "1": True, "0": False}[self.direct_mode],
-            "direct_directories": {str(r): why or "O_DIRECT" for r, why in self.direct_refused.items()},
+            "direct_directories": {str(r): self._direct_status(r) for r in self.direct_refused},
             "io_depth": self.io_depth,
             "direct_pages": direct,  # straight between the pool and the drive
             "buffered_pages": buffered,  # through the page cache (o_direct=0, or fallen back under auto)
             "direct_fallbacks": fallbacks,
         }
+
+    def _direct_status(self, root: Path) -> str:
+        if root in self._unprobed:
+            return "not probed (inspect=1)"
+        return self.direct_refused[root] or "O_DIRECT"
 
     def check_steps(self) -> list[tuple[str, bool, str]]:
         steps = []
@@ -405,6 +432,9 @@ class FileStorage(StorageBackend):
                 steps.append((f"directory {root}", True, f"{where}; o_direct=0: reads and writes buffered"))
                 continue
             why = _probe_direct(root) if hasattr(os, "O_DIRECT") else "no O_DIRECT on this platform"
+            if root in self._unprobed:  # the round trip that follows takes the path a server's would
+                self._unprobed.discard(root)
+                self.direct_refused[root] = why
             detail = f"{where}; takes O_DIRECT" if why is None else f"{where}; refuses O_DIRECT ({why})"
             steps.append((f"directory {root}", why is None or self.direct_mode == "auto", detail))
         steps.append(("read path", True, self.read_path()))
