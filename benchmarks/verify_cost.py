@@ -144,14 +144,17 @@ def device_pool(kind: str, items: int, page: int, device: str = "cuda"):
     return dp
 
 
-def pool_pair(kind: str, layout: str, io: str, tokens: int, page: int):
+def pool_pair(kind: str, layout: str, io: str, tokens: int, page: int, apart: bool = False):
     """The device pool of ``kind`` and, per verify setting (False, True), a host pool holding ``tokens`` of it,
-    backed up: ``(host, host indices as ``io`` takes them, device indices)``."""
+    backed up: ``(host, host indices as ``io`` takes them, device indices)``. ``apart``: also a verifying pool
+    whose loads are checked apart from the copy (key ``"apart"``), where ``True``'s may be checked in it."""
     items, page = items_and_page(kind, tokens, page)
     dp = device_pool(kind, items, page)
     pools = {}
-    for verify in (False, True):
-        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=verify, size=2 * (items + 4 * page))
+    for verify in (False, True, "apart") if apart else (False, True):
+        host = hc.make_host_pool(dp, layout=layout, io_backend=io, verify=bool(verify), size=2 * (items + 4 * page))
+        if verify == "apart":
+            host.verifier = host.verification.make_verifier(in_copy=False)
         slots = host.alloc(items)
         dev = torch.arange(page, page + items, device="cuda")
         hs = slots.cuda() if io != "direct" else slots
@@ -172,15 +175,20 @@ def host_call_us(host, dp, hs, dev, io: str, layers: int) -> list[float]:
     return [(b - a) * 1e6 for a, b in zip(marks, marks[1:])]
 
 
-def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int) -> dict:
+def _tag(verify: bool | str) -> str:
+    return verify if isinstance(verify, str) else "verified" if verify else "plain"
+
+
+def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int, apart: bool = False) -> dict:
     items, page = items_and_page(kind, tokens, page)
-    dp, pools = pool_pair(kind, layout, io, tokens, page)
+    dp, pools = pool_pair(kind, layout, io, tokens, page, apart)
     layers = dp.layer_num
     row = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens, "items": items, "page": page,
            "layers": layers, "model": geometry(kind).model}  # fmt: skip
     fns, hosts = {}, {}
-    loads: dict[str, list] = {"plain": [], "verified": []}
+    loads: dict[str, list] = {_tag(v): [] for v in pools}
     for verify, (host, hc_slots, dev) in pools.items():
+        tag = _tag(verify)
 
         def backup(host=host, hc_slots=hc_slots, dev=dev):
             host.backup_from_device_all_layer(dp, hc_slots, dev, io)
@@ -189,7 +197,7 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
             for layer in range(layers):
                 host.load_to_device_per_layer(dp, hc_slots, dev, layer, io)
 
-        def layerwise(host=host, hc_slots=hc_slots, dev=dev, tag="verified" if verify else "plain"):
+        def layerwise(host=host, hc_slots=hc_slots, dev=dev, tag=tag):
             # The serving path: the layer loader's thread submits every layer; a verifying pool checks
             # them in one launch after the last; the finish event follows the checks. Its own events also
             # time it on the GPU alone, from the loader's first copy to the finish (read after the repeat).
@@ -198,7 +206,6 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
             load.finish_event.wait()
             loads[tag].append((load, called))
 
-        tag = "verified" if verify else "plain"
         hosts[tag] = (host, hc_slots, dev)
         fns.update({f"backup_ms_{tag}": backup, f"load_ms_{tag}": load, f"layerwise_ms_{tag}": layerwise})
     for _ in range(3):
@@ -227,8 +234,10 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
         row[f"load_host_us_per_call_{tag}"] = sum(us) / layers
         row[f"load_host_us_first_middle_last_{tag}"] = [us[0], statistics.median(us[1:-1]), us[-1]]
         host.check_dropped()
-        if tag == "verified":
+        if tag != "plain":
             host.check_verified()  # every page clean: nothing may be reported
+            row[f"checked_in_copy_{tag}"] = {name: not why for name, why in host.verification.in_copy.items()}
+        if tag == "verified":
             row["implementations"] = dict(host.implementations)
         nbytes = host.get_size_per_token() * items
         host.destroy()
@@ -241,6 +250,9 @@ def _case(kind: str, layout: str, io: str, tokens: int, page: int, repeats: int)
     row["layerwise_overhead"] = row["layerwise_ms_verified"] / row["layerwise_ms_plain"] - 1
     row["layerwise_gpu_overhead"] = row["layerwise_gpu_ms_verified"] / row["layerwise_gpu_ms_plain"] - 1
     row["backup_overhead"] = row["backup_ms_verified"] / row["backup_ms_plain"] - 1
+    if apart:
+        row["load_overhead_apart"] = row["load_ms_apart"] / row["load_ms_plain"] - 1
+        row["layerwise_overhead_apart"] = row["layerwise_ms_apart"] / row["layerwise_ms_plain"] - 1
     row["load_of_ceiling_plain"] = row["ceiling_h2d_ms"] / row["load_ms_plain"]
     row["load_of_ceiling_verified"] = row["ceiling_h2d_ms"] / row["load_ms_verified"]
     row["backup_of_ceiling_verified"] = row["ceiling_d2h_ms"] / row["backup_ms_verified"]
@@ -278,6 +290,8 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="print the cases and the bytes each load moves; no GPU")
     ap.add_argument("--copy-engine-runs", type=int, default=None,
                     help="runs a copy-engine load's checks are launched in (default: the library's)")  # fmt: skip
+    ap.add_argument("--apart", action="store_true",
+                    help="also time verified loads checked apart (where the copy could check them)")  # fmt: skip
     args = ap.parse_args()
     cases = [(int(t), kind, layout, io) for t in args.tokens.split(",") for kind, layout in matrix_cases(args.cases)
              for io in args.io.split(",")]  # fmt: skip
@@ -301,7 +315,7 @@ def main() -> None:
     for tokens, kind, layout, io in cases:
         head = {"pool": kind, "layout": layout, "io_backend": io, "tokens": tokens}
         try:
-            rows.append(_case(kind, layout, io, tokens, args.page, args.repeats))
+            rows.append(_case(kind, layout, io, tokens, args.page, args.repeats, args.apart))
         except hc.UnsupportedCombinationError as exc:
             rows.append(head | {"refused": str(exc).splitlines()[0]})
         except Exception as exc:  # one case's failure is a row of the result, not the end of the run
@@ -320,7 +334,10 @@ def main() -> None:
               f"{r['layerwise_handover_us_verified']:.0f} us), "
               f"backup {r['backup_ms_plain']:.3f} -> {r['backup_ms_verified']:.3f} "
               f"ms ({r['backup_overhead']:+.1%}); ceiling h2d {r['ceiling_h2d_ms']:.3f} ms; host us a per-layer call "
-              f"(first/middle/last) {_calls(r, 'plain')} / {_calls(r, 'verified')}")  # fmt: skip
+              f"(first/middle/last) {_calls(r, 'plain')} / {_calls(r, 'verified')}"
+              + (f"; apart: load {r['load_ms_apart']:.3f} ({r['load_overhead_apart']:+.1%}), layer-wise "
+                 f"{r['layerwise_ms_apart']:.3f} ({r['layerwise_overhead_apart']:+.1%}), host {_calls(r, 'apart')}"
+                 if args.apart else ""))  # fmt: skip
     write_result(args.out, what, rows)
 
 

@@ -16,6 +16,9 @@ from .settings import Setting, SettingError, flag, integer, number, text
 VALIDATE = flag("HICACHE_VALIDATE", doc="1 checks indices, page structure and layer ownership on every host-pool call")
 VERIFY = flag("HICACHE_VERIFY", default=None, doc="1 checks every load of every host pool against checksums taken at "
               "its backup, 0 none; unset: CUDA pools that can be verified are, CPU pools are not")  # fmt: skip
+VERIFY_IN_COPY = flag("HICACHE_VERIFY_IN_COPY", default=False, doc="1: a verifying pool's Triton loads check the "
+                      "pages they move in the copy's own launch (no separate check); 0 or unset: loads are checked "
+                      "apart, after their last layer (the default until the GPU gate has timed it)")  # fmt: skip
 LOAD_TIMEOUT = number("HICACHE_LOAD_TIMEOUT_S", above=True, default=60.0, unit="seconds",
                       doc="seconds a consumer waits on the host for its layer to be submitted before it "
                           "raises")  # fmt: skip
@@ -120,9 +123,10 @@ RETENTION_CAP = number("HICACHE_RETENTION_CAP", default=0.5,
                        doc="the share of each tier's capacity that leased pages may hold protected (0 to 1; "
                            "the rest is always left to new requests)")  # fmt: skip
 LEASE_MAX_TTL_S = number("HICACHE_LEASE_MAX_TTL_S", above=True, default=86400.0, unit="seconds",
-                         doc="the longest time to live a lease may ask for (a longer one is refused)")
+                         doc="the longest time to live a lease may ask for (a longer one is refused)")  # fmt: skip
 LEASE_TOUCH_S = number("HICACHE_LEASE_TOUCH_S", above=True, default=1.0, unit="seconds",
-                       doc="how often protected pages are touched in a store whose own LRU or LFU evicts (Redis)")
+                       doc="how often protected pages are touched in a store whose own LRU or LFU evicts "
+                           "(Redis)")  # fmt: skip
 LEASE_DECAY = number("HICACHE_LEASE_DECAY", default=0.5,
                      doc="after its time to live, a lease's priority decays to 0 over this fraction of the "
                          "time to live, then the lease ends")  # fmt: skip
@@ -189,7 +193,7 @@ DEV_NO_APT = Setting("HICACHE_NO_APT", {"1": True, "0": False}.__getitem__, "1 o
 
 #: Every setting above, for :func:`hicache_core.settings.declared`.
 SETTINGS: list[Setting] = [
-    VALIDATE, VERIFY, LOAD_TIMEOUT,
+    VALIDATE, VERIFY, VERIFY_IN_COPY, LOAD_TIMEOUT,
     HOST_NUMA_NODE, HOST_TOUCH_THREADS, HOST_REGISTER_CHUNK_GIB, HOST_HUGE_PAGES, HOST_RESERVE_GIB, HOST_MEMORY_CHECK,
     PLUGINS, PROFILE, METRICS_DIR,
     L3_HOST_CHECK, L3_HASH_THREADS, L3_KEY_FILE, L3_KEY,

@@ -59,7 +59,7 @@ from .check_batch import CheckBatch
 from .host_memory import host_tensor
 from .layer_loads import at_load_end
 from .page_checksum import ENTRY_COLUMNS, NO_CHECKSUM, checksum_rows, groups_per_page, row_words, seed, tile_shape
-from .variables import VERIFY
+from .variables import VERIFY, VERIFY_IN_COPY
 
 ENV_VERIFY = VERIFY.name
 
@@ -107,7 +107,7 @@ class PageVerifier:
         with draft layers also ends one at its last model layer).
     :param in_copy: let load implementations that can (``Implementation.checks_loads``) check per-layer loads
         in the copy itself, with the checksum kernel (:mod:`hicache_core.gpu.checked_load`); ``False``: every
-        load is checked apart, after its last layer.
+        load is checked apart, after its last layer; ``None``: ``HICACHE_VERIFY_IN_COPY``.
     :raises ValueError: a pool this cannot verify (rows not whole 32-bit words, CUDA without triton,
         CUDA under the Triton interpreter, unpinned host memory on CUDA).
     """
@@ -115,11 +115,11 @@ class PageVerifier:
     def __init__(self, plan: Any, page_size: int, describe: Callable[[int], tuple],
                  move: Callable[[torch.Tensor, torch.device], torch.Tensor], *,
                  kernel: bool | None = None, last_layers: tuple[int, ...] = (),
-                 label: str = "host pool", in_copy: bool = True) -> None:  # fmt: skip
+                 label: str = "host pool", in_copy: bool | None = None) -> None:  # fmt: skip
         geometry = plan.geometry
         self.tokens = plan.tokens_per_page
         self.page_size = page_size
-        self.in_copy = in_copy
+        self.in_copy = VERIFY_IN_COPY.read() if in_copy is None else bool(in_copy)
         self.num_pages = plan.spec.num_pages
         self.num_layers = plan.num_layers
         by_component: dict[int, tuple[torch.Tensor, ...]] = {}

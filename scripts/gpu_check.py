@@ -272,7 +272,9 @@ def soak_step(py: str):
     def make() -> list[dict]:
         out = RESULTS / "gpu-check-soak.json"
         out.unlink(missing_ok=True)  # never an earlier run's summary
-        step = run("soak", [py, "scripts/gpu/soak.py", "--bytes", "1TB", "--seconds", "240", "--out", str(out)], 300)
+        # Loads the copy can check, checked in it (HICACHE_VERIFY_IN_COPY): the others are checked apart.
+        step = run("soak", [py, "scripts/gpu/soak.py", "--bytes", "1TB", "--seconds", "240", "--out", str(out)], 300,
+                   {"HICACHE_VERIFY_IN_COPY": "1"})  # fmt: skip
         summary = json.loads(out.read_text()) if out.exists() else {}
         keep = ("combinations", "rounds", "pages_backed_up", "pages_loaded", "bytes_moved", "target_bytes",
                 "mismatched_pages", "verification_failures", "evicted_pages", "errors", "result")  # fmt: skip
@@ -369,8 +371,15 @@ def main() -> int:
     # Host memory: a 4 GiB pool three ways, hicache's held to the bars (pinned bytes, copy speed, release).
     steps.append(run("host-memory", [py, "benchmarks/host_memory.py", "--gib", "4", "--check", "--out",
                                      str(RESULTS / f"host-memory-gate-{card}.json")], 180))  # fmt: skip
+    # Verification in the copy against verification apart and no verification, per-layer loads of 64 and 4096
+    # tokens, the same run (HICACHE_VERIFY_IN_COPY's default waits on these figures).
+    steps.append(run("verify-in-copy", [py, "benchmarks/verify_cost.py", "--apart", "--io", "kernel", "--tokens",
+                                        "64,4096", "--repeats", "10", "--cases",
+                                        "mha:page_first,mla:page_first,page_rows:page_first", "--out",
+                                        str(RESULTS / f"verify-cost-in-copy-{card}.json")], 120,
+                     {"HICACHE_VERIFY_IN_COPY": "1"}))  # fmt: skip
     order = ["suite", "direct-batched", "direct-batch-2d", "stress-kernel", "stress-jit", "layer-loads", "soak",
-             "memcheck", "bench-quick", "overlap", "host-memory", "sglang"]  # fmt: skip
+             "memcheck", "bench-quick", "overlap", "verify-in-copy", "host-memory", "sglang"]  # fmt: skip
     steps.sort(key=lambda x: order.index(x["name"]) if x["name"] in order else len(order))
 
     record["passed"] = _ONLY is None and all(s.get("passed") is not False for s in steps)

@@ -38,8 +38,9 @@ def _pool(kind: str, layout: str, page_size: int = 4, in_copy: bool = True):
     comps = hc.host_pool.pool_kind_of(dp).components
     fill_random([t for c in comps for t in getattr(dp, c.device_attr)], seed=5)
     host = hc.make_host_pool(dp, layout=layout, io_backend="kernel", verify=True)
-    if DEVICE == "cpu":  # CPU pools check in torch by default; the kernel runs them under the interpreter
-        host.verifier = host.verification.make_verifier(kernel=True, in_copy=in_copy)
+    # CPU pools check in torch by default (the kernel runs them under the interpreter); HICACHE_VERIFY_IN_COPY
+    # is off by default
+    host.verifier = host.verification.make_verifier(kernel=DEVICE == "cpu" or None, in_copy=in_copy)
     return dp, host, comps
 
 

@@ -159,6 +159,16 @@ class CheckedLoads:
             return
         self._launch_slow(grid, args, wide, fast is None)
 
+    def warmup(self) -> None:
+        """Build the kernel for int64 indices now (a launch that moves nothing), so a kernel that cannot be built
+        is known when the pool is made, not at its first load."""
+        empty = self._anchor[:0].to(torch.int64)
+        base = self._anchor_ptr
+        args = (self._entry_words[0], (empty.data_ptr() - base) // 4, (empty.data_ptr() - base) // 4, 1, 1, 0,
+                self._num_entries, self._table, self._fail_word, self._fail_pages, 0, self._drop, self._host_pages,
+                self._columns)  # fmt: skip
+        self._launch_slow(1, args, (True, True), True)
+
     def _launch_slow(self, grid: int, args: tuple, wide: tuple[bool, bool], remember: bool) -> None:
         from .checked_load_kernel import checked_load
 

@@ -345,6 +345,11 @@ class TritonImplementation(SMBudget, Implementation):
         if reasons:
             return reasons
         checked = CheckedLoads(self.plan, verifier, self._call_now, self._cap, self._loop_stages())
+        if self._cuda:
+            try:
+                checked.warmup()
+            except Exception as exc:  # noqa: BLE001 - a kernel this Triton cannot build: loads are checked apart
+                return [f"the checked-load kernel could not be built here ({type(exc).__name__}: {exc})"]
         # An attribute of the instance: the pool calls what `load_to_device_per_layer` holds, with no test per call.
         self.load_to_device_per_layer = checked.load  # type: ignore[method-assign]
         self.load_check = checked
