@@ -50,6 +50,12 @@ assert M2 < (1 << 63)
 
 #: int64 columns of a kernel entry: device layer offset, row stride (bytes), row words, seed, table column, rows.
 ENTRY_COLUMNS = 6
+#: int64 columns of an entry of the load that checks in its copy (:mod:`hicache_core.gpu.checked_load`), one per
+#: host layer and component, in its kernel's order: where the layer's device rows start, their stride, their 32-bit
+#: words; the checksum's seed and table column; device rows; where the host layer starts, its page, item and head
+#: strides, words per head; host items. Addresses and strides count 32-bit words from the kernel's anchor.
+CHECKED_LOAD_FIELDS = ("device_layer", "row_stride", "row_words", "seed", "column", "rows", "host_layer",
+                       "page_stride", "token_stride", "head_stride", "head_words", "host_items")  # fmt: skip
 
 
 #: Words one step of the page checksum kernel reads (rows x words): with two 64-bit sums per word, a tile of

@@ -18,20 +18,13 @@ as before).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..page_checksum import seed, tile_shape
+from ..page_checksum import CHECKED_LOAD_FIELDS, seed, tile_shape
 from .device import cuda_current_functions
-from .triton_base import compiled_launch, hooks_idle
-
-#: int64 columns of an entry of the kernel (one per host layer and component), in the kernel's order: where the
-#: layer's device rows start, their stride, their 32-bit words; the checksum's seed and table column; device rows;
-#: where the host layer starts, its page, item and head strides, words per head; host items. Addresses and strides
-#: count 32-bit words from the anchor.
-ENTRY_FIELDS = ("device_layer", "row_stride", "row_words", "seed", "column", "rows", "host_layer", "page_stride",
-                "token_stride", "head_stride", "head_words", "host_items")  # fmt: skip
 
 #: Items a work unit of the kernel covers at most (a tile): a page of 64 items is four units, so a load of one
 #: page keeps several programs busy.
@@ -73,9 +66,13 @@ class CheckedLoads:
     :param call_number: the calling thread's call number holder (``.seq``, :class:`~hicache_core.drops.DropReport`).
     :param programs: the persistent grid's size (the implementation's SM budget).
     :param stages: pipelining stages of the word loop (0 under the interpreter).
+    :param launching: ``(hooks_idle, compiled_launch)`` of :mod:`hicache_core.gpu.triton_base` (handed in by the
+        implementation that binds this: the direct launch path is the base class's).
     """
 
-    def __init__(self, plan: Any, verifier: Any, call_number: Any, programs: int, stages: int) -> None:
+    def __init__(self, plan: Any, verifier: Any, call_number: Any, programs: int, stages: int,
+                 launching: tuple[Callable[[], bool], Callable[[Any], Any]]) -> None:  # fmt: skip
+        self._hooks_idle, self._compiled_launch = launching
         self.plan = plan
         self.verifier = verifier
         self._call_now = call_number
@@ -106,7 +103,7 @@ class CheckedLoads:
                 ])  # fmt: skip
             rows_by_layer.append(rows)
         self._entries = torch.tensor(rows_by_layer, dtype=torch.int64).to(plan.device)
-        assert self._entries.shape[-1] == len(ENTRY_FIELDS)
+        assert self._entries.shape[-1] == len(CHECKED_LOAD_FIELDS)
         self._entry_words = [words_from_anchor(self._entries[layer].data_ptr()) for layer in range(plan.num_layers)]
         self._num_entries = len(verifier.components)
         self._table = words_from_anchor(verifier.table.data_ptr())
@@ -153,7 +150,7 @@ class CheckedLoads:
                 self._table, self._fail_word, self._fail_pages, self._call_now.seq, self._drop, self._host_pages,
                 self._columns)  # fmt: skip
         fast = self._fast.get(wide)
-        if fast is not None and hooks_idle():
+        if fast is not None and self._hooks_idle():
             call, head, constexprs = fast
             call(grid, 1, 1, self._get_stream(self._device_index), *head, base, *args, *constexprs)
             return
@@ -181,6 +178,6 @@ class CheckedLoads:
         else:
             compiled = checked_load[(grid,)](self._anchor, *args, **dict(zip(names, constexprs)), num_warps=8)
         if self._cuda and remember:
-            direct = compiled_launch(compiled)
+            direct = self._compiled_launch(compiled)
             if direct is not None:  # the constexprs' values follow the runtime arguments, in the kernel's order
                 self._fast[wide] = (*direct, constexprs)

@@ -23,12 +23,11 @@ the host pool (through UVA), the device rows, the pinned table and the words are
 import triton
 import triton.language as tl
 
-from ..page_checksum import M2, NO_CHECKSUM
-from .checked_load import ENTRY_FIELDS
+from ..page_checksum import CHECKED_LOAD_FIELDS, M2, NO_CHECKSUM
 
 _M2 = tl.constexpr(M2)
 _NO_CHECKSUM = tl.constexpr(NO_CHECKSUM)
-_COLS = tl.constexpr(len(ENTRY_FIELDS))
+_COLS = tl.constexpr(len(CHECKED_LOAD_FIELDS))
 
 #: Runtime arguments: never specialised on, typed, so one compiled kernel serves every call (direct C launches).
 RUNTIME = ("entries", "hidx", "didx", "h_stride", "d_stride", "pages", "num_entries", "table", "fail_word",
