@@ -11,11 +11,13 @@ ends the command quietly, with 141, the status a shell gives a process that SIGP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -172,24 +174,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     does not raise, not even ``SystemExit`` for ``--help``: a bug is one ``internal error`` line and 1, unless
     ``--traceback`` was given.
     """
-    parser = build_parser()
+    output = _Output(sys.stdout)
+    with contextlib.redirect_stdout(output):
+        return _main(build_parser(), argv, output)
+
+
+class _Output:
+    """``sys.stdout`` while a command runs: it notes a write or flush that found the reader gone, so that a
+    ``BrokenPipeError`` of our output is told from one of a store's socket (a failure, not a reader's choice)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.reader_gone = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.reader_gone = True
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.reader_gone = True
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _main(parser: argparse.ArgumentParser, argv: Sequence[str] | None, output: _Output) -> int:
     try:
         try:
             args = parser.parse_args(argv)
         except SystemExit as exc:  # --help, --version, or a usage error argparse has already printed
-            sys.stdout.flush()
+            output.flush()
             return _exit_code(exc)
     except BrokenPipeError:
-        return _output_closed()
+        return _output_closed(output)
     prog = args.parser.prog
     try:
         code = _run(args)
-        sys.stdout.flush()  # here, so that a reader gone early is seen here
+        output.flush()  # here, so that a reader gone early is seen here
         return code
     except SystemExit as exc:  # a usage error found after parsing (args.parser.error)
         return _exit_code(exc)
-    except BrokenPipeError:
-        return _output_closed()
     except SettingError as exc:  # a HICACHE_* variable holds a value its setting does not take
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -197,12 +228,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
+        if isinstance(exc, BrokenPipeError) and output.reader_gone:
+            return _output_closed(output)
         if args.traceback:
             raise
+        if _out_of_memory(exc):  # what was asked needs more memory than there is: a failure, not a bug
+            print(f"{prog}: out of memory: {_one_line(exc)}", file=sys.stderr)
+            return 1
         # A bug, not bad input: still one line, saying how to get the traceback for a report.
         print(f"{prog}: internal error: {type(exc).__name__}: {_one_line(exc)} (hicache --traceback "
               f"{args.command} ... shows where; please report it)", file=sys.stderr)  # fmt: skip
         return 1
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation failed: Python's, or torch's (CUDA: OutOfMemoryError; CPU: a RuntimeError saying so)."""
+    if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -217,7 +260,7 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _output_closed() -> int:
+def _output_closed(output: _Output) -> int:
     """The reader of our stdout went away (``hicache plugins | head -1``): stop quietly.
 
     Python would print a BrokenPipeError when it flushes stdout at exit; pointing stdout at /dev/null first
@@ -225,7 +268,7 @@ def _output_closed() -> int:
     """
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, output.stream.fileno())
         os.close(devnull)
     except (OSError, ValueError):  # stdout is no file (a test's capture): nothing will flush into a pipe
         pass
@@ -292,22 +335,14 @@ def cmd_demo(args: argparse.Namespace, usage) -> int:
     if problem:
         print(f"hicache demo: {problem}", file=sys.stderr)
         return 1
-    try:
-        if args.storage is not None:
-            from .tools.storage_demo import run_storage_demo
+    if args.storage is not None:
+        from .tools.storage_demo import run_storage_demo
 
-            return run_storage_demo(
-                args.storage, device=args.device, tokens=args.tokens or 512, writer_stays=args.writer_stays
-            )
-        from .tools.demo import run_demo
+        return run_storage_demo(args.storage, device=args.device, tokens=args.tokens or 512,
+                                writer_stays=args.writer_stays)  # fmt: skip
+    from .tools.demo import run_demo
 
-        return run_demo(device=args.device, tokens=args.tokens)
-    except (MemoryError, RuntimeError) as exc:  # torch's allocators raise RuntimeError (CUDA: OutOfMemoryError)
-        if not isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)) and "allocate" not in str(exc):
-            raise
-        print(f"hicache demo: the pools for --tokens {args.tokens} do not fit in memory: {_one_line(exc)}",
-              file=sys.stderr)  # fmt: skip
-        return 1
+    return run_demo(device=args.device, tokens=args.tokens)
 
 
 def cmd_bench(args: argparse.Namespace, usage) -> int:
@@ -405,7 +440,10 @@ def cmd_size(args) -> int:
                                 device=_device(args), ranks_per_host=args.ranks_per_host)  # fmt: skip
     except SettingError:
         raise
-    except (OSError, ValueError) as exc:
+    except OSError as exc:  # the config cannot be read: missing, a folder without config.json, no permission
+        print(f"hicache size: error: --config {args.config!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # includes a path with a NUL byte
         print(f"hicache size: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     print(json.dumps(report.as_json(), indent=2) if args.json else report.text())
@@ -555,9 +593,10 @@ def cmd_explain(registry: Registry, args) -> int:
     try:
         impl = resolve(registry, request)
     except UnsupportedCombinationError as exc:
+        code = _explain_out(args.json, {"resolved": False, "error": str(exc)}, str(exc))
         head = str(exc).splitlines()[0].rstrip(":").removesuffix(" with")
         print(f"hicache explain: {head} (the reasons are on stdout)", file=sys.stderr)
-        return _explain_out(args.json, {"resolved": False, "error": str(exc)}, str(exc))
+        return code
     plugin = registry.plugin_of(impl.name)
     head = f"Resolved to {impl.name} (plugin {plugin}, io backend {impl.io_backend!r}, priority {impl.priority})"
     lines = [head + " for:"]

@@ -91,7 +91,7 @@ def test_outcome_files_round_trip_and_bad_ones_are_refused(scenario, tmp_path, c
     (["--token-ids", "1,-2"], "non-negative integers, got -2"),
     (["--token-ids", " "], "no token ids"),
     (["--token-ids", "1,2", "--layout", "nope"], "unknown layout 'nope'"),
-    (["--token-ids", "1,2", "--page-size", "0"], "argument --page-size: takes an integer >= 1, got '0'"),
+    (["--token-ids", "1,2", "--page-size", "0"], "argument --page-size: takes an integer from 1 to 2147483647"),
     (["--token-ids", "1,2", "--rank", "2", "--tp-size", "2"], "--rank 2 is not a rank of --tp-size 2"),
     (["--token-ids", ",".join(map(str, range(8))), "--page-size", "4", "--host-pages", "3"],
      "host_pages=3 is not in [0, 2]"),

@@ -122,4 +122,4 @@ def test_size_checks_every_rank_on_the_host_together(tmp_path, capsys):
     assert out["bytes_per_host"] == 2 * out["bytes_per_rank"] == 2 * out["pools"][0]["mapped_bytes"]
     assert main([*args, "--ranks-per-host", "0"]) == 2  # bad usage: one line on stderr, nothing on stdout
     out, err = capsys.readouterr()
-    assert out == "" and "argument --ranks-per-host: takes an integer >= 1, got '0'" in err
+    assert out == "" and "argument --ranks-per-host: takes an integer from 1 to 2147483647, got '0'" in err

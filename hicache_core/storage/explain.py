@@ -133,6 +133,9 @@ class Outcomes:
                 raise ValueError(f"{path}: outcome of {key[:16]} is not [reason, detail, time]: {entry!r}")
             memory._last[key] = (entry[0], entry[1], float(entry[2]))
         tags = {"namespace": doc.get("namespace"), "rank": doc.get("rank"), "broken": doc.get("broken") or ""}
+        if not isinstance(tags["namespace"], str) or not isinstance(tags["rank"], int) or \
+                not isinstance(tags["broken"], str):  # fmt: skip
+            raise ValueError(f"{path}: not an outcomes file (namespace, rank and broken must be text, int, text)")
         return memory, tags
 
 

@@ -19,23 +19,28 @@ def _fail(takes: str, text: str) -> argparse.ArgumentTypeError:
     return argparse.ArgumentTypeError(f"takes {takes}, got {text!r}")
 
 
+#: The largest whole number an option takes: tokens, pages and layers become int32 slot indices and tensor sizes.
+INT_MAX = 2**31 - 1
+
+
 def _integer(text: str, minimum: int) -> int:
+    takes = f"an integer from {minimum} to {INT_MAX}"
     try:
         value = int(text.strip())
     except ValueError:
-        raise _fail(f"an integer >= {minimum}", text) from None
-    if value < minimum:
-        raise _fail(f"an integer >= {minimum}", text)
+        raise _fail(takes, text) from None
+    if not minimum <= value <= INT_MAX:
+        raise _fail(takes, text)
     return value
 
 
 def positive_int(text: str) -> int:
-    """A whole number >= 1 (tokens, pages, layers, ranks)."""
+    """A whole number from 1 to :data:`INT_MAX` (tokens, pages, layers, ranks)."""
     return _integer(text, 1)
 
 
 def non_negative_int(text: str) -> int:
-    """A whole number >= 0 (a rank, a count of pages held)."""
+    """A whole number from 0 to :data:`INT_MAX` (a rank, a count of pages held)."""
     return _integer(text, 0)
 
 
@@ -61,16 +66,17 @@ def non_negative_number(text: str) -> float:
 
 
 def int_list(text: str) -> tuple[int, ...]:
-    """Comma-separated whole numbers >= 1 (``64,512,4096``), at least one."""
+    """Comma-separated whole numbers from 1 to :data:`INT_MAX` (``64,512,4096``), at least one."""
+    takes = f"comma-separated integers from 1 to {INT_MAX}"
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
-        raise _fail("comma-separated integers >= 1", text)
+        raise _fail(takes, text)
     values = []
     for part in parts:
         try:
             values.append(_integer(part, 1))
         except argparse.ArgumentTypeError:
-            raise _fail("comma-separated integers >= 1", text) from None
+            raise _fail(takes, text) from None
     return tuple(values)
 
 

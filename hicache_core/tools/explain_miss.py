@@ -41,6 +41,8 @@ from .shapes import SHAPES
 from .storage_check import open_store
 
 WHO = "hicache explain-miss"
+#: The most bytes the small pools explain-miss rebuilds may take (4 pages of the server's geometry take far less).
+POOL_BYTES_MAX = 1 << 31
 EPILOG = """reasons from the store: in_store, not_in_store, checksum_failed, layout_mismatch, earlier_page_missing;
 in_host with --host-pages; old_weight_version with --old-weight-version. timed_out, ranks_disagreed, host_pool_full,
 queue_full and cancelled (and each page's last_outcome: loaded, earlier_page_failed, ...) come only from the
@@ -79,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Explain the miss; exit 0 when every page would hit, 1 when some would not, 2 on bad input or no store."""
     try:
+        if not args.model_id.strip():
+            raise ValueError("--model-id: takes the model id the server passed, got ''")
         if args.rank >= args.tp_size:
             raise ValueError(f"--rank {args.rank} is not a rank of --tp-size {args.tp_size} (ranks 0 to "
                              f"{args.tp_size - 1})")  # fmt: skip
@@ -127,8 +131,13 @@ def _token_ids(args: argparse.Namespace) -> list[int]:
     if args.token_ids is not None:
         text, where = args.token_ids, "--token-ids"
     else:
-        where = args.tokens
-        text = sys.stdin.read() if args.tokens == "-" else Path(args.tokens).read_text()
+        where = f"--tokens {args.tokens!r}"
+        try:
+            text = sys.stdin.read() if args.tokens == "-" else Path(args.tokens).read_text()
+        except UnicodeDecodeError:
+            raise ValueError(f"{where}: not UTF-8 text") from None
+        except (OSError, ValueError) as exc:  # missing, a folder, a path with a NUL byte
+            raise ValueError(f"{where}: {getattr(exc, 'strerror', None) or exc}") from None
     text = text.strip()
     if text.startswith("["):
         try:
@@ -155,6 +164,11 @@ def _pool(args: argparse.Namespace) -> Any:
     if args.layout not in get_registry().layouts:
         raise ValueError(f"unknown layout {args.layout!r}; layouts: {', '.join(sorted(get_registry().layouts))}")
     tokens = 4 * args.page_size
+    shape = SHAPES[args.shape]
+    need = 2 * tokens * shape.item_bytes() * (args.layers or shape.layers)  # the device pool and the host pool
+    if need > POOL_BYTES_MAX:
+        raise ValueError(f"--page-size {args.page_size} and --layers {args.layers or shape.layers}: the pools this "
+                         f"rebuilds (4 pages) would take {need} bytes; it allows {POOL_BYTES_MAX}")  # fmt: skip
     dev = SHAPES[args.shape].device_pool(tokens, page_size=args.page_size, device="cpu", layers=args.layers)
     return make_host_pool(dev, layout=args.layout, io_backend="auto", size=tokens)
 

@@ -32,5 +32,5 @@ def run(as_json: bool = False) -> int:
             print(f"{row.name:<{width}}  {row.value:<{value_width}}  {row.source:<11}  {row.takes}")
             print(f"{'':<{width}}  {row.doc} [{row.declared_by}]")
     for row in refused:
-        print(f"refused: {row.error}", file=sys.stderr)
+        print(f"hicache settings: refused: {row.error}", file=sys.stderr)
     return 1 if refused else 0

@@ -143,14 +143,18 @@ def load_config(path: str | Path) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     try:
-        config = json.loads(path.read_bytes())
+        data = path.read_bytes()
+    except ValueError as exc:  # a path with a NUL byte
+        raise ValueError(f"--config {str(path)!r}: {exc}") from None
+    try:
+        config = json.loads(data)
     except ValueError as exc:  # bad JSON, or bytes that are not UTF-8
-        raise ValueError(f"--config {path}: not JSON ({exc})") from None
+        raise ValueError(f"--config {str(path)!r}: not JSON ({exc})") from None
     if not isinstance(config, dict):
-        raise ValueError(f"--config {path}: a model config is a JSON object, got a JSON {_json_type(config)}")
+        raise ValueError(f"--config {str(path)!r}: a model config is a JSON object, got a JSON {_json_type(config)}")
     text = config.get("text_config")
     if text is not None and not isinstance(text, dict):
-        raise ValueError(f"--config {path}: text_config is a JSON object, got a JSON {_json_type(text)}")
+        raise ValueError(f"--config {str(path)!r}: text_config is a JSON object, got a JSON {_json_type(text)}")
     return {**config, **text} if text is not None else config
 
 
@@ -247,9 +251,13 @@ def _pool(name, geometry, layout, unit, size_gb, ratio, device_units, pinned, ve
 
 
 def _dtype(config: dict[str, Any], kv_dtype: str) -> torch.dtype:
-    name = (config.get("torch_dtype") or config.get("dtype") or "bfloat16") if kv_dtype == "auto" else kv_dtype
+    if kv_dtype != "auto":
+        where, name = "--kv-dtype", kv_dtype
+    else:
+        key = "torch_dtype" if config.get("torch_dtype") else "dtype"
+        where, name = f"the model config's {key} (--kv-dtype auto)", config.get(key) or "bfloat16"
     if not isinstance(name, str) or name not in _DTYPES:
-        raise ValueError(f"KV cache dtype {name!r} is not one of {', '.join(_DTYPES)}")
+        raise ValueError(f"KV cache dtype {name!r} from {where} is not one of {', '.join(_DTYPES)}")
     return _DTYPES[name]
 
 

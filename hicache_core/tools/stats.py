@@ -32,7 +32,7 @@ def run_stats(paths: list[str], as_json: bool = False) -> int:
             files.append(path)
         else:
             given = "" if paths else f" ({metrics.METRICS_DIR.name})"
-            print(f"{WHO}: error: {p}{given} is neither a snapshot file nor a folder of them", file=sys.stderr)
+            print(f"{WHO}: error: {str(p)!r}{given} is neither a snapshot file nor a folder of them", file=sys.stderr)
             return 2
     snaps = []
     for f in files:
