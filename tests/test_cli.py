@@ -80,3 +80,29 @@ def test_hicache_storage_check_runs_without_pytest(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     # The store's path (under pytest's tmp folder) shows in the warning that it has no cluster key.
     assert "pytest" not in done.stderr.replace(str(tmp_path), "")
+
+
+def _tree(root) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size if p.is_file() else -1 for p in sorted(root.rglob("*"))}
+
+
+def test_storage_check_and_stats_change_nothing_they_look_at(tmp_path, capsys):
+    """A folder that does not exist is said so (exit 1), not made; one that does is left as it was found: the
+    check's pages go with the folders they made, and nothing of the store's own is tidied."""
+    missing = tmp_path / "absent"
+    for command in ("check", "stats"):
+        assert main(["storage", command, f"file://{missing}"]) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err == (f"hicache storage {command}: cannot open file://{missing}: the storage directory "
+                                     f"{missing} does not exist (opened to inspect: nothing is created)\n")  # fmt: skip
+    assert not missing.exists()
+
+    store = tmp_path / "l3"
+    (store / "served-ns" / "ab").mkdir(parents=True)
+    (store / "served-ns" / "ab" / "ab12.page").write_bytes(b"a page")
+    (store / "served-ns" / "ab" / f".x.page.{2**22 + 1}.0.0.tmp").write_bytes(b"a dead writer's")
+    before = _tree(store)
+    assert main(["storage", "check", f"file://{store}"]) == 0
+    assert main(["storage", "stats", f"file://{store}"]) == 0
+    assert json.loads(capsys.readouterr().out.split("all checks passed\n", 1)[1])["backend"]["objects"] == 1
+    assert _tree(store) == before
