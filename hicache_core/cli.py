@@ -315,7 +315,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace, usage) -> int:
     if args.storage is not None:
-        _check_storage_url("--storage", args.storage, usage)
+        scheme = _check_storage_url("--storage", args.storage, usage)
+        if not get_registry().storage_backends[scheme].capabilities.shared:
+            usage(f"argument --storage: {scheme}:// is seen by one process only; the demo's two processes need a "
+                  "shared store (file:///dir, redis://...)")  # fmt: skip
     elif args.writer_stays:
         usage("argument --writer-stays: only with --storage")
     device_type = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).partition(":")[0]
@@ -400,17 +403,18 @@ def _check_out_file(path: str | None, usage) -> None:
         usage(f"argument --out: takes a file path, got {path!r}")
 
 
-def _check_storage_url(option: str, url: str, usage) -> None:
-    """A URL an installed storage backend serves; else a usage error (nothing is opened here)."""
+def _check_storage_url(option: str, url: str, usage) -> str:
+    """The scheme of a URL an installed storage backend serves; else a usage error (nothing is opened here)."""
     from .storage.make import UnknownStorageScheme, check_url
     from .storage.url import redact_url
 
     try:
-        check_url(url)
+        return check_url(url).scheme
     except UnknownStorageScheme as exc:
         usage(f"argument {option}: {str(exc).splitlines()[0]} Installed: {', '.join(_schemes())}")
     except ValueError as exc:
         usage(f"argument {option}: {redact_url(str(exc))}")
+    raise AssertionError("usage() exits")
 
 
 def _schemes() -> list[str]:

@@ -89,7 +89,8 @@ def role_load(url: str, model_id: str, tokens: int, seed: int, device: str) -> i
           f"prefetched {res.completed} in {prefetch_s * 1e3:.1f} ms; the store's counters: pages_read "
           f"{stats.pages_read}, bytes_read {stats.bytes_read}, read_corrupt {stats.read_corrupt}")  # fmt: skip
     if res.completed != tokens // PAGE:
-        print(f"process 2: prefix not complete: {res.error or [r.detail for r in res.results if not r.ok][:3]}",
+        print(f"hicache demo --storage: process 2: the prefix is not complete: "
+              f"{res.error or [r.detail for r in res.results if not r.ok][:3]}",
               file=sys.stderr)  # fmt: skip
         return 1
     new_slots = torch.arange(PAGE, PAGE + tokens)  # any free device pages
