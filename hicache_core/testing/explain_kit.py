@@ -159,7 +159,6 @@ def run_scenario(url: str, corrupt: Callable[[Any, str, int], None], outdir: Pat
     return sc
 
 
-
 def _reasons(report: Any) -> list[str]:
     return [p.reason for p in report.pages]
 
@@ -202,8 +201,8 @@ def check_against_server(url: str, corrupt: Callable[[Any, str, int], None], wor
 
     ``main`` is ``hicache_core.cli.main`` and ``capsys`` pytest's fixture (the command's output). With
     ``unreachable`` (the URL of the same store where nothing answers: a port nothing listens on), the
-    command must then say the store is not reachable, with ``start_hint`` (how to start its server)
-    and no traceback.
+    command must then exit 1 saying on one stderr line that the store is not reachable, with ``start_hint``
+    (how to start its server) and no traceback.
     """
     import dataclasses
 
@@ -220,6 +219,8 @@ def check_against_server(url: str, corrupt: Callable[[Any, str, int], None], wor
         check_cli(sc, run, outdir)
     finally:
         sc.storage.close()
-    if unreachable:
-        code, out = run(cli_args(dataclasses.replace(sc, url=unreachable), "mixed"))
-        assert code == 2 and "not reachable" in out and start_hint in out and "Traceback" not in out, (code, out)
+    if unreachable:  # a store that does not answer: a failure (exit 1), one line on stderr
+        code = main(cli_args(dataclasses.replace(sc, url=unreachable), "mixed"))
+        out, err = capsys.readouterr()
+        assert (code, out) == (1, "") and "not reachable" in err and start_hint in err, (code, out, err)
+        assert err.count("\n") == 1 and "Traceback" not in err, err

@@ -60,7 +60,8 @@ def test_demo_storage_says_why_a_mooncake_prefix_left_with_its_writer(mooncake_u
     outs = []
     for _ in range(3):
         rc = main(["demo", "--storage", mooncake_url, "--device", "cpu", "--tokens", "64"])
-        outs.append(capfd.readouterr().out)
+        captured = capfd.readouterr()
+        outs.append(captured.out + captured.err)  # the processes' reports on stdout, what failed on stderr
         if rc != 0:
             break
     assert rc == 1, f"the prefix outlived its writer in 3 demo runs:\n{outs[-1][-3000:]}"

@@ -33,7 +33,10 @@ def test_user_info_credentials_are_used_and_never_printed(own_redis, capsys):
     from hicache_core.cli import main
 
     host = _pool()
-    for url in (f"redis://:s3cr3t@127.0.0.1:{own_redis.port}/0", f"redis://default:s3cr3t@127.0.0.1:{own_redis.port}/0"):
+    for url in (
+        f"redis://:s3cr3t@127.0.0.1:{own_redis.port}/0",
+        f"redis://default:s3cr3t@127.0.0.1:{own_redis.port}/0",
+    ):
         storage = make_storage(url, host, model_id="m")
         keys = page_hashes(list(range(8)), 4)
         assert all(r.ok for r in storage.write_pages(keys, host.alloc(8)))
@@ -46,9 +49,9 @@ def test_user_info_credentials_are_used_and_never_printed(own_redis, capsys):
         out = capsys.readouterr().out
         assert "s3cr3t" not in out and "all checks passed" in out
     wrong = f"redis://:nope@127.0.0.1:{own_redis.port}/0"
-    assert main(["storage", "check", wrong]) == 2
-    out = capsys.readouterr().out
-    assert "authentication" in out.lower() and "nope" not in out and "Traceback" not in out
+    assert main(["storage", "check", wrong]) == 1  # the store refused what was asked: a failure, said on stderr
+    out, err = capsys.readouterr()
+    assert out == "" and "authentication" in err.lower() and "nope" not in err and "Traceback" not in err
 
 
 def test_check_explains_a_server_that_is_down_and_a_bad_url(capsys):
@@ -56,11 +59,11 @@ def test_check_explains_a_server_that_is_down_and_a_bad_url(capsys):
     from hicache_core.cli import main
     from hicache_core.testing.servers import free_port
 
-    assert main(["storage", "check", f"redis://:pw@127.0.0.1:{free_port()}/0"]) == 2
-    out = capsys.readouterr().out
-    assert "not reachable" in out and "redis-server --port" in out and ":pw@" not in out
-    assert main(["storage", "check", "redis://127.0.0.1:6379/notadb"]) == 2
-    assert "database number" in capsys.readouterr().out
+    assert main(["storage", "check", f"redis://:pw@127.0.0.1:{free_port()}/0"]) == 1  # down: a failure
+    err = capsys.readouterr().err
+    assert "not reachable" in err and "redis-server --port" in err and ":pw@" not in err
+    assert main(["storage", "check", "redis://127.0.0.1:6379/notadb"]) == 2  # a URL it does not take: bad usage
+    assert "database number" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "nan", "inf"])
@@ -114,13 +117,54 @@ def test_rediss_tls(tmp_path):
     binary = redis_binary()
     if binary is None or shutil.which("openssl") is None:
         pytest.skip("redis-server or openssl is not installed")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
-             "-subj", "/CN=hicache-test-ca", cwd=tmp_path)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-             "-subj", "/CN=127.0.0.1", cwd=tmp_path)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=hicache-test-ca",
+        cwd=tmp_path,
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+        cwd=tmp_path,
+    )
     (tmp_path / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "server.crt", "-days", "1", "-extfile", "san.ext", cwd=tmp_path)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+        cwd=tmp_path,
+    )
 
     def argv(port):
         return [binary, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -132,7 +176,7 @@ def test_rediss_tls(tmp_path):
     try:
         server.start()
     except Exception as exc:  # noqa: BLE001
-        log = (tmp_path.glob("redis-tls-*.log"))
+        log = tmp_path.glob("redis-tls-*.log")
         text = " ".join(p.read_text() for p in log)
         if "TLS" in text and ("not" in text or "support" in text):
             pytest.skip(f"this redis-server is built without TLS: {text[-300:]}")

@@ -140,9 +140,9 @@ def test_missing_bucket_and_wrong_credentials_are_clear_errors(weed, capsys):
     host = make_pool(F.BIG, pages=8)
     keys = page_hashes(list(range(2 * 64)), 64)
     nobucket = weed.url("no-such-bucket", "p", timeout=2)
-    assert main(["storage", "check", nobucket]) == 2
-    out = capsys.readouterr().out
-    assert "the bucket does not exist" in out and "Traceback" not in out
+    assert main(["storage", "check", nobucket]) == 1  # the store cannot do what was asked: a failure, on stderr
+    out, err = capsys.readouterr()
+    assert out == "" and "the bucket does not exist" in err and "Traceback" not in err
     backend = make_storage(nobucket, host, model_id="m")
     (w,) = backend.write_pages(keys[:1], slots_of([1], 64))
     (r,) = backend.read_pages(keys[:1], slots_of([2], 64))
@@ -156,9 +156,9 @@ def test_missing_bucket_and_wrong_credentials_are_clear_errors(weed, capsys):
             backend.batch_exists(keys)
     backend.close()
     wrong = weed.url("faults", "p", timeout=2, key_id="HICACHETESTKEY", secret="not-the-secret")
-    assert main(["storage", "check", wrong]) == 2
-    out = capsys.readouterr().out
-    assert "credentials were refused" in out and "not-the-secret" not in out and "Traceback" not in out
+    assert main(["storage", "check", wrong]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "credentials were refused" in err and "not-the-secret" not in err and "Traceback" not in err
     backend = make_storage(wrong, host, model_id="m")
     assert "key_id=***" in repr(backend) and "HICACHETESTKEY" not in repr(backend) + repr(backend.backend)
     (r,) = backend.read_pages(keys[:1], slots_of([2], 64))
