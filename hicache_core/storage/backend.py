@@ -115,7 +115,9 @@ class StorageBackend:
     #: Pages go to the primitives in groups of at most this many payload bytes (at least one page),
     #: so that a page's checksum is taken while the copy that moved it still has it in the CPU cache.
     io_chunk_bytes: ClassVar[int] = 8 << 20
-    #: Options this backend accepts (URL query or keyword), with a one-line meaning each.
+    #: Options this backend accepts (URL query or keyword), with a one-line meaning each. A backend whose opening
+    #: creates or tidies its store (``file://`` makes its directory) declares ``inspect``: ``hicache storage
+    #: check|stats`` and ``explain-miss`` open it with ``inspect=1``, to look at a store, never to make or change it.
     options_help: ClassVar[Mapping[str, str]] = {}
     #: How to start the store's server, for messages when it cannot be reached ("" for serverless stores).
     server_hint: ClassVar[str] = ""
