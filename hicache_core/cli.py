@@ -301,6 +301,8 @@ def _run(args: argparse.Namespace) -> int:
         from .tools.storage_check import run_check, run_stats
 
         return run_check(args.url, args.json) if args.storage_command == "check" else run_stats(args.url)
+    if args.command in ("demo", "bench", "calibrate"):
+        _check_settings()  # they print as they go: a setting they would refuse midway is refused first
     if args.command == "demo":
         return cmd_demo(args, usage)
     if args.command == "calibrate":
@@ -311,6 +313,14 @@ def _run(args: argparse.Namespace) -> int:
         return run_calibrate(shapes=list(args.shapes), tokens=args.tokens, layouts=list(args.layouts or ()) or None,
                              page_size=args.page_size, quick=args.quick, out=args.out)  # fmt: skip
     return cmd_bench(args, usage)
+
+
+def _check_settings() -> None:
+    """Read every declared ``HICACHE_*`` setting: :class:`SettingError` for the first value one refuses."""
+    from .settings_registry import declared
+
+    for entry in declared().values():
+        entry.setting.read()
 
 
 def cmd_demo(args: argparse.Namespace, usage) -> int:

@@ -340,7 +340,8 @@ def _refused(setting) -> list[str]:
 
 #: Light commands a bad setting is tried under (a few each reads: the registry, host pools, stores, metrics).
 ENV_COMMANDS = [["plugins"], ["settings", "--json"], ["size", "--config", "{config}", "--hicache-size", "0.05"],
-                ["storage", "check", "memory://fuzz-env"], ["stats"], ["matrix", "--pool", "mha"]]  # fmt: skip
+                ["storage", "check", "memory://fuzz-env"], ["stats"], ["matrix", "--pool", "mha"],
+                ["demo", "--device", "cpu"]]  # fmt: skip
 
 
 def test_no_bad_setting_ends_in_a_traceback(f, stubs, monkeypatch):
