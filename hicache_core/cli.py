@@ -370,12 +370,12 @@ def cmd_bench(args: argparse.Namespace, usage) -> int:
         problem = arg.unknown_names("--overlap-mode", args.overlap_mode, MODES, "mode")
         if problem:
             usage(problem)
-    if args.name is not None and (not args.name.strip() or "/" in args.name or args.name in (".", "..")):
+    if args.name is not None and (not args.name.strip() or set("/\0") & set(args.name) or args.name in (".", "..")):
         usage(f"argument --name: takes a file name (no folder), got {args.name!r}")
-    if not args.out.strip() or (os.path.exists(args.out) and not os.path.isdir(args.out)):
+    if not args.out.strip() or "\0" in args.out or (os.path.exists(args.out) and not os.path.isdir(args.out)):
         usage(f"argument --out: takes a folder (made if missing), got {args.out!r}")
     only = ",".join(args.only) if args.only else None
-    if args.storage:
+    if args.storage is not None:
         _check_storage_url("--storage", args.storage, usage)
         from .tools.bench.storage import PAGE, run_storage_bench
 
@@ -409,7 +409,7 @@ def _check_names(args: argparse.Namespace, usage) -> None:
 
 
 def _check_out_file(path: str | None, usage) -> None:
-    if path is not None and (not path.strip() or os.path.isdir(path)):
+    if path is not None and (not path.strip() or "\0" in path or os.path.isdir(path)):
         usage(f"argument --out: takes a file path, got {path!r}")
 
 
