@@ -31,7 +31,7 @@ import triton.language as tl
 from verify_cost import write_result  # beside this file
 
 import hicache_core as hc
-from hicache_core.page_checksum import M2
+from hicache_core.verification.page_checksum import M2
 
 _M2 = tl.constexpr(M2)
 

@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 import hicache_core as hc
-from hicache_core.drops import DroppedIndicesError
+from hicache_core.pool.drops import DroppedIndicesError
 from hicache_core.tools.bench.clock import Timer, queued_seconds
 from hicache_core.tools.shapes import SHAPES
 

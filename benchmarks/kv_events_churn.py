@@ -90,9 +90,9 @@ def _pool(pages: int, page_size: int) -> Any:
     """A small host pool (2 layers, one KV head of 64 bf16 values: 2 KiB pages at 4 tokens): the run is about events."""
     import torch
 
-    from hicache_core.device_pools import DeclaredDevicePool
-    from hicache_core.host_pool import make_host_pool
-    from hicache_core.registry import get_registry
+    from hicache_core.plugins.registry import get_registry
+    from hicache_core.pool.device_pools import DeclaredDevicePool
+    from hicache_core.pool.host_pool import make_host_pool
 
     dev = DeclaredDevicePool(get_registry().pool_kinds["mha"], pages * page_size, page_size, 2, "cpu",
                              dtype=torch.bfloat16, rows={"k": (1, 64), "v": (1, 64)}, extras={})  # fmt: skip

@@ -59,10 +59,10 @@ from typing import Any
 
 import torch
 
-from hicache_core.device_pools import DeclaredDevicePool
 from hicache_core.events import EventSubscriber, KVEventPublisher, Tier, sglang_block_hash
-from hicache_core.host_pool import make_host_pool
-from hicache_core.registry import get_registry
+from hicache_core.plugins.registry import get_registry
+from hicache_core.pool.device_pools import DeclaredDevicePool
+from hicache_core.pool.host_pool import make_host_pool
 from hicache_core.storage import make_storage, page_hashes
 
 #: Tokens per page (SGLang's and hicache's usual page).

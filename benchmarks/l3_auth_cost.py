@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from hicache_core.host_pool import make_host_pool
+from hicache_core.pool.host_pool import make_host_pool
 from hicache_core.storage import make_storage, page_hashes
 from hicache_core.storage.page_auth import ClusterKey
 from hicache_core.storage.page_format import checksum_runs

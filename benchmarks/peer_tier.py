@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hicache_core.variables import L3_KEY, L3_KEY_FILE
+from hicache_core.settings.variables import L3_KEY, L3_KEY_FILE
 
 os.environ.setdefault("UCX_TLS", "tcp,self")
 
@@ -41,8 +41,8 @@ PAGE = 64
 def make_host(pages: int):
     import torch
 
-    from hicache_core.device_pools import MHADevicePool
-    from hicache_core.host_pool import make_host_pool
+    from hicache_core.pool.device_pools import MHADevicePool
+    from hicache_core.pool.host_pool import make_host_pool
 
     device = MHADevicePool(PAGE, PAGE, torch.bfloat16, 8, 128, 8, "cpu")
     host = make_host_pool(device, layout="page_first", io_backend="reference", operations=[], size=pages * PAGE,

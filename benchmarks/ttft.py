@@ -6,7 +6,7 @@
 A real model forward (transformers' own Llama, random weights in Llama-3-8B's configuration) runs
 ``new`` tokens after a prefix of ``M`` tokens. The prefix's KV cache comes, layer by layer, from
 hicache's device pool: each layer's attention first waits for that layer's load (the consumer's
-wait of :mod:`hicache_core.layer_loads`), then reads the prefix's K/V rows from the pool. Rows:
+wait of :mod:`hicache_core.loads.layer_loads`), then reads the prefix's K/V rows from the pool. Rows:
 
 * ``recompute``: the prefix and the new tokens in one prefill (no cache);
 * ``host <backend> <layout>``: the prefix's pages loaded from the host tier, every layer's load

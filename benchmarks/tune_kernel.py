@@ -16,8 +16,8 @@ import json
 
 import torch
 
-from hicache_core.implementation import BACKUP_LAYER, LOAD
-from hicache_core.registry import get_registry
+from hicache_core.plugins.implementation import BACKUP_LAYER, LOAD
+from hicache_core.plugins.registry import get_registry
 from hicache_core.tools.bench.machine import measure_ceiling
 from hicache_core.tools.bench.records import environment
 from hicache_core.tools.bench.sweep import Case, Timer, run_op

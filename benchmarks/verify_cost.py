@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 import hicache_core as hc
-import hicache_core.check_batch as hc_check_batch
-from hicache_core.device_pools import DeclaredDevicePool
-from hicache_core.registry import get_registry
+import hicache_core.verification.check_batch as hc_check_batch
+from hicache_core.plugins.registry import get_registry
+from hicache_core.pool.device_pools import DeclaredDevicePool
 
 
 def _median_ms(fn, repeats: int) -> float:

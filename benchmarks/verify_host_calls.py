@@ -48,13 +48,13 @@ def _profile(host, dp, hs, dev, io: str, layers: int, loads: int, top: int) -> l
 
 #: What the breakdown times: (module, owner, attribute). Each is wrapped with a timer for the breakdown's loads.
 _TIMED = [
-    ("hicache_core.check_batch", "CheckBatch", "flush"),
-    ("hicache_core.check_batch", "CheckBatch", "add"),
-    ("hicache_core.check_batch", "CheckBatch", "extend"),
-    ("hicache_core.verify", "PageVerifier", "_check_layers"),
-    ("hicache_core.verify", "PageVerifier", "_launch"),
-    ("hicache_core.verify", "PageVerifier", "check"),
-    ("hicache_core.check_batch", "CheckBatch", "__init__"),
+    ("hicache_core.verification.check_batch", "CheckBatch", "flush"),
+    ("hicache_core.verification.check_batch", "CheckBatch", "add"),
+    ("hicache_core.verification.check_batch", "CheckBatch", "extend"),
+    ("hicache_core.verification.verify", "PageVerifier", "_check_layers"),
+    ("hicache_core.verification.verify", "PageVerifier", "_launch"),
+    ("hicache_core.verification.verify", "PageVerifier", "check"),
+    ("hicache_core.verification.check_batch", "CheckBatch", "__init__"),
     ("hicache_core.gpu.page_checksum_kernel", "ChecksumLaunch", "__call__"),
 ]
 

@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from verify_cost import host_call_us, pool_pair, write_result  # noqa: E402
 
-import hicache_core.check_batch as hc_check_batch  # noqa: E402
-import hicache_core.verify as hc_verify  # noqa: E402
+import hicache_core.verification.check_batch as hc_check_batch  # noqa: E402
+import hicache_core.verification.verify as hc_verify  # noqa: E402
 
 #: (module, class or None, function) of each timed step.
 STEPS = [

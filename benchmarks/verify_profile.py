@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from verify_cost import device_pool, items_and_page, write_result  # noqa: E402
 
 import hicache_core as hc  # noqa: E402
-from hicache_core import check_batch as hc_check_batch  # noqa: E402
+from hicache_core.verification import check_batch as hc_check_batch  # noqa: E402
 
 CHECK_KERNEL = "page_checksums"
 #: (TILE_T, BLOCK_W, stages, num_warps) of the check kernel tried alone; the first is the shape it had before.

@@ -11,56 +11,58 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .lazy import lazy_face
+from .lazy import install_moved_modules, lazy_face
+
+install_moved_modules()  # the modules that moved into rooms, under their old paths for a while
 
 if TYPE_CHECKING:
-    from .device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
-    from .dispatch import UnsupportedCombinationError, explain_refusal, resolve
-    from .drops import DroppedIndicesError, DropReport
-    from .geometry import PoolGeometry
-    from .hookspecs import hookimpl
-    from .host_pool import HostPool, TransferError, geometry_of, make_host_pool
-    from .implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
-    from .layouts import AXES, Layout
-    from .plan import BoundPart, TransferPlan
-    from .pool_events import PoolObserver
-    from .pool_kinds import POOL_KINDS, ComponentDecl, PoolKind
-    from .reference import reference_copy
-    from .registry import Registry, get_registry, reset_registry
+    from .declared.layouts import AXES, Layout
+    from .declared.pool_kinds import POOL_KINDS, ComponentDecl, PoolKind
+    from .plugins.dispatch import UnsupportedCombinationError, explain_refusal, resolve
+    from .plugins.hookspecs import hookimpl
+    from .plugins.implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, OPERATIONS, Implementation, TransferRequest
+    from .plugins.reference import reference_copy
+    from .plugins.registry import Registry, get_registry, reset_registry
+    from .pool.device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
+    from .pool.drops import DroppedIndicesError, DropReport
+    from .pool.geometry import PoolGeometry
+    from .pool.host_pool import HostPool, TransferError, geometry_of, make_host_pool
+    from .pool.plan import BoundPart, TransferPlan
+    from .pool.pool_events import PoolObserver
 
 _EXPORTS = {
-    "MHADevicePool": "device_pools",
-    "MLADevicePool": "device_pools",
-    "PageRowsDevicePool": "device_pools",
-    "UnsupportedCombinationError": "dispatch",
-    "explain_refusal": "dispatch",
-    "resolve": "dispatch",
-    "PoolGeometry": "geometry",
-    "geometry_of": "host_pool",
-    "hookimpl": "hookspecs",
-    "HostPool": "host_pool",
-    "PoolObserver": "pool_events",
-    "TransferError": "host_pool",
-    "make_host_pool": "host_pool",
-    "BACKUP_ALL": "implementation",
-    "BACKUP_LAYER": "implementation",
-    "LOAD": "implementation",
-    "OPERATIONS": "implementation",
-    "Implementation": "implementation",
-    "TransferRequest": "implementation",
-    "AXES": "layouts",
-    "Layout": "layouts",
-    "POOL_KINDS": "pool_kinds",
-    "ComponentDecl": "pool_kinds",
-    "PoolKind": "pool_kinds",
-    "DroppedIndicesError": "drops",
-    "DropReport": "drops",
-    "BoundPart": "plan",
-    "TransferPlan": "plan",
-    "reference_copy": "reference",
-    "Registry": "registry",
-    "get_registry": "registry",
-    "reset_registry": "registry",
+    "MHADevicePool": "pool.device_pools",
+    "MLADevicePool": "pool.device_pools",
+    "PageRowsDevicePool": "pool.device_pools",
+    "UnsupportedCombinationError": "plugins.dispatch",
+    "explain_refusal": "plugins.dispatch",
+    "resolve": "plugins.dispatch",
+    "PoolGeometry": "pool.geometry",
+    "geometry_of": "pool.host_pool",
+    "hookimpl": "plugins.hookspecs",
+    "HostPool": "pool.host_pool",
+    "PoolObserver": "pool.pool_events",
+    "TransferError": "pool.host_pool",
+    "make_host_pool": "pool.host_pool",
+    "BACKUP_ALL": "plugins.implementation",
+    "BACKUP_LAYER": "plugins.implementation",
+    "LOAD": "plugins.implementation",
+    "OPERATIONS": "plugins.implementation",
+    "Implementation": "plugins.implementation",
+    "TransferRequest": "plugins.implementation",
+    "AXES": "declared.layouts",
+    "Layout": "declared.layouts",
+    "POOL_KINDS": "declared.pool_kinds",
+    "ComponentDecl": "declared.pool_kinds",
+    "PoolKind": "declared.pool_kinds",
+    "DroppedIndicesError": "pool.drops",
+    "DropReport": "pool.drops",
+    "BoundPart": "pool.plan",
+    "TransferPlan": "pool.plan",
+    "reference_copy": "plugins.reference",
+    "Registry": "plugins.registry",
+    "get_registry": "plugins.registry",
+    "reset_registry": "plugins.registry",
 }
 __all__ = [
     "AXES",

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from .dispatch import UnsupportedCombinationError, resolve
-from .implementation import OPERATIONS, TransferRequest
-from .registry import Registry, get_registry
+from .plugins.dispatch import UnsupportedCombinationError, resolve
+from .plugins.implementation import OPERATIONS, TransferRequest
+from .plugins.registry import Registry, get_registry
+from .plugins.versions import core_version, served_note
 from .settings import SettingError
 from .tools import arguments as arg
 from .tools.shapes import SHAPES, shape_for_kind
-from .versions import core_version, served_note
 
 #: The exit status of a command whose reader closed its output early (128 + SIGPIPE, as a shell reports it).
 EXIT_PIPE_CLOSED = 141
@@ -317,7 +317,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _check_settings() -> None:
     """Read every declared ``HICACHE_*`` setting: :class:`SettingError` for the first value one refuses."""
-    from .settings_registry import declared
+    from .settings.registry import declared
 
     for entry in declared().values():
         entry.setting.read()
@@ -619,7 +619,7 @@ def cmd_explain(registry: Registry, args) -> int:
         lines.append(f"  How it moves bytes: {impl.description}")
     data = {"resolved": True, "implementation": impl.name, "plugin": plugin, "description": impl.description}
     if args.io_backend == "auto":
-        from . import autoselect
+        from .plugins import autoselect
 
         table = autoselect.choices(registry, request)
         if table:

@@ -1,6 +1,6 @@
 """What may be said of the cluster's L3 key without saying it: its key id, and whether it is long enough.
 
-Apart from :mod:`hicache_core.storage.page_auth`, which uses both, because :mod:`hicache_core.variables`
+Apart from :mod:`hicache_core.storage.page_auth`, which uses both, because :mod:`hicache_core.settings.variables`
 shows ``HICACHE_L3_KEY`` by its id in ``hicache settings``, and an import of the storage package from
 there would close an import circle (the storage package reads its settings from ``variables``).
 """

@@ -15,6 +15,8 @@ naming its new path, on every read until it goes. Anything else raises Python's 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -53,7 +55,7 @@ def lazy_face(
     """The ``__getattr__`` and ``__dir__`` of the module whose ``globals()`` is ``namespace``.
 
     ``exports`` maps a public name to its submodule, relative to that module's package
-    (``"host_pool"`` in ``hicache_core``: ``hicache_core.host_pool``); ``moved`` maps a name that
+    (``"pool.host_pool"`` in ``hicache_core``: ``hicache_core.pool.host_pool``); ``moved`` maps a name that
     moved to its :class:`Moved` record. ``__dir__`` lists the namespace and every export, not the
     moved names.
     """
@@ -78,3 +80,68 @@ def lazy_face(
         return sorted(set(namespace) | set(exports))
 
     return __getattr__, __dir__
+
+
+#: Modules that moved into the core's rooms in hicache-core 0.4.0 (``hicache_core/pool/``, ``loads/``,
+#: ``verification/``, ``declared/``, ``plugins/``, ``settings/``): the old path imports the same module object,
+#: with a ``DeprecationWarning`` naming the new one, until 0.6.0 (``docs/plugin-versions.md``).
+MOVED_MODULES: dict[str, str] = {
+    "hicache_core.allocator": "hicache_core.pool.allocator",
+    "hicache_core.autoselect": "hicache_core.plugins.autoselect",
+    "hicache_core.builtin": "hicache_core.plugins.builtin",
+    "hicache_core.check_batch": "hicache_core.verification.check_batch",
+    "hicache_core.device_pools": "hicache_core.pool.device_pools",
+    "hicache_core.dispatch": "hicache_core.plugins.dispatch",
+    "hicache_core.drops": "hicache_core.pool.drops",
+    "hicache_core.geometry": "hicache_core.pool.geometry",
+    "hicache_core.hookspecs": "hicache_core.plugins.hookspecs",
+    "hicache_core.host_layout": "hicache_core.pool.host_layout",
+    "hicache_core.host_pool": "hicache_core.pool.host_pool",
+    "hicache_core.implementation": "hicache_core.plugins.implementation",
+    "hicache_core.indices": "hicache_core.pool.indices",
+    "hicache_core.layer_loads": "hicache_core.loads.layer_loads",
+    "hicache_core.layer_map": "hicache_core.pool.layer_map",
+    "hicache_core.layout_oracles": "hicache_core.declared.layout_oracles",
+    "hicache_core.layouts": "hicache_core.declared.layouts",
+    "hicache_core.page_access": "hicache_core.pool.page_access",
+    "hicache_core.page_checksum": "hicache_core.verification.page_checksum",
+    "hicache_core.plan": "hicache_core.pool.plan",
+    "hicache_core.plugin_sources": "hicache_core.plugins.plugin_sources",
+    "hicache_core.pool_events": "hicache_core.pool.pool_events",
+    "hicache_core.pool_kinds": "hicache_core.declared.pool_kinds",
+    "hicache_core.pool_loads": "hicache_core.loads.pool_loads",
+    "hicache_core.reference": "hicache_core.plugins.reference",
+    "hicache_core.registry": "hicache_core.plugins.registry",
+    "hicache_core.settings_registry": "hicache_core.settings.registry",
+    "hicache_core.slot_events": "hicache_core.pool.slot_events",
+    "hicache_core.transfer_errors": "hicache_core.pool.transfer_errors",
+    "hicache_core.validation": "hicache_core.pool.validation",
+    "hicache_core.variables": "hicache_core.settings.variables",
+    "hicache_core.verify": "hicache_core.verification.verify",
+    "hicache_core.versions": "hicache_core.plugins.versions",
+}
+MODULES_MOVED_IN, MODULES_GO_IN = "0.4.0", "0.6.0"
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a module's old path as the module at its new one (one object under two names)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        new = MOVED_MODULES[spec.name]
+        warnings.warn(f"{spec.name} moved to {new} (hicache-core {MODULES_MOVED_IN}); the old path goes in "
+                      f"{MODULES_GO_IN}", DeprecationWarning, stacklevel=2)  # fmt: skip
+        return importlib.import_module(new)
+
+    def exec_module(self, module: Any) -> None:
+        """Nothing to run: the module ran under its new name."""
+
+
+def install_moved_modules() -> None:
+    """Let the old paths of :data:`MOVED_MODULES` import (once per process)."""
+    if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+        sys.meta_path.insert(0, _MovedModules())  # before any finder that might hold a stale copy

@@ -47,8 +47,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .pool_events import PoolObserver
-from .variables import METRICS_DIR
+from .pool.pool_events import PoolObserver
+from .settings.variables import METRICS_DIR
 
 _LABEL_OK = frozenset("abcdefghijklmnopqrstuvwxyz_")
 #: The folder where snapshots and outcome memories go by default, and where the tools read them.

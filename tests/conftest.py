@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_core.registry import Registry
+from hicache_core.plugins.registry import Registry
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def direct_only() -> Registry:
 @pytest.fixture
 def without_kernel(monkeypatch) -> Registry:
     """A registry as if hicache-kernel and hicache-jit were not installed."""
-    import hicache_core.registry as reg
+    import hicache_core.plugins.registry as reg
 
     real = reg._entry_points
     monkeypatch.setattr(reg, "_entry_points", lambda: [ep for ep in real() if ep.name not in ("kernel", "jit")])

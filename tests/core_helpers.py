@@ -11,8 +11,8 @@ import os
 import torch
 
 import hicache_core as hc
-from hicache_core.device_pools import DeclaredDevicePool
-from hicache_core.host_pool import pool_kind_of
+from hicache_core.pool.device_pools import DeclaredDevicePool
+from hicache_core.pool.host_pool import pool_kind_of
 from hicache_core.testing import guarded
 
 KINDS = ("mha", "mha_asym", "mla", "page_rows")

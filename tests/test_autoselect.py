@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import hicache_core as hc
-from hicache_core import autoselect
-from hicache_core.autoselect import AutoChooser, Choice, Profile, bucket_of, choices, static_rule
-from hicache_core.implementation import TransferRequest
-from hicache_core.registry import Registry
+from hicache_core.plugins import autoselect
+from hicache_core.plugins.autoselect import AutoChooser, Choice, Profile, bucket_of, choices, static_rule
+from hicache_core.plugins.implementation import TransferRequest
+from hicache_core.plugins.registry import Registry
 from hicache_core.tools.shapes import SHAPES
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hicache_core as hc
-from hicache_core.implementation import BACKUP_ALL, LOAD
+from hicache_core.plugins.implementation import BACKUP_ALL, LOAD
 from hicache_core.tools.bench.sglang_kernels import FUNCTIONS, AnchorCalls, find_anchor
 from hicache_core.tools.shapes import SHAPES
 

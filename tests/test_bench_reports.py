@@ -142,7 +142,7 @@ def test_colours_follow_the_declared_engine_and_plugin_and_old_rows_still_get_on
 
 
 def test_line_styles_follow_the_layout_declaration():
-    from hicache_core.layouts import Layout
+    from hicache_core.declared.layouts import Layout
     from hicache_core.tools.bench.plots import OTHER_STYLES, STYLES, layout_styles
 
     registry = hc.get_registry()
@@ -170,7 +170,7 @@ def test_rows_name_the_engine_and_plugin_that_moved_the_bytes():
     registry = hc.get_registry()
     assert records.made_by(registry, registry.implementations["reference"]) == {"engine": "cpu",
                                                                                  "plugin": "hicache_core"}  # fmt: skip
-    from hicache_core.autoselect import AutoChooser
+    from hicache_core.plugins.autoselect import AutoChooser
 
     assert records.made_by(registry, AutoChooser) == {"engine": "auto", "plugin": "hicache_core"}
 

@@ -1,4 +1,4 @@
-"""Call numbers (hicache_core.drops): unique, none lost, and each thread's own, with calls from many threads.
+"""Call numbers (hicache_core.pool.drops): unique, none lost, and each thread's own, with calls from many threads.
 
 A host pool is called from the caller's thread and from the layer loader's at once; a kernel that
 masks an index stores the number of *its* call. The switch interval is made tiny so that threads
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hicache_core import MHADevicePool, make_host_pool
-from hicache_core.drops import HISTORY, DropReport
+from hicache_core.pool.drops import HISTORY, DropReport
 
 THREADS, CALLS = 8, 3000
 

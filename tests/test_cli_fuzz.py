@@ -35,11 +35,11 @@ from typing import Any
 import pytest
 
 from hicache_core import cli
-from hicache_core.registry import reset_registry
+from hicache_core.plugins.registry import reset_registry
+from hicache_core.plugins.versions import CORE_VERSION
 from hicache_core.settings import SettingError
-from hicache_core.settings_registry import declared
+from hicache_core.settings.registry import declared
 from hicache_core.storage.url import redact_url
-from hicache_core.versions import CORE_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ from core_helpers import device_pool, device_tensors, fill_random, random_page_s
 
 import hicache_core as hc
 from hicache_core import hookimpl
-from hicache_core.registry import Registry, allowed_plugins
+from hicache_core.plugins.registry import Registry, allowed_plugins
 
 
 def test_direct_is_discovered_through_its_entry_point(registry):

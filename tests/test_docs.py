@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import hicache_core.hookspecs as hookspecs
+import hicache_core.plugins.hookspecs as hookspecs
 from hicache_core import Implementation
 from hicache_core.testing import ConformanceTests
 

@@ -9,9 +9,9 @@ import torch
 
 import hicache_core as hc
 from hicache_core.cli import main
-from hicache_core.device_pools import DeclaredDevicePool
 from hicache_core.host_memory import live_records, read_limits
-from hicache_core.registry import get_registry
+from hicache_core.plugins.registry import get_registry
+from hicache_core.pool.device_pools import DeclaredDevicePool
 from hicache_core.tools.sizing import size_host_tier
 
 LLAMA_3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_attention_heads": 32,

@@ -157,8 +157,8 @@ def test_no_import_cycle_in_the_house():
 
 def test_typing_only_imports_are_edges():
     graph = import_graph()
-    assert f"{ROOT}.storage.backend" in graph[f"{ROOT}.hookspecs"]  # only under TYPE_CHECKING there
-    assert f"{ROOT}.storage.backend" not in import_graph(typing=False)[f"{ROOT}.hookspecs"]
+    assert f"{ROOT}.storage.backend" in graph[f"{ROOT}.plugins.hookspecs"]  # only under TYPE_CHECKING there
+    assert f"{ROOT}.storage.backend" not in import_graph(typing=False)[f"{ROOT}.plugins.hookspecs"]
 
 
 def test_the_core_imports_no_plugin_or_integration():
@@ -189,7 +189,9 @@ def test_cycle_finder_finds_a_cycle():
 
 #: The one way from the host-pool path into the gpu wing: a pool made with ``verify=True`` on CUDA runs the
 #: page checksum kernel (imported when such a pool is made; plain pools never reach it).
-OPT_IN_GPU_EDGES = {f"{ROOT}.verify": {f"{ROOT}.gpu", f"{ROOT}.gpu.device", f"{ROOT}.gpu.page_checksum_kernel"}}
+OPT_IN_GPU_EDGES = {
+    f"{ROOT}.verification.verify": {f"{ROOT}.gpu", f"{ROOT}.gpu.device", f"{ROOT}.gpu.page_checksum_kernel"}
+}
 
 
 def test_host_pool_path_imports_neither_gpu_nor_tools():
@@ -197,10 +199,10 @@ def test_host_pool_path_imports_neither_gpu_nor_tools():
     for module, edges in OPT_IN_GPU_EDGES.items():
         assert edges & graph[module], f"{module} no longer imports the gpu wing: drop it from OPT_IN_GPU_EDGES"
         graph[module] = graph[module] - edges
-    path = reachable(graph, f"{ROOT}.host_pool") | reachable(graph, f"{ROOT}.registry")
+    path = reachable(graph, f"{ROOT}.pool.host_pool") | reachable(graph, f"{ROOT}.plugins.registry")
     wrong = sorted(m for m in path if m.startswith((f"{ROOT}.gpu", f"{ROOT}.tools")))
     assert wrong == [], f"the host-pool path imports {wrong}"
-    assert f"{ROOT}.builtin" in path and f"{ROOT}.dispatch" in path  # the graph is read, not empty
+    assert f"{ROOT}.plugins.builtin" in path and f"{ROOT}.plugins.dispatch" in path  # the graph is read, not empty
 
 
 def test_no_runtime_module_imports_tools():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_core.registry import Registry
+from hicache_core.plugins.registry import Registry
 from hicache_core.testing import ConformanceTests
 from hicache_core.testing.conformance import _CASES, MATRIX_DOCS
 

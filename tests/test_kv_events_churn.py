@@ -33,7 +33,7 @@ pytest.importorskip("zmq", reason="KV events need pyzmq (pip install 'hicache-co
 pytest.importorskip("msgspec", reason="KV events need msgspec (pip install 'hicache-core[events]')")
 
 from hicache_core.events import EventSubscriber, KVEventPublisher  # noqa: E402
-from hicache_core.registry import get_registry  # noqa: E402
+from hicache_core.plugins.registry import get_registry  # noqa: E402
 from hicache_core.storage import make_storage, page_hashes  # noqa: E402
 from hicache_core.storage.backend import PageStatus  # noqa: E402
 from hicache_core.storage.page_auth import ClusterKey  # noqa: E402

@@ -1,4 +1,4 @@
-"""Layer-wise loads off the caller's thread (hicache_core.layer_loads), on CPU pools.
+"""Layer-wise loads off the caller's thread (hicache_core.loads.layer_loads), on CPU pools.
 
 On the CPU the loader's thread runs the copies itself, so a consumer's wait is the host wait
 of the GPU schedule (until its layer was submitted) without the event: the same order. The
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hicache_core import MHADevicePool, make_host_pool
-from hicache_core.layer_loads import (
+from hicache_core.loads.layer_loads import (
     ENV_TIMEOUT,
     LayerLoadCancelled,
     LayerLoader,
@@ -74,7 +74,7 @@ def test_submit_load_moves_every_layer_byte_exact(io_backend, layout):
 def test_one_door_loads_the_parts_of_several_pools_step_by_step_checking_indices_once():
     """submit_loads: each step runs every part's layer in order (a pool may have no layer at a step); each
     pool's indices are checked and converted once per load, not once per layer."""
-    from hicache_core.pool_loads import CallPerLayer, submit_loads
+    from hicache_core.loads.pool_loads import CallPerLayer, submit_loads
 
     dev_a, host_a = _pools("torch", "page_first")
     dev_b, host_b = _pools()
@@ -578,7 +578,7 @@ def test_a_forked_child_gets_a_working_loader_and_a_clear_error_for_the_parents(
     def run() -> dict:
         import os
 
-        from hicache_core.layer_loads import ForkedLoaderError
+        from hicache_core.loads.layer_loads import ForkedLoaderError
 
         answers: dict = {"pid": os.getpid()}
         mine = layer_loader("cpu")

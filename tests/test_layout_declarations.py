@@ -10,7 +10,7 @@ from core_helpers import device_pool, device_tensors, fill_random, same_bytes
 
 import hicache_core as hc
 from hicache_core import Layout, hookimpl
-from hicache_core.registry import Registry
+from hicache_core.plugins.registry import Registry
 
 
 def _with(*layouts: Layout) -> Registry:

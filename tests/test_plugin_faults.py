@@ -1,6 +1,6 @@
 """Faulty plugins: each is reported with a message naming it, none is silent, none takes the others down.
 
-Entry points are faked by monkeypatching ``hicache_core.registry._entry_points``; a
+Entry points are faked by monkeypatching ``hicache_core.plugins.registry._entry_points``; a
 plugin that fails on import is a real module on ``sys.path`` that raises.
 """
 
@@ -16,11 +16,11 @@ import torch
 from core_helpers import device_pool, device_tensors, fill_random, host_tensors, random_page_slots, same_bytes
 
 import hicache_core as hc
-import hicache_core.registry as registry_module
+import hicache_core.plugins.registry as registry_module
 from hicache_core import hookimpl
 from hicache_core.cli import main
-from hicache_core.host_pool import TransferError
-from hicache_core.registry import Registry
+from hicache_core.plugins.registry import Registry
+from hicache_core.pool.host_pool import TransferError
 
 H = random_page_slots(4, 2, 4, seed=1)
 D = random_page_slots(6, 2, 4, seed=2, first=1)

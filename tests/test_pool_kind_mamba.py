@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hicache_core as hc
-from hicache_core.layout_oracles import SGLANG_ORACLES
+from hicache_core.declared.layout_oracles import SGLANG_ORACLES
 
 LAYERS, SLOTS, HOST_SLOTS = 3, 9, 20
 

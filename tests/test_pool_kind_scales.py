@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hicache_core as hc
-from hicache_core.layout_oracles import SGLANG_ORACLES
+from hicache_core.declared.layout_oracles import SGLANG_ORACLES
 
 LAYERS, PAGE, DEVICE_PAGES, HOST_PAGES = 3, 4, 7, 9
 

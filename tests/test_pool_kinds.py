@@ -14,8 +14,8 @@ from core_helpers import same_bytes
 
 import hicache_core as hc
 from hicache_core import ComponentDecl, PoolKind, hookimpl
-from hicache_core.pool_kinds import has_layers
-from hicache_core.registry import Registry
+from hicache_core.declared.pool_kinds import has_layers
+from hicache_core.plugins.registry import Registry
 from hicache_core.testing import ConformanceTests
 
 #: Each item is one page: a KV page row of 2 x 4 tokens x 16 bf16, and a 48-byte state blob.

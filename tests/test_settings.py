@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hicache_core import settings
-from hicache_core.host_pool import VALIDATE
-from hicache_core.verify import VERIFY, verify_default
+from hicache_core.pool.host_pool import VALIDATE
+from hicache_core.verification.verify import VERIFY, verify_default
 
 
 @pytest.mark.parametrize("raw, value", [("1", True), ("0", False), (" ON ", True), ("no", False), ("", False)])

@@ -3,7 +3,7 @@
 The tree is read as text: every ``HICACHE_*`` name in a string, comment or shell line of a file that
 is not a test or a doc must be a declared setting (or the prefix of declared knobs); every read of
 the environment with such a name (``os.environ.get``, ``os.getenv``, ``os.environ[...]``, ``in
-os.environ``, a shell ``$HICACHE_...``) outside ``hicache_core/settings.py`` fails; and a setting is
+os.environ``, a shell ``$HICACHE_...``) outside ``hicache_core/settings/__init__.py`` fails; and a setting is
 constructed only in a declaring module (the core's ``variables``, or a module a ``hicache.settings``
 entry point names).
 """
@@ -25,7 +25,9 @@ import pytest
 import tomllib
 from source_tree import tree_files
 
-from hicache_core import settings, settings_registry, variables
+from hicache_core import settings
+from hicache_core.settings import registry as settings_registry
+from hicache_core.settings import variables
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = re.compile(r"(?<![A-Za-z0-9_.])HICACHE_[A-Z0-9_]*[A-Z0-9]")
@@ -35,7 +37,7 @@ NOT_VARIABLES = {
     "HICACHE_TRITON": "the env_prefix of the Triton base class; every plugin's subclass sets its own",
 }
 #: Scripts that build the environment hicache is installed in: they read their variables in the shell,
-#: before hicache_core can (each is declared all the same, in hicache_core.variables).
+#: before hicache_core can (each is declared all the same, in hicache_core.settings.variables).
 BOOTSTRAP = {"scripts/dev", "scripts/docs", "integrations/sglang/dev", "integrations/vllm/dev"}
 CONSTRUCTORS = {"Setting", "flag", "integer", "number", "choice", "text", "knob"}
 SHELL_SUFFIXES = (".sh",)
@@ -102,7 +104,7 @@ def _declared_in_tree() -> dict[str, tuple[str, settings.Setting]]:
 
 
 def _declaring_files() -> set[str]:
-    files = {"hicache_core/variables.py"}
+    files = {"hicache_core/settings/variables.py"}
     for folder, target in _settings_entry_points().values():
         module = target.partition(":")[0]
         files.add((folder / (module.replace(".", "/") + ".py")).relative_to(ROOT).as_posix())
@@ -199,7 +201,7 @@ def test_every_hicache_name_outside_tests_and_docs_is_a_declared_setting():
 def test_no_hicache_variable_is_read_outside_settings():
     reads = []
     for rel, path in _sources():
-        if rel == "hicache_core/settings.py" or rel in BOOTSTRAP:
+        if rel == "hicache_core/settings/__init__.py" or rel in BOOTSTRAP:
             continue
         text = path.read_text()
         if path.suffix == ".py":
@@ -208,7 +210,7 @@ def test_no_hicache_variable_is_read_outside_settings():
             for m in SHELL_READ.finditer(text):
                 reads.append(f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: {m.group()}")
     assert not reads, (
-        "read past hicache_core.settings (use Setting.read, or python -m hicache_core.settings_registry NAME):\n"
+        "read past hicache_core.settings (use Setting.read, or python -m hicache_core.settings.registry NAME):\n"
         + ("\n".join(reads))
     )
 
@@ -265,7 +267,8 @@ def test_knob_variables_are_exactly_the_declared_ones():
 
 def test_declared_finds_the_installed_plugins_without_importing_torch():
     code = (
-        "import sys, json\nfrom hicache_core import settings_registry\nfound = settings_registry.declared()\n"
+        "import sys, json\nfrom hicache_core.settings import registry as settings_registry\n"
+        "found = settings_registry.declared()\n"
         "print(json.dumps({'torch': 'torch' in sys.modules, 'names': sorted(found),"
         " 'owners': sorted({d.declared_by for d in found.values()})}))"
     )
@@ -333,10 +336,10 @@ def test_hicache_settings_reports_a_refused_value_and_exits_1():
 
 
 def test_a_shell_script_reads_one_setting_through_settings():
-    ok = subprocess.run([sys.executable, "-m", "hicache_core.settings_registry", "HICACHE_HOST_RESERVE_GIB"],
+    ok = subprocess.run([sys.executable, "-m", "hicache_core.settings.registry", "HICACHE_HOST_RESERVE_GIB"],
                         capture_output=True, text=True, env={"HICACHE_HOST_RESERVE_GIB": "1.5"})  # fmt: skip
     assert (ok.returncode, ok.stdout) == (0, "1.5\n")
-    bad = subprocess.run([sys.executable, "-m", "hicache_core.settings_registry", "HICACHE_HOST_RESERVE_GIB"],
+    bad = subprocess.run([sys.executable, "-m", "hicache_core.settings.registry", "HICACHE_HOST_RESERVE_GIB"],
                          capture_output=True, text=True, env={"HICACHE_HOST_RESERVE_GIB": "-1"})  # fmt: skip
     assert (bad.returncode, bad.stdout, bad.stderr) == (
         2,
@@ -344,7 +347,7 @@ def test_a_shell_script_reads_one_setting_through_settings():
         "HICACHE_HOST_RESERVE_GIB='-1' is not a number of GiB >= 0\n",
     )
     nobody = subprocess.run(
-        [sys.executable, "-m", "hicache_core.settings_registry", "HICACHE_NOPE"], capture_output=True, text=True
+        [sys.executable, "-m", "hicache_core.settings.registry", "HICACHE_NOPE"], capture_output=True, text=True
     )
     assert nobody.returncode == 2 and "HICACHE_NOPE is not a declared setting" in nobody.stderr
 
@@ -374,7 +377,7 @@ def test_values_once_coerced_are_refused(setting, raw, message, monkeypatch):
 
 
 def test_plugins_keeps_unset_all_and_empty_none(monkeypatch):
-    from hicache_core.registry import allowed_plugins
+    from hicache_core.plugins.registry import allowed_plugins
 
     monkeypatch.delenv("HICACHE_PLUGINS", raising=False)
     assert allowed_plugins() is None

@@ -2,7 +2,7 @@
 
 ``HICACHE_L3_KEY`` is the cluster's key itself; ``hicache settings`` exists to be pasted into logs. A
 setting declared ``secret=True`` is shown only as what its ``show`` makes of it (the key: its key id), a
-value it refuses is named by its length, and ``python -m hicache_core.settings_registry`` does not print
+value it refuses is named by its length, and ``python -m hicache_core.settings.registry`` does not print
 it. Every output is scanned for the key and for every 8-character piece of it; what a failing assertion
 prints has those pieces hidden, so that a leak is reported without being repeated.
 """
@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from test_settings_declared import _declared_in_tree
 
-from hicache_core import settings, settings_registry
+from hicache_core import settings
+from hicache_core.settings import registry as settings_registry
 from hicache_core.storage.page_auth import ClusterKey
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +76,7 @@ def test_a_key_too_short_is_refused_by_its_length_only():
 
 
 def test_a_shell_script_cannot_print_a_secret_setting():
-    argv = (sys.executable, "-m", "hicache_core.settings_registry", "HICACHE_L3_KEY")
+    argv = (sys.executable, "-m", "hicache_core.settings.registry", "HICACHE_L3_KEY")
     assert run_cli(*argv, HICACHE_L3_KEY=KEY) == (
         2, "", "HICACHE_L3_KEY is secret: it is never printed (hicache settings shows what may be shown of it)\n", 0,
     )  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_core import slot_events
+from hicache_core.pool import slot_events
 from hicache_core.testing.storage_kit import StorageCase, make_pool
 
 

@@ -54,7 +54,7 @@ def test_the_soak_moves_its_bytes_evicts_and_reuses_slots_and_finds_nothing(soak
 def test_a_copy_that_flips_a_byte_is_found(soak, tmp_path, monkeypatch):
     """A planted bug in the copy path (one byte of each loaded layer flipped after the copy, where
     verification cannot see it) makes the soak fail with mismatched pages."""
-    from hicache_core.host_pool import HostPool
+    from hicache_core.pool.host_pool import HostPool
 
     real = HostPool.load_to_device_per_layer
 

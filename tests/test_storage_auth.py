@@ -24,7 +24,7 @@ import torch
 
 from hicache_core import metrics
 from hicache_core.cli import main
-from hicache_core.registry import get_registry
+from hicache_core.plugins.registry import get_registry
 from hicache_core.storage import StorageController, make_storage, page_hashes
 from hicache_core.storage.backend import PageStatus
 from hicache_core.storage.explain import explain_miss
@@ -317,7 +317,7 @@ def test_a_verifying_pools_pages_and_flat_pages_under_the_key():
     import hicache_core as hc
 
     dp = device_pool("mha", 4, pages=6)
-    fill_random([t for c in hc.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=5)
+    fill_random([t for c in hc.pool.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=5)
     host = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True)
     slots = host.alloc(8)
     host.backup_from_device_all_layer(dp, slots, torch.arange(4, 12), "auto")

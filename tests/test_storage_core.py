@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache_core.registry import Registry
+from hicache_core.plugins.registry import Registry
 from hicache_core.storage import (
     Capabilities,
     PageStatus,

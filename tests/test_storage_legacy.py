@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import pytest
 
 from hicache_core import hookimpl
-from hicache_core.registry import Registry
+from hicache_core.plugins.registry import Registry
 from hicache_core.storage import PageStore, StorageBackend, make_storage, page_hashes
 from hicache_core.storage.legacy import PAGE_API, page_api_problems
 from hicache_core.storage.memory import MemoryStorage

@@ -264,7 +264,7 @@ def test_metrics_count_transfers_l3_and_reasons():
 
 
 def test_metrics_transfers_from_the_host_pool():
-    from hicache_core.host_pool import make_host_pool
+    from hicache_core.pool.host_pool import make_host_pool
     from hicache_core.tools.shapes import SHAPES
 
     metrics.reset()

@@ -86,7 +86,7 @@ def test_a_flat_page_is_stored_as_the_same_bytes():
 
 
 def test_a_page_file_on_disk_is_byte_for_byte_the_pinned_vector(tmp_path):
-    from hicache_core.registry import get_registry
+    from hicache_core.plugins.registry import get_registry
 
     if "file" not in get_registry().storage_backends:
         pytest.skip("hicache-storage-file is not installed")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from hicache_core import cli, metrics
-from hicache_core.registry import get_registry
+from hicache_core.plugins.registry import get_registry
 from hicache_core.storage import StorageBackend, make_storage
 from hicache_core.storage.backend import Capabilities, StorageError
 from hicache_core.storage.keys import page_hashes
@@ -335,7 +335,7 @@ class _Leaky(StorageBackend):
 
 def test_the_core_redacts_what_a_plugin_leaks(caplog):
     """The redaction is the core's: a plugin that writes its URL into every message still shows no secret."""
-    from hicache_core.registry import Registry
+    from hicache_core.plugins.registry import Registry
 
     registry = Registry()
     registry.storage_backends["leaky"] = _Leaky

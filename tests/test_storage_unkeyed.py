@@ -8,7 +8,7 @@ import logging
 import pytest
 from test_settings_secrets import HICACHE, KEY, leaks, run_cli
 
-from hicache_core.registry import Registry
+from hicache_core.plugins.registry import Registry
 from hicache_core.storage import StorageBackend, make_storage
 from hicache_core.storage.backend import Capabilities
 from hicache_core.storage.page_auth import ClusterKey

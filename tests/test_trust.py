@@ -15,7 +15,7 @@ from core_helpers import DEVICE, device_pool, device_tensors, fill_random, host_
 
 import hicache_core as hc
 from hicache_core import Implementation, Layout, hookimpl
-from hicache_core.registry import Registry
+from hicache_core.plugins.registry import Registry
 
 # ---- 1. aliases follow the component axis wherever it is --------------------------------------------------
 

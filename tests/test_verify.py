@@ -10,13 +10,20 @@ import torch
 from core_helpers import DEVICE, device_pool, fill_random
 
 import hicache_core as hc
-import hicache_core.check_batch
-import hicache_core.verify
-from hicache_core.layer_loads import LayerLoadError
-from hicache_core.page_checksum import GROUP_TOKENS, M2, NO_CHECKSUM, checksum_bytes_reference, checksum_rows, seed
+import hicache_core.verification.verify
+from hicache_core.loads.layer_loads import LayerLoadError
 from hicache_core.storage import PageStatus, make_storage
 from hicache_core.storage.page_format import HEADER_SIZE
-from hicache_core.verify import PageVerificationError
+from hicache_core.verification import check_batch
+from hicache_core.verification.page_checksum import (
+    GROUP_TOKENS,
+    M2,
+    NO_CHECKSUM,
+    checksum_bytes_reference,
+    checksum_rows,
+    seed,
+)
+from hicache_core.verification.verify import PageVerificationError
 
 LAYERS = 3
 CASES = [("mha", "page_first"), ("mha", "layer_first"), ("mha_asym", "page_first_direct"), ("mla", "page_first"),
@@ -25,14 +32,14 @@ CASES = [("mha", "page_first"), ("mha", "layer_first"), ("mha_asym", "page_first
 
 def _pool(kind: str, layout: str, page_size: int = 4, **kw):
     dp = device_pool(kind, page_size, pages=6)
-    fill_random([t for c in hc.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=3)
+    fill_random([t for c in hc.pool.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=3)
     host = hc.make_host_pool(dp, layout=layout, io_backend="auto", verify=True, **kw)
     return dp, host
 
 
 def _device_page_bytes(dp, kind: str, layer: int, comp: int, device_rows: torch.Tensor) -> bytes:
     """The oracle's bytes of one page: the server's device rows, in page order (SGLang's shapes)."""
-    attr = hc.host_pool.pool_kind_of(dp).components[comp].device_attr
+    attr = hc.pool.host_pool.pool_kind_of(dp).components[comp].device_attr
     rows = getattr(dp, attr)[layer][device_rows.to(DEVICE)]
     return rows.contiguous().cpu().view(torch.uint8).reshape(-1).numpy().tobytes()
 
@@ -75,7 +82,7 @@ def test_every_flipped_bit_swapped_words_components_and_layers_change_the_checks
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu", reason="the kernel on CPU pools")
 def _every_kind_page_first():
-    from hicache_core.registry import get_registry
+    from hicache_core.plugins.registry import get_registry
 
     return [(k, "page_first") for k in get_registry().pool_kinds if (k, "page_first") not in CASES]
 
@@ -132,7 +139,7 @@ def test_kernel_sums_rows_wider_than_its_tile_as_the_definition(rows):
     else:
         heads, dim = (int(x) for x in rows.split()[1].split("x"))
         dp = hc.MHADevicePool(6 * 64, 64, torch.bfloat16, heads, dim, 2, DEVICE)
-    fill_random([t for c in hc.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=5)
+    fill_random([t for c in hc.pool.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=5)
     host = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True)
     kernel = host.verification.make_verifier(kernel=True)
     assert kernel._tile == ((1, 1, 512) if page_kind else (64, GROUP_TOKENS, 32))
@@ -150,7 +157,7 @@ def test_kernel_sums_rows_wider_than_its_tile_as_the_definition(rows):
     assert not kernel.flagged()
     # The last word of the first loaded page's last device row (a page kind's row is its page).
     row = 1 if page_kind else 2 * p - 1
-    getattr(dp, hc.host_pool.pool_kind_of(dp).components[0].device_attr)[1][row].view(torch.uint8)[-1] ^= 0x10
+    getattr(dp, hc.pool.host_pool.pool_kind_of(dp).components[0].device_attr)[1][row].view(torch.uint8)[-1] ^= 0x10
     kernel.check(h, d, 1, 3)  # the pool's last layer ends the run: checked now, on the CPU
     assert kernel.flagged()
     with pytest.raises(PageVerificationError) as info:
@@ -172,8 +179,8 @@ def _record_checked_layers(host) -> list[list[int]]:
 
 
 def test_a_load_is_checked_in_one_run_after_its_last_layer_or_in_the_runs_set(monkeypatch):
-    assert hicache_core.check_batch.check_runs("copy_engine") == 1 and hicache_core.check_batch.check_runs("sm") == 1
-    monkeypatch.setattr(hicache_core.check_batch, "CHECK_RUNS_COPY_ENGINE", 4)
+    assert check_batch.check_runs("copy_engine") == 1 and check_batch.check_runs("sm") == 1
+    monkeypatch.setattr(check_batch, "CHECK_RUNS_COPY_ENGINE", 4)
     dp, host = _pool("mha", "page_first")
     calls = _record_checked_layers(host)
     slots = host.alloc(host.page_size)
@@ -209,8 +216,8 @@ def test_a_layer_wise_loads_checks_run_in_runs_of_layers_naming_each_failing_lay
     _flip_host_byte(host, first, layer=0)
     _flip_host_byte(host, last, layer=1, part=1)
     calls = _record_checked_layers(host)
-    monkeypatch.setattr(hicache_core.check_batch, "CHECK_RUNS", 2)
-    monkeypatch.setattr(hicache_core.check_batch, "CHECK_RUNS_COPY_ENGINE", 2)  # "auto" may be the copy engine on CUDA
+    monkeypatch.setattr(check_batch, "CHECK_RUNS", 2)
+    monkeypatch.setattr(check_batch, "CHECK_RUNS_COPY_ENGINE", 2)  # "auto" may be the copy engine on CUDA
     seq = host._drops.seq
     load = host.submit_load(dp, slots, dev, "auto")
     try:
@@ -237,7 +244,7 @@ def test_a_load_of_every_layer_out_of_order_names_the_failing_layers_own_call():
     # Every layer, first 0 and last 3, but not in order: the batch's check must follow the load's order.
     pytest.importorskip("triton")
     dp = device_pool("mha", 4, pages=6, layers=4)
-    fill_random([t for c in hc.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=3)
+    fill_random([t for c in hc.pool.host_pool.pool_kind_of(dp).components for t in getattr(dp, c.device_attr)], seed=3)
     host = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True)
     host.verifier = host.verification.make_verifier(kernel=True)
     p = host.page_size
@@ -344,7 +351,7 @@ def test_a_byte_flipped_in_host_memory_is_caught_naming_pages_layer_and_call(kin
 def test_a_failing_layer_is_named_after_the_batch_numbers_wrapped_around_many_times(monkeypatch):
     # Batched checks write numbers of their own; the pool maps the newest back to calls in a ring of a fixed size.
     pytest.importorskip("triton")
-    monkeypatch.setattr(hicache_core.verify, "_BATCH_CALLS", 4)
+    monkeypatch.setattr(hicache_core.verification.verify, "_BATCH_CALLS", 4)
     dp, host = _pool("mha", "page_first")
     host.verifier = host.verification.make_verifier(kernel=True, in_copy=False)  # checked apart, in batches
     p = host.page_size
@@ -458,7 +465,7 @@ def test_a_run_a_loader_step_leaves_open_is_checked_when_the_load_stops():
             raise RuntimeError("planted")
         host.load_to_device_per_layer(dp, slots, dev, layer, "auto")
 
-    load = hc.layer_loads.layer_loader(DEVICE).submit(LAYERS, step, what="a failing job")
+    load = hc.loads.layer_loads.layer_loader(DEVICE).submit(LAYERS, step, what="a failing job")
     with pytest.raises(LayerLoadError, match="planted"):
         load.result(10)
     # result() waits for the submission only: the wait before reusing a failed load's rows is the settle wait
@@ -475,7 +482,7 @@ def test_a_run_a_loader_step_leaves_open_is_checked_when_the_load_stops():
     fill_random(dp.k_buffer + dp.v_buffer, seed=7)
     host.backup_from_device_all_layer(dp, slots, dev, "auto")
     _sync()
-    short = hc.layer_loads.layer_loader(DEVICE).submit(1, lambda layer: host.load_to_device_per_layer(
+    short = hc.loads.layer_loads.layer_loader(DEVICE).submit(1, lambda layer: host.load_to_device_per_layer(
         dp, slots, dev, 0, "auto"), what="a short job")  # fmt: skip
     short.result(10)
     assert short.wait_settled(10)  # its copies and its check are through before the rows are reused
@@ -702,7 +709,7 @@ def test_parallel_page_checksums_equal_serial_ones(monkeypatch):
 
 
 def _registered_cases():
-    from hicache_core.registry import get_registry
+    from hicache_core.plugins.registry import get_registry
 
     reg = get_registry()
     return [(k, lay, v) for k in reg.pool_kinds for lay in reg.layouts for v in ("plain", "sharded", "draft")]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_core.registry import get_registry
+from hicache_core.plugins.registry import get_registry
 
 _PATH = Path(__file__).parents[1] / "benchmarks" / "verify_cost.py"
 

@@ -13,10 +13,10 @@ import torch
 from core_helpers import DEVICE, device_pool, fill_random
 
 import hicache_core as hc
-from hicache_core.drops import DroppedIndicesError
-from hicache_core.page_checksum import NO_CHECKSUM
-from hicache_core.registry import get_registry
-from hicache_core.verify import PageVerificationError
+from hicache_core.plugins.registry import get_registry
+from hicache_core.pool.drops import DroppedIndicesError
+from hicache_core.verification.page_checksum import NO_CHECKSUM
+from hicache_core.verification.verify import PageVerificationError
 
 pytestmark = pytest.mark.skipif(
     DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on CPU pools: TRITON_INTERPRET=1"
@@ -35,7 +35,7 @@ def _cases() -> list[tuple[str, str]]:
 
 def _pool(kind: str, layout: str, page_size: int = 4, in_copy: bool = True):
     dp = device_pool(kind, page_size, pages=6, layers=LAYERS)
-    comps = hc.host_pool.pool_kind_of(dp).components
+    comps = hc.pool.host_pool.pool_kind_of(dp).components
     fill_random([t for c in comps for t in getattr(dp, c.device_attr)], seed=5)
     host = hc.make_host_pool(dp, layout=layout, io_backend="kernel", verify=True)
     # CPU pools check in torch by default (the kernel runs them under the interpreter); HICACHE_VERIFY_IN_COPY
@@ -205,7 +205,7 @@ def test_a_layer_wise_load_checked_in_the_copy_names_the_failing_layers_call():
     try:
         load.result()
         host.check_verified()
-    except hc.layer_loads.LayerLoadError as exc:  # layer 2's call found layer 1's report first
+    except hc.loads.layer_loads.LayerLoadError as exc:  # layer 2's call found layer 1's report first
         err = exc.__cause__
     except PageVerificationError as exc:
         err = exc

@@ -15,7 +15,7 @@ from pathlib import Path
 import tomllib
 from source_tree import tree_files
 
-from hicache_core.versions import admits
+from hicache_core.plugins.versions import admits
 
 ROOT = Path(__file__).resolve().parents[1]
 CLAUSE = r"(?:==|>=|<=|~=|!=|<|>)[0-9][0-9a-z.*]*"

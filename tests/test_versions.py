@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import hicache_core as hc
-import hicache_core.registry as registry_module
-from hicache_core import hookimpl, versions
+import hicache_core.plugins.registry as registry_module
+from hicache_core import hookimpl
 from hicache_core.cli import main
-from hicache_core.registry import Registry
+from hicache_core.plugins import versions
+from hicache_core.plugins.registry import Registry
 
 
 @pytest.mark.parametrize("spec, version, expect", [
@@ -128,7 +129,7 @@ def test_the_size_rule_says_what_changed_and_since_when():
 
 
 def test_the_names_announced_to_go_are_gone_and_their_replacements_work(registry):
-    import hicache_core.geometry as geometry
+    import hicache_core.pool.geometry as geometry
     import hicache_core.storage.backend as backend
     import hicache_core.storage.url as url
 
@@ -144,4 +145,4 @@ def test_the_names_announced_to_go_are_gone_and_their_replacements_work(registry
     for module, names in gone.items():
         for name in names:
             assert not hasattr(module, name), f"{module.__name__}.{name}"
-    assert hc.geometry_of.__module__ == "hicache_core.host_pool"  # the face's convenience resolves at the door
+    assert hc.geometry_of.__module__ == "hicache_core.pool.host_pool"  # the face's convenience resolves at the door

@@ -11,7 +11,7 @@ import atexit
 import threading
 from typing import Any
 
-from ..variables import KV_EVENTS, KV_EVENTS_AUDIT_S, KV_EVENTS_REPLAY, KV_EVENTS_TOPIC
+from ..settings.variables import KV_EVENTS, KV_EVENTS_AUDIT_S, KV_EVENTS_REPLAY, KV_EVENTS_TOPIC
 from .publisher import KVEventPublisher
 
 __all__ = ["configured_publisher", "publish_store_events"]

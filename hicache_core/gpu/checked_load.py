@@ -1,6 +1,7 @@
 """Loads that check what they move: the copy and the page checksum in one launch (this module does not import triton).
 
-A verifying pool checks every load against the checksums its backups took (:mod:`hicache_core.verify`).
+A verifying pool checks every load against the checksums its backups took
+(:mod:`hicache_core.verification.verify`).
 Done apart, that check is a second kernel after the last layer, which reads the loaded rows again, and
 host time on every call and at the end of every load: the cost of verification on small loads, which
 are bound by host time. :class:`CheckedLoads` folds the check into the copy instead: a Triton
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..page_checksum import CHECKED_LOAD_FIELDS, seed, tile_shape
+from ..verification.page_checksum import CHECKED_LOAD_FIELDS, seed, tile_shape
 from .device import cuda_current_functions
 
 #: Items a work unit of the kernel covers at most (a tile): a page of 64 items is four units, so a load of one
@@ -62,8 +63,10 @@ class CheckedLoads:
     """Per-layer loads of one pool that copy and check in one launch (see the module doc).
 
     :param plan: the pool's transfer plan; :func:`refusals` must be empty for it.
-    :param verifier: the pool's :class:`~hicache_core.verify.PageVerifier` (its table, failure words, tiling).
-    :param call_number: the calling thread's call number holder (``.seq``, :class:`~hicache_core.drops.DropReport`).
+    :param verifier: the pool's :class:`~hicache_core.verification.verify.PageVerifier` (its table, failure words,
+        tiling).
+    :param call_number: the calling thread's call number holder (``.seq``,
+        :class:`~hicache_core.pool.drops.DropReport`).
     :param programs: the persistent grid's size (the implementation's SM budget).
     :param stages: pipelining stages of the word loop (0 under the interpreter).
     :param launching: ``(hooks_idle, compiled_launch)`` of :mod:`hicache_core.gpu.triton_base` (handed in by the

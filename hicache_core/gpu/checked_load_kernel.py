@@ -2,7 +2,7 @@
 lazily, for a verifying pool whose load implementation takes the check into its copy).
 
 One launch copies one host layer's pages to the device and, in the same pass over the bytes, takes
-each page's checksum (:mod:`hicache_core.page_checksum`) and compares it with the checksum table: no
+each page's checksum (:mod:`hicache_core.verification.page_checksum`) and compares it with the checksum table: no
 second kernel, no second read of the rows. Work is cut into (page of the call, entry, tile of
 ``TILE_T`` items) and walked by a persistent grid (its size is the implementation's SM budget). An
 entry is one (host layer, component): where its layer starts on each side, the host layout's strides
@@ -14,7 +14,7 @@ table. A mismatch stores the call's number in the failure word and in the page's
 word that holds no checksum takes the loaded one.
 
 Out-of-range indices are skipped and reported through the drop word, as every hicache copy kernel
-does (:mod:`hicache_core.drops`). Every address is a count of 32-bit words from one anchor tensor, so
+does (:mod:`hicache_core.pool.drops`). Every address is a count of 32-bit words from one anchor tensor, so
 the host pool (through UVA), the device rows, the pinned table and the words are addressed alike.
 
 (No ``from __future__ import annotations`` here: Triton reads annotations.)
@@ -23,7 +23,7 @@ the host pool (through UVA), the device rows, the pinned table and the words are
 import triton
 import triton.language as tl
 
-from ..page_checksum import CHECKED_LOAD_FIELDS, M2, NO_CHECKSUM
+from ..verification.page_checksum import CHECKED_LOAD_FIELDS, M2, NO_CHECKSUM
 
 _M2 = tl.constexpr(M2)
 _NO_CHECKSUM = tl.constexpr(NO_CHECKSUM)

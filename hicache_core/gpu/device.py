@@ -65,7 +65,7 @@ def bind_uva_device(name: str, plan, cpu_programs: int) -> tuple[bool, int, int]
         )
     unpinned = [attr for attr, t in plan.host_buffers.items() if not t.is_pinned()]
     if not plan.drop_report.word.is_pinned():
-        unpinned.append("the drop report's word (hicache_core.drops)")
+        unpinned.append("the drop report's word (hicache_core.pool.drops)")
     if unpinned:
         raise ValueError(f"{name} needs pinned host buffers on CUDA (UVA); not pinned: {', '.join(unpinned)}")
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -1,5 +1,5 @@
-"""The page checksum on the device, in Triton (imports triton: only :mod:`hicache_core.verify` imports it, lazily,
-for a verifying pool on CUDA).
+"""The page checksum on the device, in Triton (imports triton: only :mod:`hicache_core.verification.verify` imports
+it, lazily, for a verifying pool on CUDA).
 
 One program per (page of the call, entry): an entry is one (host layer, component) with its device
 layer's address, row stride, row words, seed and column in the checksum table. A program reads its
@@ -8,7 +8,7 @@ row, then each group of ``GROUP`` rows: one pass over the page bytes, and the pa
 read or written as one run of the table row. ``CHECK=False`` stores the sums in the checksum table
 (backup); ``CHECK=True`` compares them with it (after a load) and, for a mismatch, stores the call's
 number in the failure word and in the page's failure slot (masked stores: a clean check writes
-nothing); a table word that holds no checksum (:data:`~hicache_core.page_checksum.NO_CHECKSUM`)
+nothing); a table word that holds no checksum (:data:`~hicache_core.verification.page_checksum.NO_CHECKSUM`)
 takes the loaded bytes' instead. One launch may cover many layers (a whole load's): with ``SEQ_STEP
 > 0`` the call number written for entry ``e`` is ``seq - e // SEQ_STEP`` (one number per layer of
 the launch, which the verifier maps back to the layer's call).
@@ -28,7 +28,7 @@ Out-of-range indices are skipped (the transfer that received them reports them).
 import triton
 import triton.language as tl
 
-from ..page_checksum import ENTRY_COLUMNS, M2, NO_CHECKSUM
+from ..verification.page_checksum import ENTRY_COLUMNS, M2, NO_CHECKSUM
 from .device import cuda_current_functions
 from .triton_base import compiled_launch, hooks_idle, load_triton_runtime
 
@@ -142,7 +142,7 @@ class ChecksumLaunch:
     (:mod:`hicache_core.gpu.triton_base`), unless a profiler hook watches launches. Under the
     interpreter every launch goes through Triton.
 
-    ``tile``: :func:`hicache_core.page_checksum.tile_shape`; ``align``: words every device row starts on,
+    ``tile``: :func:`hicache_core.verification.page_checksum.tile_shape`; ``align``: words every device row starts on,
     1, 2 or 4; ``stages``: 0 under the interpreter.
     """
 
@@ -184,7 +184,7 @@ def launch(anchor, entries_off, hidx_off, didx_off, table_off, fail_word_off, fa
     """Launch :func:`page_checksums` over ``pages`` x ``num_entries`` programs through Triton (returns what Triton
     does: the compiled kernel, on CUDA).
 
-    ``tile``: :func:`hicache_core.page_checksum.tile_shape`; ``align``: words every device row starts on,
+    ``tile``: :func:`hicache_core.verification.page_checksum.tile_shape`; ``align``: words every device row starts on,
     1, 2 or 4; ``stages``: 0 under the interpreter; ``num_warps``: default by the tile's size."""
     tile_t, group, block_w = tile
     return page_checksums[(pages, num_entries)](

@@ -12,9 +12,9 @@ profiler hook wants to see launches.
 **Kernel parameters.** Every kernel starts with :data:`CALL_PARAMS`: the anchor pointer,
 the two index tensors, their strides, the item count, the call's number ``seq`` and
 ``drop``, the drop word's offset from the anchor in anchor elements (see
-:mod:`hicache_core.drops`). A kernel that masks an out-of-range index stores ``seq`` as an
+:mod:`hicache_core.pool.drops`). A kernel that masks an out-of-range index stores ``seq`` as an
 ``int64`` at ``anchor + drop`` (a masked store: nothing moves when every index is good),
-and the host pool raises :class:`~hicache_core.drops.DroppedIndicesError` at its next call.
+and the host pool raises :class:`~hicache_core.pool.drops.DroppedIndicesError` at its next call.
 The rest of a kernel's arguments are one tuple the subclass builds once per pool, layer
 and direction (``args``), so a call packs nothing.
 
@@ -35,8 +35,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..implementation import Implementation, TransferRequest
-from ..plan import TransferPlan
+from ..plugins.implementation import Implementation, TransferRequest
+from ..pool.plan import TransferPlan
 from . import uva
 from .device import (
     CudaOrInterpreter,

@@ -18,7 +18,7 @@ def word_pointer(anchor, offset):
 
 @triton.jit
 def report_dropped(anchor, drop, seq, bad):
-    """Store ``seq`` in the drop word for each masked lane of ``bad`` (see :mod:`hicache_core.drops`).
+    """Store ``seq`` in the drop word for each masked lane of ``bad`` (see :mod:`hicache_core.pool.drops`).
 
     A predicated store: where no lane is masked, nothing is written and nothing crosses the
     link. Every lane that stores writes the same value to the same word, so no ordering matters.

@@ -11,7 +11,7 @@ per-part strides in elements, and the per-host-layer offset table, built once wh
 host pool is made so that the hot path allocates nothing.
 
 Vocabulary: a *piece* is the contiguous run one (item, head) moves, as
-:class:`~hicache_core.plan.BoundPart` describes it; where an item is contiguous on both
+:class:`~hicache_core.pool.plan.BoundPart` describes it; where an item is contiguous on both
 sides, its heads merge into one piece. A *word* is the unit a kernel moves per lane
 (16, 8, 4, 2 or 1 bytes); an *element* is the pointer's scalar type, at most 8 bytes,
 so a 16-byte word is two ``int64`` elements.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan import BoundPart, TransferPlan
+from ..pool.plan import BoundPart, TransferPlan
 
 #: Word sizes a kernel may move, widest first.
 WORD_SIZES: tuple[int, ...] = (16, 8, 4, 2, 1)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import variables
+from ..settings import variables
 from . import numa
 from .limits import MemoryLimits, read_limits
 from .mapping import PAGE, huge_pages_offered

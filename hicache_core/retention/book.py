@@ -72,7 +72,7 @@ class LeaseBook:
     def __init__(self, tier: str, *, capacity: int | None = None, cap: float | None = None,
                  decay: float | None = None, size_of: Callable[[Hashable], int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
-        from ..variables import LEASE_DECAY, RETENTION_CAP
+        from ..settings.variables import LEASE_DECAY, RETENTION_CAP
 
         cap = RETENTION_CAP.read() if cap is None else cap
         decay = LEASE_DECAY.read() if decay is None else decay

@@ -26,7 +26,7 @@ class LeaseKeeper:
     """A daemon thread touching ``book``'s protected pages in ``backend`` every ``interval`` seconds."""
 
     def __init__(self, book: LeaseBook, backend: Any, interval: float | None = None) -> None:
-        from ..variables import LEASE_TOUCH_S
+        from ..settings.variables import LEASE_TOUCH_S
 
         self.book = book
         self.backend = backend

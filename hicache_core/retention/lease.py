@@ -47,7 +47,7 @@ def parse_ttl(value: Any, *, max_ttl_s: float | None = None) -> float:
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"a time to live must be a finite number of seconds > 0, got {value!r}")
     if max_ttl_s is None:
-        from ..variables import LEASE_MAX_TTL_S
+        from ..settings.variables import LEASE_MAX_TTL_S
 
         max_ttl_s = LEASE_MAX_TTL_S.read()
     if seconds > max_ttl_s:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..plugin_sources import source_tree_plugins
-from ..registry import Registry, get_registry
+from ..plugins.plugin_sources import source_tree_plugins
+from ..plugins.registry import Registry, get_registry
 from .keys import namespace_for
 from .page_auth import FROM_ENVIRONMENT, ClusterKey, resolve_key
 from .page_store import PageStore

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..key_id import MIN_KEY_BYTES, key_id_of, short_key_message
-from ..variables import L3_KEY, L3_KEY_FILE
+from ..settings.variables import L3_KEY, L3_KEY_FILE
 
 #: Read with ``Setting.read`` as text: the variables are validated here, by messages that never echo them.
 KEY_FILE, KEY = L3_KEY_FILE, L3_KEY

@@ -19,7 +19,7 @@ hand back the bytes that were put under a key::
 
 All integers little-endian. The payload is the page in the host pool's flat order
 (``get_data_page(i, flat=True)``): host buffer by buffer, each page view in memory order.
-A pool with host-tier verification (:mod:`hicache_core.verify`) stores after the payload its
+A pool with host-tier verification (:mod:`hicache_core.verification.verify`) stores after the payload its
 checksum table row for the page (the checksums taken on the device at backup, int64 each), and
 the payload checksum covers payload and row, so a prefetched page is checked on the device
 against the checksums of its original backup. Such a pool writes algorithm 2 by default: the host
@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..variables import L3_HASH_THREADS
+from ..settings.variables import L3_HASH_THREADS
 
 MAGIC = b"HICP"
 FORMAT_VERSION = 2

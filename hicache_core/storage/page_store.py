@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from .. import metrics as _metrics
-from ..page_checksum import NO_CHECKSUM
-from ..variables import L3_HOST_CHECK
+from ..settings.variables import L3_HOST_CHECK
+from ..verification.page_checksum import NO_CHECKSUM
 from .backend import StorageBackend
 from .keys import Namespace, fingerprint, geometry_description
 from .legacy import backend_member, page_api_problems

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ..page_access import contiguous_runs
-from ..page_checksum import checksum_rows
+from ..pool.page_access import contiguous_runs
+from ..verification.page_checksum import checksum_rows
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ class PageMap:
         self.page_bytes = sum(n for _, _, n in self._runs)
         for tensor in host_pool.plan.host_buffers.values():
             self._buffers.append(tensor)
-        #: The pool's verification (:mod:`hicache_core.verification`): its table and quarantine, asked of the pool.
+        #: The pool's verification (:mod:`hicache_core.verification.observer`): its table and quarantine, asked of the
+        #: pool.
         self.verification = getattr(host_pool, "verification", None)
         #: The pool's checksum table (host-tier verification), stored after each page's payload; else ``None``.
         self.table = self.verification.table if self.verification is not None else None

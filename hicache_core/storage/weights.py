@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from typing import Any
 
-from ..slot_events import FreeListener
+from ..pool.slot_events import FreeListener
 from .keys import Namespace
 
 #: Earlier namespaces a store remembers, to tell ``old_weight_version`` from ``not_in_store``.

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from ..device_pools import DeclaredDevicePool
-from ..host_pool import pool_kind_of
-from ..implementation import BACKUP_ALL, BACKUP_LAYER, LOAD
-from ..pool_kinds import PoolKind
-from ..registry import get_registry
+from ..declared.pool_kinds import PoolKind
+from ..plugins.implementation import BACKUP_ALL, BACKUP_LAYER, LOAD
+from ..plugins.registry import get_registry
+from ..pool.device_pools import DeclaredDevicePool
+from ..pool.host_pool import pool_kind_of
 
 #: Ways a pool can be built: whole model, a layer shard (context/pipeline parallelism), or with an MTP draft layer.
 VARIANTS: tuple[str, ...] = ("plain", "sharded", "draft")

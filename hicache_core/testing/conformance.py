@@ -17,13 +17,13 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from ..dispatch import UnsupportedCombinationError, reasons_for
-from ..drops import DroppedIndicesError
-from ..geometry import PoolGeometry, geometry_of
-from ..host_pool import make_host_pool
-from ..implementation import BACKUP_ALL, LOAD, Implementation, TransferRequest
-from ..registry import Registry, get_registry
-from ..variables import KIT_ISOLATE
+from ..plugins.dispatch import UnsupportedCombinationError, reasons_for
+from ..plugins.implementation import BACKUP_ALL, LOAD, Implementation, TransferRequest
+from ..plugins.registry import Registry, get_registry
+from ..pool.drops import DroppedIndicesError
+from ..pool.geometry import PoolGeometry, geometry_of
+from ..pool.host_pool import make_host_pool
+from ..settings.variables import KIT_ISOLATE
 from . import cases as C
 from .cases import Case
 from .cuda_context import context_lost
@@ -41,7 +41,7 @@ BAD_INPUTS: dict[str, tuple[tuple[type[BaseException], ...], tuple[str, ...], bo
     "wrong_device_pool": ((ValueError,), ("device pool", "device_pool"), False),
     "not_whole_pages": ((ValueError,), ("page",), True),
     # No validating mode: the implementation may raise (before any byte moves), or drop the bad item,
-    # move every valid pair, and report the drop at the pool's next call (hicache_core.drops).
+    # move every valid pair, and report the drop at the pool's next call (hicache_core.pool.drops).
     "host_index_past_end_unvalidated": ((IndexError, ValueError), ("range", "bound"), False),
     "device_index_negative_unvalidated": ((IndexError, ValueError), ("range", "bound", "negative"), False),
 }
@@ -353,7 +353,7 @@ class ConformanceTests:
 
         A raise must come before any byte moves. An implementation that masks out-of-range
         indices instead must move every valid pair, touch nothing else, and leave the report
-        for the pool's next call (:class:`~hicache_core.drops.DroppedIndicesError`, naming the
+        for the pool's next call (:class:`~hicache_core.pool.drops.DroppedIndicesError`, naming the
         faulty call). Every case then moves good indices through the same pool (one layer of a
         per-layer operation) and compares with the reference, so the implementation itself is
         exercised in each one.
@@ -468,7 +468,7 @@ class ConformanceTests:
         pytest.fail(
             f"{self._who()} [{case.id}] returned normally from a call with out-of-range indices and the pool's next "
             "call did not report it: a kernel that masks indices must store plan.drop_report.seq at "
-            "plan.drop_report.address (see hicache_core.drops), or raise in the call",
+            "plan.drop_report.address (see hicache_core.pool.drops), or raise in the call",
             pytrace=False,
         )
 
@@ -933,7 +933,8 @@ def _no_oracle(registry: Registry, layout: str) -> str:
         "check where it puts each byte independently of the reference (which reads the same declaration). Since "
         "hicache-core 0.2.0 this fails instead of skipping. Declare one: Layout(..., oracle=fn), where "
         "fn(host_pool, part, layer, item) returns the host bytes of that item of that part and layer, written from "
-        "the server's shapes, not from the layout's axes (hicache_core.layout_oracles does it for SGLang's layouts)"
+        "the server's shapes, not from the layout's axes (hicache_core.declared.layout_oracles does it for SGLang's "
+        "layouts)"
     )
 
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..device_pools import DeclaredDevicePool
-from ..host_pool import make_host_pool
-from ..registry import get_registry
+from ..plugins.registry import get_registry
+from ..pool.device_pools import DeclaredDevicePool
+from ..pool.host_pool import make_host_pool
 from ..storage import PrefetchTimeout, StorageController, make_storage, page_hashes
 from ..storage.page_format import HEADER_SIZE
 

@@ -19,14 +19,14 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from ..device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
-from ..drops import DroppedIndicesError
-from ..host_layout import host_layout_spec
-from ..host_pool import geometry_of
-from ..implementation import LOAD
-from ..plan import TransferPlan
-from ..reference import reference_copy
-from ..registry import get_registry
+from ..plugins.implementation import LOAD
+from ..plugins.reference import reference_copy
+from ..plugins.registry import get_registry
+from ..pool.device_pools import MHADevicePool, MLADevicePool, PageRowsDevicePool
+from ..pool.drops import DroppedIndicesError
+from ..pool.host_layout import host_layout_spec
+from ..pool.host_pool import geometry_of
+from ..pool.plan import TransferPlan
 
 #: Bytes of random guard on each side of every guarded tensor.
 GUARD = 256
@@ -257,7 +257,7 @@ def _check_like_reference(host, ref, device_pool, op, h, d, hv, dv, layer_id, de
 
 def check_reported_at_next_call(host, ref, device_pool, op: str, layer_id: int | None) -> None:
     """A call with bad indices on ``host`` (not validating) returns, moves exactly the valid pairs, and is named
-    by the :class:`~hicache_core.drops.DroppedIndicesError` that the pool's next call raises; a good call after
+    by the :class:`~hicache_core.pool.drops.DroppedIndicesError` that the pool's next call raises; a good call after
     that works.
 
     ``ref`` is a reference host pool over the same ``device_pool`` and layout (token pools: indices

@@ -34,7 +34,7 @@ import traceback
 from dataclasses import asdict
 from typing import IO, Any
 
-from ..variables import KIT_CASE_TIMEOUT, KIT_WORKER_FD
+from ..settings.variables import KIT_CASE_TIMEOUT, KIT_WORKER_FD
 
 #: Seconds one case may run in the worker before it counts as hung (the worker is then killed).
 CASE_TIMEOUT: float = KIT_CASE_TIMEOUT.read()

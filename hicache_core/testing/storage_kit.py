@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from ..host_pool import make_host_pool
-from ..registry import Registry, get_registry
+from ..plugins.registry import Registry, get_registry
+from ..pool.host_pool import make_host_pool
 from ..storage.backend import PageStatus, StorageBackend
 from ..storage.keys import Namespace, page_hashes
 from ..storage.make import make_storage

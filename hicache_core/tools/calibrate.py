@@ -12,7 +12,7 @@ implementation that claims it is measured (kernels at several SM budgets):
   GEMM cost time.
 
 The choice per bucket is the best score under compute; within 1 % the faster idle
-call wins. The profile (:class:`hicache_core.autoselect.Profile`) goes to the user's
+call wins. The profile (:class:`hicache_core.plugins.autoselect.Profile`) goes to the user's
 cache directory, keyed by GPU name, driver version and host link, and holds what was
 measured beside each choice.
 """
@@ -25,12 +25,12 @@ import time
 
 import torch
 
-from .. import autoselect
-from ..autoselect import Choice, Profile
-from ..dispatch import reasons_for
-from ..host_pool import make_host_pool
-from ..implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, Implementation, TransferRequest
-from ..registry import get_registry
+from ..plugins import autoselect
+from ..plugins.autoselect import Choice, Profile
+from ..plugins.dispatch import reasons_for
+from ..plugins.implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, Implementation, TransferRequest
+from ..plugins.registry import get_registry
+from ..pool.host_pool import make_host_pool
 from .bench.machine import measure_ceiling
 from .bench.sweep import Timer, storable
 from .demo import random_pages

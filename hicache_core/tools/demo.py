@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from ..dispatch import UnsupportedCombinationError
-from ..host_pool import make_host_pool
-from ..implementation import BACKUP_ALL, LOAD, TransferRequest
-from ..registry import get_registry
+from ..plugins.dispatch import UnsupportedCombinationError
+from ..plugins.implementation import BACKUP_ALL, LOAD, TransferRequest
+from ..plugins.registry import get_registry
+from ..pool.host_pool import make_host_pool
 from .progress import progress
 from .shapes import SHAPES
 

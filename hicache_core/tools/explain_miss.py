@@ -29,9 +29,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..host_pool import make_host_pool
 from ..metrics import metrics_dir
-from ..registry import get_registry
+from ..plugins.registry import get_registry
+from ..pool.host_pool import make_host_pool
 from ..settings import SettingError
 from ..storage.backend import StorageError
 from ..storage.explain import Outcomes, explain_miss

@@ -1,6 +1,6 @@
 """``hicache settings``: every declared ``HICACHE_*`` variable, its value now, where that came from, what it takes.
 
-The list is :func:`hicache_core.settings_registry.current`: the core's settings and every installed plugin's
+The list is :func:`hicache_core.settings.registry.current`: the core's settings and every installed plugin's
 and adapter's (their ``hicache.settings`` entry points). A value a setting does not take is shown as
 refused, with the reason, and the command exits 1, so that a launcher can check its environment first.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..settings_registry import DeclarationError, current
+from ..settings.registry import DeclarationError, current
 
 
 def run(as_json: bool = False) -> int:

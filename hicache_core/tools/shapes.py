@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..device_pools import DeclaredDevicePool
-from ..geometry import PoolGeometry, example_geometry
-from ..pool_kinds import PoolKind
-from ..registry import get_registry
+from ..declared.pool_kinds import PoolKind
+from ..plugins.registry import get_registry
+from ..pool.device_pools import DeclaredDevicePool
+from ..pool.geometry import PoolGeometry, example_geometry
 
 
 @dataclass(frozen=True)

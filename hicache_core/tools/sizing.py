@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from ..geometry import example_geometry, pages_for
-from ..host_layout import host_layout_spec
 from ..host_memory import RESERVE_GIB, HostMemoryPlan, fit_refusal, read_limits
-from ..host_pool import plan_pool_memory
-from ..registry import get_registry
+from ..plugins.registry import get_registry
+from ..pool.geometry import example_geometry, pages_for
+from ..pool.host_layout import host_layout_spec
+from ..pool.host_pool import plan_pool_memory
 from ..storage.page_format import HEADER_SIZE
-from ..verify import table_shapes
+from ..verification.verify import table_shapes
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # fmt: skip
@@ -241,7 +241,8 @@ def _pool(name, geometry, layout, unit, size_gb, ratio, device_units, pinned, ve
     spec = host_layout_spec(geometry, layout, pages_for(slots, page))
     memory = plan_pool_memory(geometry, spec, label=name, pinned=pinned, device=torch.device(device))
     table = 0
-    if verifying:  # what hicache_core.verify pins beside the buffers: checksums, then one failure word a page
+    # what hicache_core.verification.verify pins beside the buffers: checksums, then one failure word a page
+    if verifying:
         tokens_per_page = 1 if geometry.items_are_pages else page
         shapes = table_shapes(spec.num_pages, geometry.host_layers, len(geometry.components), tokens_per_page)
         table = sum(math.prod(shape) * 8 for shape in shapes)

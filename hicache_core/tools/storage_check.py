@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ..host_pool import make_host_pool
-from ..registry import get_registry
+from ..plugins.registry import get_registry
+from ..pool.host_pool import make_host_pool
 from ..storage.backend import PageStatus
 from ..storage.keys import page_hashes
 from ..storage.make import make_storage

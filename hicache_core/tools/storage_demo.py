@@ -16,7 +16,7 @@ import uuid
 
 import torch
 
-from ..host_pool import make_host_pool
+from ..pool.host_pool import make_host_pool
 from ..storage.controller import StorageController
 from ..storage.make import make_storage
 from ..storage.url import redact_url

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 import hicache_core as hc
-from hicache_core.dispatch import reasons_for
-from hicache_core.reference import reference_copy
+from hicache_core.plugins.dispatch import reasons_for
+from hicache_core.plugins.reference import reference_copy
 from hicache_core.tools.shapes import shape_for_kind
 
 SETTINGS = {

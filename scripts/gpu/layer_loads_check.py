@@ -134,7 +134,7 @@ def aliasing() -> dict:
 def stress(rounds: int, seed: int = 1) -> dict:
     import torch
 
-    from hicache_core.layer_loads import LayerLoadError, layer_loader
+    from hicache_core.loads.layer_loads import LayerLoadError, layer_loader
 
     dev, host, h, ref, dst = _pools()
     loader = layer_loader(dev.k_buffer[0].device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from hicache_core.variables import LIVE_REPORT
+from hicache_core.settings.variables import LIVE_REPORT
 
 _PATH = LIVE_REPORT.read()
 _T0 = time.monotonic()

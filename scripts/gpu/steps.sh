@@ -11,7 +11,7 @@ begin_check() {  # begin_check NAME DEFAULT_DEADLINE_S: $OUT (default /tmp/hicac
   export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
   PY=${PYTHON:-python3}
   local asked  # HICACHE_CHECK_DEADLINE, read through hicache's settings (a bad value ends the check, named)
-  asked=$("$PY" -m hicache_core.settings_registry HICACHE_CHECK_DEADLINE) || exit 1
+  asked=$("$PY" -m hicache_core.settings.registry HICACHE_CHECK_DEADLINE) || exit 1
   deadline=$(( $(date +%s) + ${asked:-$2} ))
   results=()
 }

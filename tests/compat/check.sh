@@ -156,7 +156,7 @@ import sys
 import torch
 
 import hicache_core as hc
-from hicache_core.registry import Registry
+from hicache_core.plugins.registry import Registry
 
 registry = Registry.from_entry_points()
 record = registry.plugins["pageblob"]
@@ -185,7 +185,7 @@ step "a storage plugin in 0.2's style: its backend is refused at registration, w
 copy_of blobstore-0.2 "$work/blobstore"
 install "$work/blobstore"
 "$py" - <<'PY'
-from hicache_core.registry import Registry
+from hicache_core.plugins.registry import Registry
 from hicache_core.storage import make_storage
 
 registry = Registry.from_entry_points()

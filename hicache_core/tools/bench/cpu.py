@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ...dispatch import reasons_for
-from ...host_pool import make_host_pool
-from ...implementation import BACKUP_ALL, LOAD, TransferRequest
-from ...registry import get_registry
+from ...plugins.dispatch import reasons_for
+from ...plugins.implementation import BACKUP_ALL, LOAD, TransferRequest
+from ...plugins.registry import get_registry
+from ...pool.host_pool import make_host_pool
 from ..shapes import SHAPES
 
 

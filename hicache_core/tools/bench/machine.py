@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from ...host_pool import make_host_pool
-from ...implementation import LOAD, Implementation
-from ...registry import Registry
+from ...plugins.implementation import LOAD, Implementation
+from ...plugins.registry import Registry
+from ...pool.host_pool import make_host_pool
 from ..shapes import SHAPES
 from .clock import Timer
 
@@ -42,7 +42,7 @@ def measure_dispatch_overhead(calls: int = 200_000) -> dict[str, float]:
             pass
 
     class Plugin:
-        from ...hookspecs import hookimpl
+        from ...plugins.hookspecs import hookimpl
 
         @hookimpl
         def hicache_register_backends(self, register):

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...implementation import BACKUP_ALL, LOAD, Implementation
-from ...layer_loads import layer_loader
+from ...loads.layer_loads import layer_loader
+from ...plugins.implementation import BACKUP_ALL, LOAD, Implementation
 
 GEMM_WIDTH = 8192
 
@@ -100,7 +100,7 @@ class Streams:
 #: How the benchmark issues a prefill's loads: ``sglang`` as SGLang's ``L2TransferEngine`` does
 #: (every layer's load submitted on the load stream before the forward is queued, one event per
 #: layer that the forward's layer waits on); ``loader``, in the same order, handed to hicache's layer
-#: loader (:mod:`hicache_core.layer_loads`: the call returns at once, the forward's layer waits for its
+#: loader (:mod:`hicache_core.loads.layer_loads`: the call returns at once, the forward's layer waits for its
 #: layer's submission, then its event), which is what SGLang's adapter does; or ``interleaved`` (each
 #: layer's load, then that layer's GEMMs, as this benchmark's first version did: it hides the host's
 #: submission time behind the GEMMs).

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from ... import autoselect
-from ...dispatch import reasons_for, resolve
-from ...host_pool import make_host_pool
-from ...implementation import BACKUP_ALL, LOAD, Implementation, TransferRequest
-from ...registry import get_registry
+from ...plugins import autoselect
+from ...plugins.dispatch import reasons_for, resolve
+from ...plugins.implementation import BACKUP_ALL, LOAD, Implementation, TransferRequest
+from ...plugins.registry import get_registry
+from ...pool.host_pool import make_host_pool
 from ..demo import random_pages
 from ..shapes import SHAPES
 from .machine import measure_ceiling

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ...registry import Registry, get_registry
+from ...plugins.registry import Registry, get_registry
 
 #: Per engine, the shades its implementations take in turn (sorted by plugin, then name).
 FAMILIES = {

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from ...autoselect import AutoChooser
-from ...implementation import Implementation
-from ...registry import CORE_PLUGIN, Registry
+from ...plugins.autoselect import AutoChooser
+from ...plugins.implementation import Implementation
+from ...plugins.registry import CORE_PLUGIN, Registry
 
 
 def environment() -> dict:

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ...implementation import BACKUP_ALL, LOAD
-from ...variables import BENCH_ANCHOR
+from ...plugins.implementation import BACKUP_ALL, LOAD
+from ...settings.variables import BENCH_ANCHOR
 
 #: Where SGLang's functions are looked for when nothing else is named.
 DEFAULT_MODULE = "sgl_kernel.kvcacheio"

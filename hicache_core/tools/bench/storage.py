@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ...host_pool import make_host_pool
+from ...pool.host_pool import make_host_pool
 from ...storage.backend import StorageError
 from ...storage.keys import page_hashes
 from ...storage.make import make_storage

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from ...dispatch import reasons_for
-from ...host_pool import make_host_pool
-from ...implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, Implementation, TransferRequest
-from ...registry import Registry, get_registry
+from ...plugins.dispatch import reasons_for
+from ...plugins.implementation import BACKUP_ALL, BACKUP_LAYER, LOAD, Implementation, TransferRequest
+from ...plugins.registry import Registry, get_registry
+from ...pool.host_pool import make_host_pool
 from ..demo import fill_random, random_pages
 from ..progress import progress
 from ..shapes import SHAPES, ModelShape

@@ -37,7 +37,7 @@ def test_identity_line(fleet, name):
     assert len(lines) == 1, f"expected one identity line for the one KV host pool, got {lines}"
     line = lines[0]
     layout, io = case.expected
-    assert "'kv' hicache_sglang.pool.SGLangMHAHostPool over hicache_core.host_pool.HostPool, pool kind mha" in line
+    assert "'kv' hicache_sglang.pool.SGLangMHAHostPool over hicache_core.pool.host_pool.HostPool, pool kind mha" in line
     assert f"layout {layout}, io backend {io}," in line, line
     assert f"page size {case.page_size};" in line, line
     impls = dict(re.findall(r"(\w+)=([\w.]+)", line.split("implementations:", 1)[1]))

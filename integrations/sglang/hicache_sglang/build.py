@@ -19,7 +19,7 @@ import hicache_core as hc
 
 # ``1`` makes every KV host pool validate indices and layer ownership on each call, which SGLang cannot
 # pass through: make_host_pool reads it (the one reading); the name stays importable from here.
-from hicache_core.host_pool import ENV_VALIDATE as ENV_VALIDATE
+from hicache_core.pool.host_pool import ENV_VALIDATE as ENV_VALIDATE
 
 from . import layers, metrics, scales
 from .errors import NotServedError

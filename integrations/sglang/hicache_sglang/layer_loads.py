@@ -8,14 +8,14 @@ that load: the scheduler thread does what SGLang does before the copies (the sta
 load fence, index resolution on SGLang's host-to-device stream), has each pool prepare its part
 (``prepare_load``: SGLang's layer ids mapped once, with SGLang's per-pool rule for drafts,
 sidecars, indexers and pipeline stages; the indices checked once), records one event there, and
-hands the parts to hicache's one door for layer-wise loads (:func:`hicache_core.pool_loads.submit_loads`),
+hands the parts to hicache's one door for layer-wise loads (:func:`hicache_core.loads.pool_loads.submit_loads`),
 whose loader thread waits on that event on a stream of its own and submits layer after layer.
 The forward's wait for layer ``l`` first waits on the host until layer ``l`` was submitted, then on
 its event: no stream ever waits on an event not yet recorded, so no hardware-queue aliasing can
 deadlock it.
 
 The completion SGLang keeps (its ack, the allocator's transfer-done event, the counter's
-``finish_event``) holds :class:`~hicache_core.layer_loads.PendingEvent` objects, which answer
+``finish_event``) holds :class:`~hicache_core.loads.layer_loads.PendingEvent` objects, which answer
 ``query``, ``wait``, ``synchronize`` and ``elapsed_time`` as CUDA events do. A load whose pools
 are not all hicache's, or whose per-layer callback is not SGLang's counter, runs SGLang's own code.
 ``HICACHE_SGLANG_LAYER_LOADS=sglang`` keeps SGLang's own submission for every load.
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from hicache_core.layer_loads import LayerLoad, LayerLoadError, LayerLoadTimeout
-from hicache_core.pool_loads import CallPerLayer, submit_loads
+from hicache_core.loads.layer_loads import LayerLoad, LayerLoadError, LayerLoadTimeout
+from hicache_core.loads.pool_loads import CallPerLayer, submit_loads
 
 from .pool_api import CoreSlots
 from .variables import LAYER_LOADS

@@ -1,4 +1,4 @@
-"""SGLang's layer numberings, declared for the core (:class:`hicache_core.layer_map.LayerMap`).
+"""SGLang's layer numberings, declared for the core (:class:`hicache_core.pool.layer_map.LayerMap`).
 
 SGLang's host pools take layer ids local to the device pool, with packed MTP drafts numbered after them; its
 page-row, Mamba and MiniMax pools take their own host layer. The core reads every id through these maps, so a
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hicache_core.layer_map import LayerMap
+from hicache_core.pool.layer_map import LayerMap
 
 
 def device_layers(device_pool: Any, *, device_layer_num: int, kept: Sequence[int],

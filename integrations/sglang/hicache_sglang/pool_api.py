@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hicache_core.pool_loads import CallPerLayer, PoolLoad
+from hicache_core.loads.pool_loads import CallPerLayer, PoolLoad
 
 
 def copies_only(load: Callable) -> Callable:
@@ -102,7 +102,7 @@ class HostPoolMembers(CoreSlots):
     def prepare_load(self, device_pool: Any, host_indices: torch.Tensor, device_indices: torch.Tensor, io_backend: str,
                      layer_ids: Sequence[int | None], *, is_draft: bool = False,
                      ) -> PoolLoad | CallPerLayer:  # fmt: skip
-        """This pool's part of a layer-wise load (:func:`hicache_core.pool_loads.submit_loads`): step ``i`` loads
+        """This pool's part of a layer-wise load (:func:`hicache_core.loads.pool_loads.submit_loads`): step ``i`` loads
         SGLang's layer ``layer_ids[i]`` (``None``: nothing). A pool whose per-layer load is one copy maps SGLang's
         ids through the core's layer map and hands the core its part; one whose load does more is called per layer."""
         if not getattr(type(self).load_to_device_per_layer, "copies_only", False):

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 import hicache_core as hc
-from hicache_core.host_pool import HostPool
-from hicache_core.layer_map import LayerMap
+from hicache_core.pool.host_pool import HostPool
+from hicache_core.pool.layer_map import LayerMap
 
 from .errors import NotServedError
 from .host_memory import sglang_budget

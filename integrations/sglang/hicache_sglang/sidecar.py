@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hicache_core import BACKUP_LAYER
-from hicache_core.host_pool import HostPool
+from hicache_core.pool.host_pool import HostPool
 
 from . import pool_api
 

@@ -21,7 +21,7 @@ from .host_memory import check_host_memory
 
 def settings() -> tuple[Setting, ...]:
     """The settings the adapter and hicache's pools read in a server (``hicache settings`` lists every one)."""
-    from hicache_core.variables import LOAD_TIMEOUT, VALIDATE, VERIFY
+    from hicache_core.settings.variables import LOAD_TIMEOUT, VALIDATE, VERIFY
 
     from . import variables as v
 
@@ -31,7 +31,7 @@ def settings() -> tuple[Setting, ...]:
 
 def environment() -> dict[str, str]:
     """The environment variables the adapter and hicache read in a server, each with what it does."""
-    from hicache_core.registry import ENV_PLUGINS
+    from hicache_core.plugins.registry import ENV_PLUGINS
 
     out = {setting.name: setting.doc for setting in settings()}
     out[ENV_PLUGINS] = "comma-separated hicache plugins to load (default: every installed one)"
@@ -71,7 +71,7 @@ def check(server_args: Any) -> None:
 
 def check_io_backend(io_backend: str) -> None:
     """``io_backend`` must be one an installed hicache plugin serves."""
-    from hicache_core.registry import get_registry
+    from hicache_core.plugins.registry import get_registry
 
     registry = get_registry()
     served = registry.io_backends()
@@ -112,7 +112,7 @@ def help_text() -> str:
 
 def _installed_lines() -> list[str]:
     try:
-        from hicache_core.registry import get_registry
+        from hicache_core.plugins.registry import get_registry
 
         registry = get_registry()
     except Exception as exc:  # noqa: BLE001 - help must print even when a plugin is broken

@@ -214,7 +214,7 @@ def publish_events(store: Any, config: Any) -> Any:
     (``compute_node_event_hash_values``), which the store, given only the storage key, cannot follow.
     """
     from hicache_core.events import publish_store_events
-    from hicache_core.variables import KV_EVENTS
+    from hicache_core.settings.variables import KV_EVENTS
 
     if not KV_EVENTS.read():
         return None

@@ -179,7 +179,7 @@ def _plant(monkeypatch, host, wrap) -> None:
 def test_layer_loads_are_submitted_off_the_scheduler_thread(kind, layout, io_backend, monkeypatch):
     """hicache's pools: SGLang's start_loading returns before the copies; the forward's per-layer wait
     (get_key_buffer -> LayerDoneCounter.wait_until) returns only once that layer's bytes are there."""
-    from hicache_core.layer_loads import PendingEvent
+    from hicache_core.loads.layer_loads import PendingEvent
 
     dev, host, controller, written, load_indices = _loaded_into(kind, layout, io_backend, seed=11)
     threads, gate = [], threading.Event()
@@ -209,7 +209,7 @@ def test_layer_loads_are_submitted_off_the_scheduler_thread(kind, layout, io_bac
 
 def test_a_failed_layer_raises_in_the_forwards_wait(monkeypatch):
     """A layer whose copies fail: the layers before it are there, its wait and later ones raise, naming it."""
-    from hicache_core.layer_loads import LayerLoadError
+    from hicache_core.loads.layer_loads import LayerLoadError
 
     dev, host, controller, written, load_indices = _loaded_into("mha", "page_first_direct", "direct", seed=21)
 
@@ -236,7 +236,7 @@ def test_a_failed_layer_raises_in_the_forwards_wait(monkeypatch):
 def test_a_timed_out_layer_wait_cancels_the_load_and_raises_once_it_settled(monkeypatch):
     """The forward gives up on a layer (a timeout): the adapter cancels the rest of the load and raises only once
     the layer being copied is through, so SGLang never frees rows a copy still writes; no later layer is copied."""
-    from hicache_core.layer_loads import LayerLoadError, LayerLoadTimeout, layer_loader
+    from hicache_core.loads.layer_loads import LayerLoadError, LayerLoadTimeout, layer_loader
 
     dev, host, controller, written, load_indices = _loaded_into("mha", "page_first_direct", "direct", seed=41)
     gate, copied = threading.Event(), []

@@ -5,7 +5,7 @@ vLLM's CUDA wheel cannot go. Semantics are vLLM's ``OffloadingWorker``'s:
 
 * a store reads device blocks only after the work queued on the caller's stream (the model
   writing them); a load writes device blocks after the caller's stream (vLLM's zeroing of reused
-  blocks), submitted layer by layer by hicache's layer loader (:mod:`hicache_core.layer_loads`, as
+  blocks), submitted layer by layer by hicache's layer loader (:mod:`hicache_core.loads.layer_loads`, as
   SGLang's adapter does), so the worker's thread returns at once;
 * a job is finished (``get_finished``) only once its bytes have landed: device copies done (an
   event, on CUDA), and, with L3, pages read from the store and verified before the load copies,
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from hicache_core import BACKUP_ALL, LOAD, make_host_pool
-from hicache_core.layer_loads import LayerLoad, LayerLoadError
+from hicache_core.loads.layer_loads import LayerLoad, LayerLoadError
 from hicache_core.retention.hints import RetentionHints
 
 from .errors import NotServedError
@@ -370,7 +370,7 @@ class BlockMover:
         """Block until these jobs are finished, failed or not (their results still come from ``get_finished``).
 
         Bounded for loads (``HICACHE_LOAD_TIMEOUT_S``): a load whose copies do not finish in time raises
-        :class:`~hicache_core.layer_loads.LayerLoadTimeout` (its blocks must not be reused)."""
+        :class:`~hicache_core.loads.layer_loads.LayerLoadTimeout` (its blocks must not be reused)."""
         for job_id in job_ids:
             job = self._jobs.get(job_id)
             if job is None:

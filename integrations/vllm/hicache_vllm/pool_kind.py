@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from hicache_core import ComponentDecl, PoolKind, hookimpl
-from hicache_core.pool_kinds import has_layers
+from hicache_core.declared.pool_kinds import has_layers
 
 from .errors import NotServedError
 

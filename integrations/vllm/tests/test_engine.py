@@ -13,8 +13,8 @@ pytest.importorskip("vllm", reason="vLLM's engine tests run in integrations/vllm
 
 from hicache_vllm.page_oracle import page_bytes  # noqa: E402
 
-from hicache_core.page_checksum import GROUP_TOKENS  # noqa: E402
 from hicache_core.storage.page_format import HEADER_SIZE  # noqa: E402
+from hicache_core.verification.page_checksum import GROUP_TOKENS  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 2, 1, 32, 32  # tiny_model.make_llama
 PAGE = page_bytes(num_kv_heads=KV_HEADS, block_size=BLOCK, head_size=HEAD, element_size=4)  # float32

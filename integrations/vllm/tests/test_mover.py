@@ -19,7 +19,7 @@ from hicache_vllm.errors import NotServedError
 from hicache_vllm.mover import BlockMover, TransferFailed
 from hicache_vllm.page_oracle import element_offset, page_bytes
 
-from hicache_core.layer_loads import LayerLoadTimeout, layer_loader
+from hicache_core.loads.layer_loads import LayerLoadTimeout, layer_loader
 
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("HICACHE_TEST_DEVICE=cuda but no CUDA device is visible", allow_module_level=True)

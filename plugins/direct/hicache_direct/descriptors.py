@@ -56,7 +56,7 @@ class PartAddresses:
 
     @classmethod
     def of(cls, part) -> PartAddresses:
-        """From a :class:`hicache_core.plan.BoundPart`."""
+        """From a :class:`hicache_core.pool.plan.BoundPart`."""
         return cls(
             name=part.spec.name,
             host_base=part.host.data_ptr() + part.host_offset,

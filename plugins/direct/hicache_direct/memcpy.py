@@ -109,7 +109,7 @@ class CudaCopier:
     raises ``ValueError`` naming the knob (and the variable) and the range.
 
     Copies are always submitted on the calling thread, on its current stream. Taking a layer-wise
-    load off the caller's thread is the core's job (:mod:`hicache_core.layer_loads`), which waits
+    load off the caller's thread is the core's job (:mod:`hicache_core.loads.layer_loads`), which waits
     only on events already recorded.
     """
 

@@ -19,7 +19,7 @@ RETIRED_THREAD = Setting(
     "HICACHE_DIRECT_THREAD", _retired,
     "0 or unset: the direct plugin's worker thread was retired in hicache-direct 0.3.0 (its stream memory "
     "operations could deadlock); layer-wise loads go off the caller's thread through HostPool.submit_load "
-    "(hicache_core.layer_loads), which SGLang's adapter uses by default; unset the variable",
+    "(hicache_core.loads.layer_loads), which SGLang's adapter uses by default; unset the variable",
     None, "retired in hicache-direct 0.3.0: any value but 0 is refused",
 )  # fmt: skip
 #: scripts/gpu/direct-check.sh turns it on once its byte-exact check of the 3-D batch path passed.

@@ -16,7 +16,7 @@ from hicache_direct import memcpy
 from hicache_direct.descriptors import Batch
 
 import hicache_core as hc
-from hicache_core.reference import reference_copy
+from hicache_core.plugins.reference import reference_copy
 
 PAGE = 4
 

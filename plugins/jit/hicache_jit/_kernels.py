@@ -27,7 +27,7 @@ most layouts compile to ``host_base + h * PAGE``.
 ``HINTS`` picks host-side cache hints (0 none, 1 ``.cg`` loads / ``.cs`` stores, 2
 ``evict_first``). Indices outside ``[0, host_items)`` / ``[0, dev_rows)`` are masked
 in-kernel: a bad index never produces a memory access, and the call is reported through
-the drop word (:mod:`hicache_core.drops`).
+the drop word (:mod:`hicache_core.pool.drops`).
 
 Loops are ``while`` loops where ``STAGES == 0``: the same scf loop when compiled, and
 Triton's interpreter (CPU tests) cannot turn run-time bounds into a Python range under

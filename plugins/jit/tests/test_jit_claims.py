@@ -11,9 +11,9 @@ from hicache_jit import JitOneLayer
 from jit_helpers import small_pool
 
 import hicache_core as hc
-from hicache_core.dispatch import reasons_for
 from hicache_core.gpu import device as gpu_device
-from hicache_core.registry import Registry
+from hicache_core.plugins.dispatch import reasons_for
+from hicache_core.plugins.registry import Registry
 
 ROW_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split")
 ONE_LAYER = (hc.LOAD, hc.BACKUP_LAYER)

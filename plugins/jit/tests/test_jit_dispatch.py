@@ -14,8 +14,8 @@ import torch
 from jit_helpers import check_against_reference, fill_random, pages, small_pool, snapshot
 
 import hicache_core as hc
-import hicache_core.registry as registry_module
-from hicache_core.registry import Registry
+import hicache_core.plugins.registry as registry_module
+from hicache_core.plugins.registry import Registry
 
 ONE_LAYER = [hc.LOAD, hc.BACKUP_LAYER]
 kernel_installed = importlib.util.find_spec("hicache_kernel") is not None

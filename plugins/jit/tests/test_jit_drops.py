@@ -1,6 +1,6 @@
 """Indices the jit kernels mask are reported: the host pool's next call raises DroppedIndicesError naming the call.
 
-See :mod:`hicache_core.drops`: the faulty call returns and moves every valid pair; the next call on
+See :mod:`hicache_core.pool.drops`: the faulty call returns and moves every valid pair; the next call on
 the pool raises before moving anything; a good call after that works.
 """
 

@@ -14,7 +14,7 @@ asynchronous copies into shared memory before this tile's stores, so each CTA ke
 several tiles of host reads in flight without holding them in registers.
 
 Indices outside the pool are masked (no memory outside the pools is touched) and
-reported through the drop word (:mod:`hicache_core.drops`).
+reported through the drop word (:mod:`hicache_core.pool.drops`).
 
 (No ``from __future__ import annotations`` here: Triton reads the ``tl.int64`` annotations.)
 """

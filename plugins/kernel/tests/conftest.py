@@ -23,7 +23,7 @@ def kernel_device() -> str:
 @pytest.fixture(autouse=True)
 def only_this_plugin(monkeypatch):
     """These tests are about hicache-kernel: keep hicache-jit (which outranks it for one-layer operations) out."""
-    from hicache_core.registry import reset_registry
+    from hicache_core.plugins.registry import reset_registry
 
     monkeypatch.setenv("HICACHE_PLUGINS", "kernel,direct")
     reset_registry()

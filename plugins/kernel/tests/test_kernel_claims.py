@@ -12,9 +12,9 @@ import torch
 from hicache_kernel import TritonUVA, triton_uva
 
 import hicache_core as hc
-from hicache_core.dispatch import reasons_for
 from hicache_core.gpu import device as gpu_device
-from hicache_core.registry import Registry, allowed_plugins
+from hicache_core.plugins.dispatch import reasons_for
+from hicache_core.plugins.registry import Registry, allowed_plugins
 from hicache_core.testing.guarded import record_grids
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head", "page_first_kv_split")

@@ -3,7 +3,7 @@
 Without ``HICACHE_VALIDATE`` the pool passes indices to the kernel unchecked; the kernel masks
 out-of-range ones (no memory outside the pools is touched) and stores the call's number in the
 pool's drop word, so the faulty call itself returns and moves every valid pair, and the next
-call on the pool raises before moving anything (:mod:`hicache_core.drops`).
+call on the pool raises before moving anything (:mod:`hicache_core.pool.drops`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hicache_core as hc
-from hicache_core.drops import DroppedIndicesError
+from hicache_core.pool.drops import DroppedIndicesError
 from hicache_core.testing.guarded import check_reported_at_next_call
 
 OPS = [(hc.LOAD, 1), (hc.BACKUP_LAYER, 2), (hc.BACKUP_ALL, None)]

@@ -352,9 +352,9 @@ def test_a_verifying_pool_publishes_and_a_verifying_reader_loads_its_pages_byte_
     device pool: the rows pass the verifier's check and the device holds the owner's KV byte for byte."""
     import os
 
-    from hicache_core.page_checksum import NO_CHECKSUM
     from hicache_core.storage.keys import page_hashes
     from hicache_core.storage.page_auth import ClusterKey
+    from hicache_core.verification.page_checksum import NO_CHECKSUM
 
     key = ClusterKey(os.urandom(32).hex().encode(), "the test") if keyed else None
     owner_dev, owner_host = gpu_like_pools(8)

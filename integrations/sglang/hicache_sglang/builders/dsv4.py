@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import hicache_core as hc
-from hicache_core.host_pool import SlotAllocator
+from hicache_core.pool.host_pool import SlotAllocator
 
 from ..errors import NotServedError
 from ..host_memory import sglang_budget

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import hicache_core as hc
-from hicache_core.allocator import SlotAllocator
+from hicache_core.pool.allocator import SlotAllocator
 
 from ..errors import NotServedError
 from ..host_memory import sglang_budget
@@ -160,7 +160,7 @@ def _device_tensors(device_pool: Any) -> list[torch.Tensor]:
 
 
 def _core(view: DeviceView, tokens: int, bytes_per_token: int, label: str, pin_memory: bool, layers: int):
-    from hicache_core.verify import ENV_VERIFY, verify_default
+    from hicache_core.verification.verify import ENV_VERIFY, verify_default
 
     if verify_default():
         # The swap-in reads host rows straight into the hot buffer, past hicache's checked load path.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 import hicache_core as hc
-from hicache_core.allocator import SlotAllocator
+from hicache_core.pool.allocator import SlotAllocator
 
 from ..errors import NotServedError
 from ..host_memory import sglang_budget
@@ -78,7 +78,7 @@ class SGLangHiSparseDSV4HostPool(_HiSparseSlots):
         self.row_words = item_bytes // WORD
         words = [t.view(-1, WORD) for t in buffers]
         host_words = num_host_pages * self.row_words
-        from hicache_core.verify import ENV_VERIFY, verify_default
+        from hicache_core.verification.verify import ENV_VERIFY, verify_default
 
         if verify_default():
             raise NotServedError(f"{label}: {ENV_VERIFY} is set, but SGLang's HiSparse swap-in kernels read the "

@@ -1,0 +1,2 @@
+"""What is declared as data: the host layouts, the pool kinds, and the layout oracles the kit checks them against.
+"""
