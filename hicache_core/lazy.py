@@ -73,6 +73,8 @@ def lazy_face(
         if record is not None:
             warnings.warn(record.warning(module_name, name), DeprecationWarning, stacklevel=2)
             return getattr(importlib.import_module(record.module), name)
+        if f"{module_name}.{name}" in MOVED_MODULES:  # a submodule that moved into a room (it warns)
+            return importlib.import_module(f"{module_name}.{name}")
         raise AttributeError(f"module {module_name!r} has no attribute {name!r}", name=name,
                              obj=sys.modules.get(module_name))  # fmt: skip
 

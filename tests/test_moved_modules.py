@@ -49,6 +49,8 @@ def test_a_plugin_written_against_the_old_paths_runs_in_a_fresh_process():
         "import hicache_core.registry as r\n"
         "from hicache_core import Implementation as I2, make_host_pool\n"
         "import hicache_core.plugins.registry as new\n"
+        "import hicache_core as hc\n"
+        "assert hc.versions is hc.plugins.versions and hc.host_pool is hc.pool.host_pool\n"
         "assert Implementation is I2 and r is new\n"
         "print('ok', TransferPlan.__module__, Verification.__module__)\n"
     )

@@ -138,7 +138,7 @@ with warnings.catch_warnings():
     host.backup_from_device_all_layer(dev, torch.arange(16, 48), torch.arange(48, 80), "blob")
     expect = torch.stack([dev.k_buffer[2][48:64], dev.v_buffer[2][48:64]])
     assert torch.equal(host.kv_buffer[1, :, 2].view(torch.uint8), expect.view(torch.uint8))
-print(f"ok: the 0.3 plugin loads on {hc.versions.core_version()} (plugin API 0.3 still served) and moves bytes")
+print(f"ok: the 0.3 plugin loads on {hc.plugins.versions.core_version()} (plugin API 0.3 still served) and moves bytes")
 PY
 "$py" -m pytest -q -p no:cacheprovider --rootdir "$work/src03" "$work/src03/tests" >"$work/pytest03.log" 2>&1 || {
   tail -n 30 "$work/pytest03.log"; echo "the 0.3 plugin's tests or the kit failed on today's core"; exit 1; }
