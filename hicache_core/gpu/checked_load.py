@@ -109,12 +109,11 @@ class CheckedLoads:
         assert self._entries.shape[-1] == len(CHECKED_LOAD_FIELDS)
         self._entry_words = [words_from_anchor(self._entries[layer].data_ptr()) for layer in range(plan.num_layers)]
         self._num_entries = len(verifier.components)
-        self._table = words_from_anchor(verifier.table.data_ptr())
-        self._fail_word = words_from_anchor(verifier.failure_words.data_ptr())
-        self._fail_pages = self._fail_word + 2  # one int64 after the word
-        self._drop = words_from_anchor(plan.drop_report.address)
-        self._host_pages = verifier.num_pages
-        self._columns = verifier.columns
+        fail_word = words_from_anchor(verifier.failure_words.data_ptr())
+        # The kernel's arguments that are the same on every call, after the per-call ones: the failure words (the
+        # pages' slots one int64 after the word), the drop word, the table's shape.
+        self._fixed = (self._num_entries, words_from_anchor(verifier.table.data_ptr()), fail_word, fail_word + 2,
+                       words_from_anchor(plan.drop_report.address), verifier.num_pages, verifier.columns)  # fmt: skip
         widest = max(verifier.words)
         tile_t, group, _ = tile_shape(tokens, widest)
         tile_t = min(tile_t, max(group, TILE_ITEMS))
@@ -146,12 +145,9 @@ class CheckedLoads:
         grid = work if work < self.programs else self.programs
         wide = (h.dtype == torch.int64, d.dtype == torch.int64)
         base = self._anchor_ptr
-        hw, dw = h.data_ptr() - base, d.data_ptr() - base
-        if hw % 4 or dw % 4:
-            raise ValueError("index tensors must start on 4 bytes")
-        args = (self._entry_words[layer], hw // 4, dw // 4, h.stride()[0], d.stride()[0], pages, self._num_entries,
-                self._table, self._fail_word, self._fail_pages, self._call_now.seq, self._drop, self._host_pages,
-                self._columns)  # fmt: skip
+        # int32 and int64 tensors start on 4 bytes, as the anchor does: whole words from it
+        args = (self._entry_words[layer], (h.data_ptr() - base) >> 2, (d.data_ptr() - base) >> 2, h.stride()[0],
+                d.stride()[0], pages, self._call_now.seq, *self._fixed)  # fmt: skip
         fast = self._fast.get(wide)
         if fast is not None and self._hooks_idle():
             call, head, constexprs = fast
@@ -162,12 +158,8 @@ class CheckedLoads:
     def warmup(self) -> None:
         """Build the kernel for int64 indices now (a launch that moves nothing), so a kernel that cannot be built
         is known when the pool is made, not at its first load."""
-        empty = self._anchor[:0].to(torch.int64)
-        base = self._anchor_ptr
-        args = (self._entry_words[0], (empty.data_ptr() - base) // 4, (empty.data_ptr() - base) // 4, 1, 1, 0,
-                self._num_entries, self._table, self._fail_word, self._fail_pages, 0, self._drop, self._host_pages,
-                self._columns)  # fmt: skip
-        self._launch_slow(1, args, (True, True), True)
+        empty = (self._anchor[:0].to(torch.int64).data_ptr() - self._anchor_ptr) >> 2
+        self._launch_slow(1, (self._entry_words[0], empty, empty, 1, 1, 0, 0, *self._fixed), (True, True), True)
 
     def _launch_slow(self, grid: int, args: tuple, wide: tuple[bool, bool], remember: bool) -> None:
         from .checked_load_kernel import checked_load

@@ -30,8 +30,8 @@ _NO_CHECKSUM = tl.constexpr(NO_CHECKSUM)
 _COLS = tl.constexpr(len(CHECKED_LOAD_FIELDS))
 
 #: Runtime arguments: never specialised on, typed, so one compiled kernel serves every call (direct C launches).
-RUNTIME = ("entries", "hidx", "didx", "h_stride", "d_stride", "pages", "num_entries", "table", "fail_word",
-           "fail_pages", "seq", "drop", "host_pages", "table_columns")  # fmt: skip
+RUNTIME = ("entries", "hidx", "didx", "h_stride", "d_stride", "pages", "seq", "num_entries", "table", "fail_word",
+           "fail_pages", "drop", "host_pages", "table_columns")  # fmt: skip
 
 
 @triton.jit
@@ -61,11 +61,11 @@ def checked_load(
     h_stride: tl.int64,
     d_stride: tl.int64,
     pages: tl.int64,
+    seq: tl.int64,
     num_entries: tl.int64,
     table: tl.int64,
     fail_word: tl.int64,
     fail_pages: tl.int64,
-    seq: tl.int64,
     drop: tl.int64,
     host_pages: tl.int64,
     table_columns: tl.int64,
