@@ -37,6 +37,7 @@ import torch
 
 import hicache_core as hc
 import hicache_core.verification.check_batch as hc_check_batch
+import hicache_core.verification.page_checksum as hc_page_checksum
 from hicache_core.plugins.registry import get_registry
 from hicache_core.pool.device_pools import DeclaredDevicePool
 
@@ -290,6 +291,8 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="print the cases and the bytes each load moves; no GPU")
     ap.add_argument("--copy-engine-runs", type=int, default=None,
                     help="runs a copy-engine load's checks are launched in (default: the library's)")  # fmt: skip
+    ap.add_argument("--row-pages", type=int, default=None,
+                    help="pages a check program takes where a page is one narrow row (default: ROW_PAGES)")  # fmt: skip
     ap.add_argument("--apart", action="store_true",
                     help="also time verified loads checked apart (where the copy could check them)")  # fmt: skip
     args = ap.parse_args()
@@ -305,11 +308,14 @@ def main() -> None:
         raise SystemExit("--out is required (or --list)")
     if args.copy_engine_runs is not None:
         hc_check_batch.CHECK_RUNS_COPY_ENGINE = args.copy_engine_runs
+    if args.row_pages is not None:
+        hc_page_checksum.ROW_PAGES = args.row_pages
     if not torch.cuda.is_available():
         raise SystemExit("verify_cost.py measures the GPU: run it on the GPU machine")
     what = (
         "host-tier verification cost: verified vs unverified, same run; goal <= 0.03 at 4096 and 32768 tokens; "
-        f"copy-engine loads checked in {hc_check_batch.CHECK_RUNS_COPY_ENGINE} run(s)"
+        f"copy-engine loads checked in {hc_check_batch.CHECK_RUNS_COPY_ENGINE} run(s); pages of one narrow row checked "
+        f"{hc_page_checksum.ROW_PAGES} a program"
     )
     rows = []
     for tokens, kind, layout, io in cases:

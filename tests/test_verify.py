@@ -143,6 +143,7 @@ def test_kernel_sums_rows_wider_than_its_tile_as_the_definition(rows):
     host = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True)
     kernel = host.verification.make_verifier(kernel=True)
     assert kernel._tile == ((1, 1, 512) if page_kind else (64, GROUP_TOKENS, 32))
+    assert kernel._pages_per_program == 1  # rows wider than a step: a program a page
     assert kernel._tile[2] < max(kernel.words)  # the word loop runs more than once
     p = host.page_size
     slots = host.alloc(2 * p)
@@ -163,6 +164,36 @@ def test_kernel_sums_rows_wider_than_its_tile_as_the_definition(rows):
     with pytest.raises(PageVerificationError) as info:
         kernel.raise_if_failed()
     assert info.value.pages == [int(slots[0]) // p]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or DEVICE != "cpu", reason="the kernel on CPU pools")
+@pytest.mark.parametrize("kind", ["kv_scale_pages", "page_rows"])
+def test_a_program_of_several_pages_checks_each_and_names_only_the_flipped_one(kind):
+    # Pages of one row are checked four to a program: a call of six pages is two programs, the second half
+    # empty. The host pages are taken out of order, and one flipped byte names its own page and no other.
+    pytest.importorskip("triton")
+    dp = device_pool(kind, 4, pages=8, layers=2)
+    comps = hc.pool.host_pool.pool_kind_of(dp).components
+    fill_random([t for c in comps for t in getattr(dp, c.device_attr)], seed=9)
+    host = hc.make_host_pool(dp, layout="page_first", io_backend="auto", verify=True, size=4 * 12)
+    kernel = host.verification.make_verifier(kernel=True)
+    assert kernel._pages_per_program == 4
+    p = host.page_size
+    slots = host.alloc(8 * p).reshape(-1, p)[[5, 0, 7, 2, 3, 6]].reshape(-1)
+    dev = torch.arange(p, 7 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "auto")  # the torch definition (a CPU pool's verifier)
+    h, d = slots.reshape(-1, p)[:, 0] // p, dev.reshape(-1, p)[:, 0] // p
+    kernel.backup(h, d, None, 1)
+    assert torch.equal(kernel.table, host.verifier.table) and host.verifier.table.any()
+    kernel.check(h, d, 1, 2)
+    assert not kernel.flagged()
+    # The fifth page of the call (the second program's first) loses one bit of its second component's row.
+    getattr(dp, comps[-1].device_attr)[1][5].view(torch.uint8)[7] ^= 0x01
+    kernel.check(h, d, 1, 3)
+    assert kernel.flagged()
+    with pytest.raises(PageVerificationError) as info:
+        kernel.raise_if_failed()
+    assert info.value.pages == [int(h[4])]
 
 
 def _record_checked_layers(host) -> list[list[int]]:

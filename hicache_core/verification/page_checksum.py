@@ -66,6 +66,12 @@ TILE_WORDS = 2048
 #: the page kinds' rows of 512 to 2336 words 2.3 times faster than 2048, which holds fewer programs per SM
 #: (benchmarks/results/verify-check-variants-pages-h100.json).
 ROW_TILE_WORDS = 512
+#: Pages one program of the page checksum kernel takes where a page is one row no wider than a step
+#: (:data:`ROW_TILE_WORDS`): MXFP8 scale pages, 2 KiB. One program a page spent more of its time on the chain of
+#: loads that finds its row (entry, indices, table word) than on the row. The pages are read side by side, a
+#: step's words shared among them, so a program holds the registers it did. Wider rows (NVFP4's 36 KiB, a Mamba
+#: request's megabytes) keep a program each: they fill it, and fewer programs would leave SMs idle.
+ROW_PAGES = 4
 
 
 def tile_shape(tokens: int, row_words: int) -> tuple[int, int, int]:
@@ -80,6 +86,11 @@ def tile_shape(tokens: int, row_words: int) -> tuple[int, int, int]:
     widest = ROW_TILE_WORDS if tile_t == 1 else TILE_WORDS // tile_t
     block_w = min(widest, 1 << max(2, (row_words - 1).bit_length()))
     return tile_t, group, block_w
+
+
+def pages_per_program(tokens: int, row_words: int) -> int:
+    """Pages one program of the page checksum kernel takes (:data:`ROW_PAGES`, else one)."""
+    return ROW_PAGES if tokens == 1 and row_words <= ROW_TILE_WORDS else 1
 
 
 def groups_per_page(tokens_per_page: int) -> int:

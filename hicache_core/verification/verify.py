@@ -59,7 +59,16 @@ from ..host_memory import host_tensor
 from ..loads.layer_loads import at_load_end
 from ..settings.variables import VERIFY, VERIFY_IN_COPY
 from .check_batch import CheckBatch
-from .page_checksum import ENTRY_COLUMNS, NO_CHECKSUM, checksum_rows, groups_per_page, row_words, seed, tile_shape
+from .page_checksum import (
+    ENTRY_COLUMNS,
+    NO_CHECKSUM,
+    checksum_rows,
+    groups_per_page,
+    pages_per_program,
+    row_words,
+    seed,
+    tile_shape,
+)
 
 ENV_VERIFY = VERIFY.name
 
@@ -245,6 +254,10 @@ class PageVerifier:
         self._flag_off = self._words.data_ptr() - base
         self._failed_off = self._flag_off + 8
         self._tile = tile_shape(self.tokens, max(self.words))
+        self._pages_per_program = pages_per_program(self.tokens, max(self.words))
+        if self._pages_per_program > 1:  # a step's words shared by the pages a program takes
+            tile_t, group, block_w = self._tile
+            self._tile = (tile_t, group, max(4, block_w // self._pages_per_program))
         # Rows that all start on 16 bytes (offsets, strides, lengths) are read in 16-byte vectors.
         facts = [t.data_ptr() - base for layers in self.components for t in layers]
         facts += [layers[0].stride(0) for layers in self.components] + [4 * w for w in self.words]
@@ -284,7 +297,8 @@ class PageVerifier:
             from ..gpu.page_checksum_kernel import ChecksumLaunch
 
             launcher = self._launcher = ChecksumLaunch(self._anchor, self.tokens, self.groups, self._tile, self._align,
-                                                       self._stages, self._device_index)  # fmt: skip
+                                                       self._stages, self._device_index,
+                                                       self._pages_per_program)  # fmt: skip
         launcher((h.shape[0] // self.tokens, entries.shape[0]),
                  (entries_off, h.data_ptr() - base, d.data_ptr() - base, self._table_off, self._flag_off,
                   self._failed_off, seq, self.num_pages, self.columns), check, seq_step)  # fmt: skip
