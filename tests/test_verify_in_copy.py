@@ -70,6 +70,26 @@ def test_a_load_checked_in_the_copy_moves_the_bytes_and_catches_a_flipped_one(ki
     impl = host.implementation_for("load_to_device_per_layer")
     assert host.verification.in_copy == {impl.name: []}, host.verification.in_copy
     assert impl.load_check is not None and impl.load_to_device_per_layer == impl.load_check.load
+    _moves_and_catches(dp, host, comps)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla", "kv_scale_pages", "page_rows"])
+@pytest.mark.parametrize("tiling", ["steps", "units"])
+def test_units_of_several_steps_or_several_pages_move_and_check_alike(kind, tiling):
+    # The default tiles of these small pools are one step a unit; a tile of 4 words makes every row several
+    # steps (the word loop), a tile of 64 items one unit of every page of the call where a page is one row.
+    dp, host, comps = _pool(kind, "page_first")
+    check = host.implementation_for("load_to_device_per_layer").load_check
+    check.tune(tile_items=64, tile_words=4 if tiling == "steps" else 2048)
+    assert check._one_step == (tiling == "units")
+    if tiling == "units" and host._items_are_pages:
+        assert check._pages_per_unit >= 3  # the call's three pages in one unit
+    _moves_and_catches(dp, host, comps)
+
+
+def _moves_and_catches(dp, host, comps) -> None:
+    """Three pages back up and load byte for byte through the checked copy; then a flipped host byte names its
+    page, its layer and its layer's own call."""
     p = host.page_size
     slots = host.alloc(3 * p)
     dev = torch.arange(p, 4 * p)

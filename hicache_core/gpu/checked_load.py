@@ -27,11 +27,14 @@ import torch
 from ..verification.page_checksum import CHECKED_LOAD_FIELDS, seed, tile_shape
 from .device import cuda_current_functions
 
-#: Items a work unit of the kernel covers at most (a tile): a page of 64 items is four units, so a load of one
-#: page keeps several programs busy.
-TILE_ITEMS = 16
+#: Items a work unit of the kernel covers at most (a tile): a whole page of 64, so a unit's word loop is long enough
+#: for its pipeline (16 steps for Llama's 512-word rows). Pages of one item take this many pages a unit instead.
+TILE_ITEMS = 64
 #: 32-bit words a step of a unit reads (items x words): 8 KiB, as the checksum kernel's tile.
 TILE_WORDS = 2048
+#: Stages the compiled kernel pipelines its host reads over (whatever the plain copy's own ``stages`` knob says:
+#: the plain kernel keeps many small tiles in flight without them, a unit's chain of reads does not).
+STAGES = 4
 
 
 def refusals(plan: Any, components: int) -> list[str]:
@@ -68,12 +71,12 @@ class CheckedLoads:
     :param call_number: the calling thread's call number holder (``.seq``,
         :class:`~hicache_core.pool.drops.DropReport`).
     :param programs: the persistent grid's size (the implementation's SM budget).
-    :param stages: pipelining stages of the word loop (0 under the interpreter).
+    :param interpreted: the kernel runs under Triton's interpreter (no pipelining: plain loops).
     :param launching: ``(hooks_idle, compiled_launch)`` of :mod:`hicache_core.gpu.triton_base` (handed in by the
         implementation that binds this: the direct launch path is the base class's).
     """
 
-    def __init__(self, plan: Any, verifier: Any, call_number: Any, programs: int, stages: int,
+    def __init__(self, plan: Any, verifier: Any, call_number: Any, programs: int, interpreted: bool,
                  launching: tuple[Callable[[], bool], Callable[[Any], Any]]) -> None:  # fmt: skip
         self._hooks_idle, self._compiled_launch = launching
         self.plan = plan
@@ -114,17 +117,13 @@ class CheckedLoads:
         # pages' slots one int64 after the word), the drop word, the table's shape.
         self._fixed = (self._num_entries, words_from_anchor(verifier.table.data_ptr()), fail_word, fail_word + 2,
                        words_from_anchor(plan.drop_report.address), verifier.num_pages, verifier.columns)  # fmt: skip
-        widest = max(verifier.words)
-        tile_t, group, _ = tile_shape(tokens, widest)
-        tile_t = min(tile_t, max(group, TILE_ITEMS))
-        block_w = min(max(4, TILE_WORDS // tile_t), 1 << max(2, (widest - 1).bit_length()))
-        self._tile = (tile_t, group, block_w)
-        self._tiles_per_page = -(-tokens // tile_t)
+        self._widest = max(verifier.words)
         facts = [e for rows in rows_by_layer for r in rows for e in (r[0], r[1], r[2], r[6], r[7], r[8], r[9], r[10])]
         self._align = next(a for a in (4, 2, 1) if all(f % a == 0 for f in facts))
-        self._stages = stages
-        self._tokens = tokens
+        self._interpreted = interpreted
         self._fast: dict[tuple[bool, bool], tuple] = {}
+        self._tokens = tokens
+        self.tune()
         self._device_index = -1
         if self._cuda:
             index = plan.device.index
@@ -141,7 +140,7 @@ class CheckedLoads:
         if n == 0:
             return
         pages = n // self._tokens
-        work = pages * self._num_entries * self._tiles_per_page
+        work = -(-pages // self._pages_per_unit) * self._num_entries * self._tiles_per_page
         grid = work if work < self.programs else self.programs
         wide = (h.dtype == torch.int64, d.dtype == torch.int64)
         base = self._anchor_ptr
@@ -155,6 +154,29 @@ class CheckedLoads:
             return
         self._launch_slow(grid, args, wide, fast is None)
 
+    def tune(self, tile_items: int | None = None, tile_words: int | None = None, stages: int | None = None,
+             programs: int | None = None) -> None:
+        """Set the kernel's tiling (default: :data:`TILE_ITEMS`, :data:`TILE_WORDS`), pipeline stages (compiled
+        only) and grid (benchmarks/verify_in_copy_variants.py compares them); the next launch builds for them."""
+        items, words = tile_items or TILE_ITEMS, tile_words or TILE_WORDS
+        tokens, widest = self._tokens, self._widest
+        row = 1 << max(2, (widest - 1).bit_length())  # the widest row in a power of two of words
+        if tokens == 1:  # a unit is pages side by side, a row each: as many as a step of the row holds
+            block_w = min(row, words)
+            tile_t, group = max(1, min(items, words // block_w)), 1
+        else:
+            tile_t, group, _ = tile_shape(tokens, widest)
+            tile_t = min(tile_t, max(group, items))
+            block_w = min(max(4, words // tile_t), row)
+        self._tile = (tile_t, group, block_w)
+        self._one_step = block_w >= widest  # every unit is one step: the units are pipelined, not the steps
+        self._pages_per_unit = tile_t if tokens == 1 else 1
+        self._tiles_per_page = 1 if tokens == 1 else -(-tokens // tile_t)
+        self._stages = 0 if self._interpreted else STAGES if stages is None else stages
+        if programs is not None:
+            self.programs = programs
+        self._fast.clear()
+
     def warmup(self) -> None:
         """Build the kernel for int64 indices now (a launch that moves nothing), so a kernel that cannot be built
         is known when the pool is made, not at its first load."""
@@ -165,8 +187,9 @@ class CheckedLoads:
         from .checked_load_kernel import checked_load
 
         tile_t, group, block_w = self._tile
-        constexprs = (self._tokens, self.verifier.groups, tile_t, group, block_w, self._align, self._stages, *wide)
-        names = ("TOKENS", "GROUPS", "TILE_T", "GROUP", "BLOCK_W", "ALIGN", "STAGES", "H_WIDE", "D_WIDE")
+        constexprs = (self._tokens, self.verifier.groups, tile_t, group, block_w, self._align, self._stages, *wide,
+                      self._one_step)  # fmt: skip
+        names = ("TOKENS", "GROUPS", "TILE_T", "GROUP", "BLOCK_W", "ALIGN", "STAGES", "H_WIDE", "D_WIDE", "ONE_STEP")
         if self._cuda:
             with torch.cuda.device(self._device_index):
                 compiled = checked_load[(grid,)](self._anchor, *args, **dict(zip(names, constexprs)), num_warps=8)

@@ -344,7 +344,7 @@ class TritonImplementation(SMBudget, Implementation):
         reasons = refusals(self.plan, len(verifier.components))
         if reasons:
             return reasons
-        checked = CheckedLoads(self.plan, verifier, self._call_now, self._cap, self._loop_stages(),
+        checked = CheckedLoads(self.plan, verifier, self._call_now, self._cap, self._interpreting,
                                (hooks_idle, compiled_launch))  # fmt: skip
         if self._cuda:
             try:
