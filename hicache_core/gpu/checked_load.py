@@ -32,6 +32,9 @@ from .device import cuda_current_functions
 TILE_ITEMS = 64
 #: 32-bit words a step of a unit reads (items x words): 8 KiB, as the checksum kernel's tile.
 TILE_WORDS = 2048
+#: Items a step must hold for a unit to be one step (rows of at most TILE_WORDS / 16 words, 512 bytes): fewer, and
+#: the word loop of several steps is the better pipeline.
+ONE_STEP_ITEMS = 16
 #: Stages the compiled kernel pipelines its host reads over (whatever the plain copy's own ``stages`` knob says:
 #: the plain kernel keeps many small tiles in flight without them, a unit's chain of reads does not).
 STAGES = 4
@@ -166,7 +169,10 @@ class CheckedLoads:
             tile_t, group = max(1, min(items, words // block_w)), 1
         else:
             tile_t, group, _ = tile_shape(tokens, widest)
-            tile_t = min(tile_t, max(group, items))
+            if row * ONE_STEP_ITEMS <= words:  # narrow rows (a K-only head): a unit is the items one step holds
+                tile_t = max(group, min(tile_t, items, words // row))
+            else:
+                tile_t = min(tile_t, max(group, items))
             block_w = min(max(4, words // tile_t), row)
         self._tile = (tile_t, group, block_w)
         self._one_step = block_w >= widest  # every unit is one step: the units are pipelined, not the steps
