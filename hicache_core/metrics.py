@@ -8,7 +8,8 @@ Recording is cheap and lock-free on the hot path: each thread adds into its own 
 (a dict, touched only by that thread), and a reader sums the shards. A metric's labelled
 child (``PAGES.labels(op="load", impl="x")``) is cached, so a record is a dict update.
 Measured on the 2-core development VM (CPython 3.11): a counter ``inc`` 0.15 us, a histogram
-``observe`` 0.25 us, one host pool transfer's record (two counters, one histogram) about 0.7 us.
+``observe`` 0.25 us. One host pool transfer's record (two counters, one histogram) finds this thread's
+three shards in one cached tuple and updates them in place.
 
 What is measured:
 
@@ -298,19 +299,36 @@ def _pinned_bytes() -> dict[tuple, float]:
 HOST_PINNED_BYTES.set_function(_pinned_bytes)
 
 
-_TRANSFER_CHILDREN: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
+_TRANSFER_SHARDS = threading.local()
+_BOUNDS = TRANSFER_SUBMIT.buckets
+
+
+def _transfer_shards(op: str, impl: str) -> tuple[dict, tuple, dict, tuple, dict, tuple]:
+    """This thread's shards of the three transfer metrics and the keys of ``(op, impl)`` in them (cached per
+    thread: a record is then three dict updates, with no lookup of a thread's shard per metric)."""
+    try:
+        cache = _TRANSFER_SHARDS.cache
+    except AttributeError:
+        cache = _TRANSFER_SHARDS.cache = {}
+    found = cache[(op, impl)] = (TRANSFER_PAGES._shard(), TRANSFER_PAGES.labels(op=op, impl=impl)._key,
+                                 TRANSFER_BYTES._shard(), TRANSFER_BYTES.labels(op=op, impl=impl)._key,
+                                 TRANSFER_SUBMIT._shard(), TRANSFER_SUBMIT.labels(op=op, impl=impl)._key)  # fmt: skip
+    return found
 
 
 def record_transfer(op: str, impl: str, pages: int, nbytes: int, seconds: float) -> None:
     """One host pool transfer call: its pages, bytes and host submission time (the per-layer hot path)."""
-    children = _TRANSFER_CHILDREN.get((op, impl))
-    if children is None:
-        children = _TRANSFER_CHILDREN.setdefault((op, impl), (
-            TRANSFER_PAGES.labels(op=op, impl=impl), TRANSFER_BYTES.labels(op=op, impl=impl),
-            TRANSFER_SUBMIT.labels(op=op, impl=impl)))  # fmt: skip
-    children[0].inc(pages)
-    children[1].inc(nbytes)
-    children[2].observe(seconds)
+    try:
+        pshard, pkey, bshard, bkey, sshard, skey = _TRANSFER_SHARDS.cache[(op, impl)]
+    except (AttributeError, KeyError):
+        pshard, pkey, bshard, bkey, sshard, skey = _transfer_shards(op, impl)
+    pshard[pkey] = pshard.get(pkey, 0) + pages
+    bshard[bkey] = bshard.get(bkey, 0) + nbytes
+    cell = sshard.get(skey)
+    if cell is None:  # the first record, or the first since a reset
+        cell = sshard[skey] = [0] * (len(_BOUNDS) + 1) + [0.0]
+    cell[bisect.bisect_left(_BOUNDS, seconds)] += 1
+    cell[-1] += seconds
 
 
 class TransferMetrics(PoolObserver):
