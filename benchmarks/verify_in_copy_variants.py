@@ -24,15 +24,21 @@ from verify_cost import _interleaved_ms, pool_pair, write_result  # noqa: E402
 
 import hicache_core as hc  # noqa: E402
 
-#: (items a unit, words a step, stages, programs): the shipped defaults first, then the kernel as it was.
+#: (items a unit, words a step, stages, programs, sums per row): the shipped defaults first, then the kernel as it
+#: was. Every variant leaves programs at the implementation's budget unless it names them.
 VARIANTS = {
-    "default": (None, None, None, None),
-    "unpipelined-16": (16, 2048, 0, None),
-    "pipelined-16": (16, 2048, None, None),
-    "stages-2": (None, None, 2, None),
-    "stages-6": (None, None, 6, None),
-    "words-4096": (None, 4096, None, None),
-    "programs-16": (None, None, None, 16),
+    "default": (None, None, None, None, False),
+    "unpipelined-16": (16, 2048, 0, None, False),
+    "pipelined-16": (16, 2048, None, None, False),
+    "stages-2": (None, None, 2, None, False),
+    "stages-6": (None, None, 6, None, False),
+    "words-4096": (None, 4096, None, None, False),
+    "row-sums": (None, None, None, None, True),
+    "row-sums-words-4096": (None, 4096, None, None, True),
+    "row-sums-words-8192-stages-3": (None, 8192, 3, None, True),
+    "programs-16": (None, None, None, 16, False),
+    "programs-16-words-4096": (None, 4096, None, 16, False),
+    "programs-16-row-sums-words-4096": (None, 4096, None, 16, True),
 }
 CASES = ("mha:page_first,mla:page_first,mha_k_only:page_first,page_rows:page_first,kv_scale_pages:page_first,"
          "nvfp4_page_rows:page_first,dsv4_paged:page_first,mamba:page_first")  # fmt: skip
@@ -76,9 +82,10 @@ def _case(kind: str, layout: str, tokens: int, variants: list[str], repeats: int
             host.load_to_device_per_layer(dp, h, d, layer, "kernel")
 
     row: dict = {"pool": kind, "layout": layout, "tokens": tokens, "layers": layers, "ms": {}, "overhead": {}}
+    budget = check.programs
     for name in variants:
-        items, words, stages, programs = VARIANTS[name]
-        check.tune(tile_items=items, tile_words=words, stages=stages, programs=programs)
+        items, words, stages, programs, row_sums = VARIANTS[name]
+        check.tune(tile_items=items, tile_words=words, stages=stages, programs=programs or budget, row_sums=row_sums)
         row.setdefault("tiles", {})[name] = {"tile": check._tile, "one_step": check._one_step,
                                               "stages": check._stages, "programs": check.programs}  # fmt: skip
         load(checked, ch, cd)  # builds this variant

@@ -74,13 +74,14 @@ def test_a_load_checked_in_the_copy_moves_the_bytes_and_catches_a_flipped_one(ki
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla", "kv_scale_pages", "page_rows"])
-@pytest.mark.parametrize("tiling", ["steps", "units"])
+@pytest.mark.parametrize("tiling", ["steps", "units", "row sums"])
 def test_units_of_several_steps_or_several_pages_move_and_check_alike(kind, tiling):
     # The default tiles of these small pools are one step a unit; a tile of 4 words makes every row several
-    # steps (the word loop), a tile of 64 items one unit of every page of the call where a page is one row.
+    # steps (the word loop), a tile of 64 items one unit of every page of the call where a page is one row;
+    # row sums fold each step into one sum a row.
     dp, host, comps = _pool(kind, "page_first")
     check = host.implementation_for("load_to_device_per_layer").load_check
-    check.tune(tile_items=64, tile_words=4 if tiling == "steps" else 2048)
+    check.tune(tile_items=64, tile_words=2048 if tiling == "units" else 4, row_sums=tiling == "row sums")
     assert check._one_step == (tiling == "units")
     if tiling == "units" and host._items_are_pages:
         assert check._pages_per_unit >= 3  # the call's three pages in one unit

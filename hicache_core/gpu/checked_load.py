@@ -158,9 +158,11 @@ class CheckedLoads:
         self._launch_slow(grid, args, wide, fast is None)
 
     def tune(self, tile_items: int | None = None, tile_words: int | None = None, stages: int | None = None,
-             programs: int | None = None) -> None:
+             programs: int | None = None, row_sums: bool = False) -> None:
         """Set the kernel's tiling (default: :data:`TILE_ITEMS`, :data:`TILE_WORDS`), pipeline stages (compiled
-        only) and grid (benchmarks/verify_in_copy_variants.py compares them); the next launch builds for them."""
+        only), grid and sums (per word of a step, or ``row_sums``: per row) (benchmarks/verify_in_copy_variants.py
+        compares them); the next launch builds for them."""
+        self._row_sums = row_sums
         items, words = tile_items or TILE_ITEMS, tile_words or TILE_WORDS
         tokens, widest = self._tokens, self._widest
         row = 1 << max(2, (widest - 1).bit_length())  # the widest row in a power of two of words
@@ -194,8 +196,9 @@ class CheckedLoads:
 
         tile_t, group, block_w = self._tile
         constexprs = (self._tokens, self.verifier.groups, tile_t, group, block_w, self._align, self._stages, *wide,
-                      self._one_step)  # fmt: skip
-        names = ("TOKENS", "GROUPS", "TILE_T", "GROUP", "BLOCK_W", "ALIGN", "STAGES", "H_WIDE", "D_WIDE", "ONE_STEP")
+                      self._one_step, self._row_sums)  # fmt: skip
+        names = ("TOKENS", "GROUPS", "TILE_T", "GROUP", "BLOCK_W", "ALIGN", "STAGES", "H_WIDE", "D_WIDE", "ONE_STEP",
+                 "ROW_SUMS")  # fmt: skip
         if self._cuda:
             with torch.cuda.device(self._device_index):
                 compiled = checked_load[(grid,)](self._anchor, *args, **dict(zip(names, constexprs)), num_warps=8)

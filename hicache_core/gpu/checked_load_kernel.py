@@ -43,8 +43,9 @@ RUNTIME = ("entries", "hidx", "didx", "h_stride", "d_stride", "pages", "seq", "n
 
 @triton.jit
 def _move_and_sum(anchor, host_row, dev_row, ok_t, t, col, words, head_words, head_stride, sum_w, sum_jw,
-                  ALIGN: tl.constexpr):  # fmt: skip
-    """Copy one tile (rows ``t``, words ``col`` of the device row) host -> device, and add it to the sums."""
+                  ALIGN: tl.constexpr, ROW_SUMS: tl.constexpr):  # fmt: skip
+    """Copy one tile (rows ``t``, words ``col`` of the device row) host -> device, and add it to the sums (per
+    word of the tile, or with ``ROW_SUMS`` per row: fewer registers, a reduction a step)."""
     mask = ok_t[:, None] & (col < words)[None, :]
     head = col // head_words
     src = host_row[:, None] + (head * head_stride + (col - head * head_words))[None, :]
@@ -56,14 +57,18 @@ def _move_and_sum(anchor, host_row, dev_row, ok_t, t, col, words, head_words, he
     tl.store(anchor + dst, vals, mask=mask)
     wide = vals.to(tl.uint32, bitcast=True).to(tl.uint64)
     j = (t[:, None] * words + col[None, :]).to(tl.uint64)  # >= 0 and < 2**31 in a page
-    return sum_w + wide, sum_jw + wide * j  # a 32 x 32 -> 64-bit product: it cannot wrap
+    if ROW_SUMS:
+        sum_w, sum_jw = sum_w + tl.sum(wide, axis=1), sum_jw + tl.sum(wide * j, axis=1)
+    else:
+        sum_w, sum_jw = sum_w + wide, sum_jw + wide * j  # a 32 x 32 -> 64-bit product: it cannot wrap
+    return sum_w, sum_jw
 
 
 @triton.jit
 def _unit(anchor, entries, h_ptr, d_ptr, h_stride, d_stride, pages, seq, num_entries, table, fail_word, fail_pages,
           drop, host_pages, table_columns, w, TOKENS: tl.constexpr, GROUPS: tl.constexpr, TILE_T: tl.constexpr,
           GROUP: tl.constexpr, BLOCK_W: tl.constexpr, ALIGN: tl.constexpr, STAGES: tl.constexpr,
-          ONE_STEP: tl.constexpr):  # fmt: skip
+          ONE_STEP: tl.constexpr, ROW_SUMS: tl.constexpr):  # fmt: skip
     """Copy and check work unit ``w``: one entry of TILE_T items of a page of the call, or of TILE_T one-item pages."""
     if TOKENS == 1:
         per_page = num_entries
@@ -126,23 +131,30 @@ def _unit(anchor, entries, h_ptr, d_ptr, h_stride, d_stride, pages, seq, num_ent
     if ALIGN > 1:
         host_row = tl.multiple_of(host_row, ALIGN)
         dev_row = tl.multiple_of(dev_row, ALIGN)
-    sum_w = tl.zeros((TILE_T, BLOCK_W), dtype=tl.uint64)
-    sum_jw = tl.zeros((TILE_T, BLOCK_W), dtype=tl.uint64)
+    if ROW_SUMS:
+        sum_w = tl.zeros((TILE_T,), dtype=tl.uint64)
+        sum_jw = tl.zeros((TILE_T,), dtype=tl.uint64)
+    else:
+        sum_w = tl.zeros((TILE_T, BLOCK_W), dtype=tl.uint64)
+        sum_jw = tl.zeros((TILE_T, BLOCK_W), dtype=tl.uint64)
     if ONE_STEP:  # the rows fit one step (the units are pipelined instead)
         sum_w, sum_jw = _move_and_sum(anchor, host_row, dev_row, ok_t, t, lanes, words, head_words, head_stride,
-                                      sum_w, sum_jw, ALIGN)  # fmt: skip
+                                      sum_w, sum_jw, ALIGN, ROW_SUMS)  # fmt: skip
     elif STAGES > 0:  # compiled: the next steps' host reads are in flight while this one is stored and summed
         for w0 in tl.range(0, words, BLOCK_W, num_stages=STAGES):
             sum_w, sum_jw = _move_and_sum(anchor, host_row, dev_row, ok_t, t, w0 + lanes, words, head_words,
-                                          head_stride, sum_w, sum_jw, ALIGN)  # fmt: skip
+                                          head_stride, sum_w, sum_jw, ALIGN, ROW_SUMS)  # fmt: skip
     else:
         w0 = 0
         while w0 < words:
             sum_w, sum_jw = _move_and_sum(anchor, host_row, dev_row, ok_t, t, w0 + lanes, words, head_words,
-                                          head_stride, sum_w, sum_jw, ALIGN)  # fmt: skip
+                                          head_stride, sum_w, sum_jw, ALIGN, ROW_SUMS)  # fmt: skip
             w0 += BLOCK_W
-    group_w = tl.sum(tl.reshape(tl.sum(sum_w, axis=1), (TILE_T // GROUP, GROUP)), axis=1)
-    group_jw = tl.sum(tl.reshape(tl.sum(sum_jw, axis=1), (TILE_T // GROUP, GROUP)), axis=1)
+    if not ROW_SUMS:
+        sum_w = tl.sum(sum_w, axis=1)
+        sum_jw = tl.sum(sum_jw, axis=1)
+    group_w = tl.sum(tl.reshape(sum_w, (TILE_T // GROUP, GROUP)), axis=1)
+    group_jw = tl.sum(tl.reshape(sum_jw, (TILE_T // GROUP, GROUP)), axis=1)
     total = (group_w * s + group_jw * _M2).to(tl.int64, bitcast=True)
     unset = expected == _NO_CHECKSUM  # no checksum to check against: this load's is taken
     bad = live_g & ~unset & (expected != total)
@@ -179,6 +191,7 @@ def checked_load(
     H_WIDE: tl.constexpr,
     D_WIDE: tl.constexpr,
     ONE_STEP: tl.constexpr,
+    ROW_SUMS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     nprog = tl.num_programs(0).to(tl.int64)
@@ -198,11 +211,11 @@ def checked_load(
         for w in tl.range(pid, work, nprog, num_stages=STAGES):
             _unit(anchor, entries, h_ptr, d_ptr, h_stride, d_stride, pages, seq, num_entries, table, fail_word,
                   fail_pages, drop, host_pages, table_columns, w, TOKENS, GROUPS, TILE_T, GROUP, BLOCK_W, ALIGN,
-                  STAGES, ONE_STEP)  # fmt: skip
+                  STAGES, ONE_STEP, ROW_SUMS)  # fmt: skip
     else:
         w = pid
         while w < work:  # a persistent grid; while loops: the interpreter runs them too
             _unit(anchor, entries, h_ptr, d_ptr, h_stride, d_stride, pages, seq, num_entries, table, fail_word,
                   fail_pages, drop, host_pages, table_columns, w, TOKENS, GROUPS, TILE_T, GROUP, BLOCK_W, ALIGN,
-                  STAGES, ONE_STEP)  # fmt: skip
+                  STAGES, ONE_STEP, ROW_SUMS)  # fmt: skip
             w += nprog
