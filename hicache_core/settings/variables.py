@@ -18,7 +18,8 @@ VERIFY = flag("HICACHE_VERIFY", default=None, doc="1 checks every load of every 
               "its backup, 0 none; unset: CUDA pools that can be verified are, CPU pools are not")  # fmt: skip
 VERIFY_IN_COPY = flag("HICACHE_VERIFY_IN_COPY", default=False, doc="1: a verifying pool's Triton loads check the "
                       "pages they move in the copy's own launch (no separate check); 0 or unset: loads are checked "
-                      "apart, after their last layer (the default until the GPU gate has timed it)")  # fmt: skip
+                      "apart, after their last layer (the default: on an H100 the checking copy is slower than "
+                      "the plain copy and a check apart, docs/verification.md)")  # fmt: skip
 LOAD_TIMEOUT = number("HICACHE_LOAD_TIMEOUT_S", above=True, default=60.0, unit="seconds",
                       doc="seconds a consumer waits on the host for its layer to be submitted before it "
                           "raises")  # fmt: skip
