@@ -50,6 +50,22 @@ def _sum_words(base, ok_t, t, w, words, sum_w, sum_jw):
     return sum_w + vals, sum_jw + vals * j  # a 32 x 32 -> 64-bit product: it cannot wrap
 
 
+@triton.jit
+def _sum_rows(base, ok_t, t, lanes, words, ROWS: tl.constexpr, BLOCK_W: tl.constexpr, STAGES: tl.constexpr):
+    """The two running sums of ``ROWS`` rows (``base``: where each starts), ``BLOCK_W`` words a step."""
+    sum_w = tl.zeros((ROWS, BLOCK_W), dtype=tl.uint64)
+    sum_jw = tl.zeros((ROWS, BLOCK_W), dtype=tl.uint64)
+    if STAGES > 0:  # compiled: the next steps' loads are in flight while this one is summed
+        for w0 in tl.range(0, words, BLOCK_W, num_stages=STAGES):
+            sum_w, sum_jw = _sum_words(base, ok_t, t, w0 + lanes, words, sum_w, sum_jw)
+    else:
+        w0 = 0
+        while w0 < words:
+            sum_w, sum_jw = _sum_words(base, ok_t, t, w0 + lanes, words, sum_w, sum_jw)
+            w0 += BLOCK_W
+    return sum_w, sum_jw
+
+
 #: Runtime arguments: never specialised on (value or alignment), and typed int64 whatever their value, so one
 #: compiled kernel serves every call and its C launcher can be called directly (:class:`ChecksumLaunch`).
 _RUNTIME = ("entries", "hidx", "didx", "table", "fail_word", "fail_pages", "seq", "host_pages", "table_columns",
@@ -117,16 +133,7 @@ def page_checksums(
         if ALIGN > 1:  # every row starts on ALIGN words: vector loads
             row_off = tl.multiple_of(row_off, ALIGN * 4)
         base = (anchor + row_off).to(tl.pointer_type(tl.int32))
-        sum_w = tl.zeros((TILE_T, BLOCK_W), dtype=tl.uint64)
-        sum_jw = tl.zeros((TILE_T, BLOCK_W), dtype=tl.uint64)
-        if STAGES > 0:  # compiled: the next tiles' loads are in flight while this one is summed
-            for w0 in tl.range(0, words, BLOCK_W, num_stages=STAGES):
-                sum_w, sum_jw = _sum_words(base, ok_t, t, w0 + lanes, words, sum_w, sum_jw)
-        else:
-            w0 = 0
-            while w0 < words:
-                sum_w, sum_jw = _sum_words(base, ok_t, t, w0 + lanes, words, sum_w, sum_jw)
-                w0 += BLOCK_W
+        sum_w, sum_jw = _sum_rows(base, ok_t, t, lanes, words, TILE_T, BLOCK_W, STAGES)
         group_w = tl.sum(tl.reshape(tl.sum(sum_w, axis=1), (TILE_T // GROUP, GROUP)), axis=1)
         group_jw = tl.sum(tl.reshape(tl.sum(sum_jw, axis=1), (TILE_T // GROUP, GROUP)), axis=1)
         total = (group_w * s + group_jw * _M2).to(tl.int64, bitcast=True)
@@ -161,16 +168,7 @@ def _check_pages(anchor, hidx, didx, table, fail_word, fail_pages, host_pages, t
     base = (anchor + row_off).to(tl.pointer_type(tl.int32))
     first = tl.zeros((PAGES,), dtype=tl.int32)  # every page's one item is its first: word j is word j of the row
     lanes = tl.arange(0, BLOCK_W)
-    sum_w = tl.zeros((PAGES, BLOCK_W), dtype=tl.uint64)
-    sum_jw = tl.zeros((PAGES, BLOCK_W), dtype=tl.uint64)
-    if STAGES > 0:
-        for w0 in tl.range(0, words, BLOCK_W, num_stages=STAGES):
-            sum_w, sum_jw = _sum_words(base, ok, first, w0 + lanes, words, sum_w, sum_jw)
-    else:
-        w0 = 0
-        while w0 < words:
-            sum_w, sum_jw = _sum_words(base, ok, first, w0 + lanes, words, sum_w, sum_jw)
-            w0 += BLOCK_W
+    sum_w, sum_jw = _sum_rows(base, ok, first, lanes, words, PAGES, BLOCK_W, STAGES)
     total = (tl.sum(sum_w, axis=1) * s + tl.sum(sum_jw, axis=1) * _M2).to(tl.int64, bitcast=True)
     if CHECK:
         unset = expected == _NO_CHECKSUM
