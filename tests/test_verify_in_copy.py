@@ -15,6 +15,7 @@ from core_helpers import DEVICE, device_pool, fill_random
 import hicache_core as hc
 from hicache_core.plugins.registry import get_registry
 from hicache_core.pool.drops import DroppedIndicesError
+from hicache_core.storage import PageStatus, make_storage
 from hicache_core.verification.page_checksum import NO_CHECKSUM
 from hicache_core.verification.verify import PageVerificationError
 
@@ -235,3 +236,35 @@ def test_a_layer_wise_load_checked_in_the_copy_names_the_failing_layers_call():
     assert isinstance(err, PageVerificationError)
     assert err.pages == [page] and err.layer_ids == [1]
     assert [c[0] - seq for c in err.calls] == [2]  # layer 1 was the load's second call
+
+
+def test_a_page_that_failed_in_the_copy_is_never_written_to_l3_and_the_good_ones_are():
+    # Checked in the copy, a flipped page fails during its own layer's copy and the load's next call raises
+    # (apart, the load runs to its end and the next load raises). Either way the page is quarantined: an L3
+    # write refuses it and writes the others, whose checksum rows travel with them.
+    dp, host, comps = _pool("mha", "page_first")
+    assert host.implementation_for("load_to_device_per_layer").load_check is not None
+    p = host.page_size
+    slots, dev = host.alloc(3 * p), torch.arange(p, 4 * p)
+    host.backup_from_device_all_layer(dp, slots, dev, "kernel")
+    store = make_storage(f"memory://in-copy-{os.getpid()}", host, model_id="m")
+    store.clear()
+    bad = int(slots[2 * p]) // p
+    _flip_host_byte(host, bad, layer=0)
+    with pytest.raises(PageVerificationError) as info:
+        for layer in range(LAYERS):
+            host.load_to_device_per_layer(dp, slots, dev, layer, "kernel")
+        host.check_verified()
+    assert info.value.pages == [bad] and info.value.layer_ids == [0]
+    keys = ["k0", "k1", "k2"]
+    results = store.write_pages(keys, slots)
+    assert [r.status for r in results] == [PageStatus.OK, PageStatus.OK, PageStatus.CORRUPT]
+    assert "failed host-tier verification" in results[2].detail
+    assert store.backend.exists_objects(store.namespace.keys(keys)) == [True, True, False]
+    back = host.alloc(2 * p)
+    rows = host.verifier.table[slots[: 2 * p : p] // p].clone()
+    assert all(r.ok for r in store.read_pages(keys[:2], back))
+    assert torch.equal(host.verifier.table[back[::p] // p], rows)  # the checksums came back with the pages
+    for layer in range(LAYERS):  # and the copy checks the prefetched pages against them
+        host.load_to_device_per_layer(dp, back, dev[: 2 * p], layer, "kernel")
+    host.check_verified()
