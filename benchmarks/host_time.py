@@ -60,15 +60,6 @@ def empty_triton_us() -> float:
     return host_us(lambda: run.launch(1, 1, 1, stream, *head, ptr))
 
 
-def dev_fill(dev) -> None:
-    """Random bytes in every device row (what the backups take the checksums of)."""
-    from hicache_core.plugins.registry import get_registry
-
-    for comp in get_registry().pool_kinds[dev.pool_kind].components:
-        for t in getattr(dev, comp.device_attr):
-            t.view(torch.uint8).random_(0, 256)
-
-
 def whole_load_us(host, dev, h, d, layers: int) -> float:
     """Mean host µs per per-layer call over whole loads of ``layers`` layers through ``host``."""
 
@@ -134,7 +125,9 @@ def main() -> int:
             print(f"{args.label:8} {shape:13} {layout:12} {name:18} pool {pool:6.2f} us  implementation {direct:6.2f}")
             host.destroy()
     anchor = None
-    if args.verified:
+    if args.verified:  # this tree's verification (an older tree on PYTHONPATH times the plain rows only)
+        from verify_cost import fill_random  # beside this file
+
         from hicache_core.tools.bench.sglang_kernels import find_anchor
 
         anchor = find_anchor()
@@ -143,7 +136,7 @@ def main() -> int:
             dev = SHAPES[shape].device_pool(4096, page_size=64, device="cuda")
             h = torch.arange(64, device="cuda") + 128
             d = torch.arange(64, device="cuda") + 64
-            dev_fill(dev)
+            fill_random(dev)
             row = verified_rows(shape, layout, dev, h, d, anchor)
             rows.append(row)
             print(f"{args.label:8} {shape:13} {layout:12} whole loads of {row['layers']} layers, us a call: plain "

@@ -139,10 +139,15 @@ def device_pool(kind: str, items: int, page: int, device: str = "cuda"):
     decl = get_registry().pool_kinds[kind]
     dp = DeclaredDevicePool(decl, items + 4 * page, page, g.layers, device, dtype=g.dtype, rows=g.rows,
                                extras=g.extras)  # fmt: skip
-    for comp in decl.components:
+    fill_random(dp)
+    return dp
+
+
+def fill_random(dp) -> None:
+    """Random bytes in every device row of ``dp`` (what backups take the checksums of)."""
+    for comp in get_registry().pool_kinds[dp.pool_kind].components:
         for t in getattr(dp, comp.device_attr):
             t.view(torch.uint8).random_(0, 256)
-    return dp
 
 
 def pool_pair(kind: str, layout: str, io: str, tokens: int, page: int, apart: bool = False):

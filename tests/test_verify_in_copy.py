@@ -65,6 +65,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _load_checked(dp, host, h: torch.Tensor, d: torch.Tensor) -> None:
+    """Load every layer of these items, then raise what the pool's checks found."""
+    for layer in range(LAYERS):
+        host.load_to_device_per_layer(dp, h, d, layer, "kernel")
+    host.check_verified()
+
+
 @pytest.mark.parametrize("kind,layout", _cases())
 def test_a_load_checked_in_the_copy_moves_the_bytes_and_catches_a_flipped_one(kind, layout):
     dp, host, comps = _pool(kind, layout)
@@ -101,9 +108,7 @@ def _moves_and_catches(dp, host, comps) -> None:
     for c in comps:
         for t in getattr(dp, c.device_attr):
             t[rows.to(t.device)] = 0
-    for layer in range(LAYERS):
-        host.load_to_device_per_layer(dp, slots, dev, layer, "kernel")
-    host.check_verified()  # nothing to report: every page is as it was backed up
+    _load_checked(dp, host, slots, dev)  # nothing to report: every page is as it was backed up
     for c in comps:  # byte for byte what the server's device pool held
         for got, want in zip(getattr(dp, c.device_attr), kept[c.device_attr]):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), c.name
@@ -132,16 +137,12 @@ def test_a_page_with_no_checksum_takes_the_loaded_one_then_is_checked_against_it
     page = int(slots[0]) // p
     host.verifier.forget([page])  # its bytes were handed out: no checksum to check against
     assert bool((host.verifier.table[page] == NO_CHECKSUM).all())
-    for layer in range(LAYERS):
-        host.load_to_device_per_layer(dp, slots, dev, layer, "kernel")
-    host.check_verified()
+    _load_checked(dp, host, slots, dev)
     _sync()
     assert not bool((host.verifier.table[page] == NO_CHECKSUM).any())  # taken by the loads
     _flip_host_byte(host, page, layer=2)
     with pytest.raises(PageVerificationError) as info:
-        for layer in range(LAYERS):
-            host.load_to_device_per_layer(dp, slots, dev, layer, "kernel")
-        host.check_verified()
+        _load_checked(dp, host, slots, dev)
     assert info.value.pages == [page] and info.value.layer_ids == [2]
 
 
@@ -160,9 +161,7 @@ def test_int32_and_strided_indices_load_and_check_as_int64_ones(dtypes):
     h = torch.stack([slots, slots]).t().reshape(-1).to(dtypes[0])[::2]
     d = torch.stack([dev, dev]).t().reshape(-1).to(dtypes[1])[::2]
     assert h.stride() == d.stride() == (2,)
-    for layer in range(LAYERS):
-        host.load_to_device_per_layer(dp, h, d, layer, "kernel")
-    host.check_verified()
+    _load_checked(dp, host, h, d)
     for c in comps:
         for got, want in zip(getattr(dp, c.device_attr), kept[c.device_attr]):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
@@ -196,9 +195,7 @@ def test_a_plan_the_copy_cannot_check_says_why_and_its_loads_are_checked_apart()
     host.backup_from_device_all_layer(dp, slots, dev, "kernel")
     _flip_host_byte(host, int(slots[0]) // p, layer=0, part=1)
     with pytest.raises(PageVerificationError) as info:
-        for layer in range(LAYERS):
-            host.load_to_device_per_layer(dp, slots, dev, layer, "kernel")
-        host.check_verified()
+        _load_checked(dp, host, slots, dev)
     assert info.value.layer_ids == [0]
 
 
@@ -252,9 +249,7 @@ def test_a_page_that_failed_in_the_copy_is_never_written_to_l3_and_the_good_ones
     bad = int(slots[2 * p]) // p
     _flip_host_byte(host, bad, layer=0)
     with pytest.raises(PageVerificationError) as info:
-        for layer in range(LAYERS):
-            host.load_to_device_per_layer(dp, slots, dev, layer, "kernel")
-        host.check_verified()
+        _load_checked(dp, host, slots, dev)
     assert info.value.pages == [bad] and info.value.layer_ids == [0]
     keys = ["k0", "k1", "k2"]
     results = store.write_pages(keys, slots)
@@ -265,6 +260,4 @@ def test_a_page_that_failed_in_the_copy_is_never_written_to_l3_and_the_good_ones
     rows = host.verifier.table[slots[: 2 * p : p] // p].clone()
     assert all(r.ok for r in store.read_pages(keys[:2], back))
     assert torch.equal(host.verifier.table[back[::p] // p], rows)  # the checksums came back with the pages
-    for layer in range(LAYERS):  # and the copy checks the prefetched pages against them
-        host.load_to_device_per_layer(dp, back, dev[: 2 * p], layer, "kernel")
-    host.check_verified()
+    _load_checked(dp, host, back, dev[: 2 * p])  # and the copy checks the prefetched pages against them

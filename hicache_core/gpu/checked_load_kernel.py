@@ -30,10 +30,10 @@ the host pool (through UVA), the device rows, the pinned table and the words are
 import triton
 import triton.language as tl
 
-from ..verification.page_checksum import CHECKED_LOAD_FIELDS, M2, NO_CHECKSUM
+from ..verification.page_checksum import CHECKED_LOAD_FIELDS, M2
+from .triton_lang import settle
 
 _M2 = tl.constexpr(M2)
-_NO_CHECKSUM = tl.constexpr(NO_CHECKSUM)
 _COLS = tl.constexpr(len(CHECKED_LOAD_FIELDS))
 
 #: Runtime arguments: never specialised on, typed, so one compiled kernel serves every call (direct C launches).
@@ -156,12 +156,7 @@ def _unit(anchor, entries, h_ptr, d_ptr, h_stride, d_stride, pages, seq, num_ent
     group_w = tl.sum(tl.reshape(sum_w, (TILE_T // GROUP, GROUP)), axis=1)
     group_jw = tl.sum(tl.reshape(sum_jw, (TILE_T // GROUP, GROUP)), axis=1)
     total = (group_w * s + group_jw * _M2).to(tl.int64, bitcast=True)
-    unset = expected == _NO_CHECKSUM  # no checksum to check against: this load's is taken
-    bad = live_g & ~unset & (expected != total)
-    tl.store((anchor + fail_word).to(tl.pointer_type(tl.int64)), seq, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
-    zero = tl.zeros_like(total)
-    tl.store((anchor + fail_pages).to(tl.pointer_type(tl.int64)) + hp + zero, seq + zero, mask=bad)
-    tl.store(slots, total, mask=live_g & unset)
+    settle(anchor, fail_word, fail_pages, slots, hp, expected, total, live_g, seq)
 
 
 @triton.jit(do_not_specialize=RUNTIME, do_not_specialize_on_alignment=("hidx", "didx"))

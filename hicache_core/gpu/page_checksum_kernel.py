@@ -30,14 +30,14 @@ Out-of-range indices are skipped (the transfer that received them reports them).
 import triton
 import triton.language as tl
 
-from ..verification.page_checksum import ENTRY_COLUMNS, M2, NO_CHECKSUM
+from ..verification.page_checksum import ENTRY_COLUMNS, M2
 from .device import cuda_current_functions
 from .triton_base import compiled_launch, hooks_idle, load_triton_runtime
+from .triton_lang import settle
 
 load_triton_runtime()  # for hooks_idle: a profiler hook sees every launch
 
 _M2 = tl.constexpr(M2)
-_NO_CHECKSUM = tl.constexpr(NO_CHECKSUM)
 _COLS = tl.constexpr(ENTRY_COLUMNS)
 
 
@@ -138,11 +138,7 @@ def page_checksums(
         group_jw = tl.sum(tl.reshape(tl.sum(sum_jw, axis=1), (TILE_T // GROUP, GROUP)), axis=1)
         total = (group_w * s + group_jw * _M2).to(tl.int64, bitcast=True)
         if CHECK:
-            unset = expected == _NO_CHECKSUM  # no checksum to check against: this load's is taken
-            bad = tl.max((live_g & ~unset & (expected != total)).to(tl.int32), axis=0) > 0
-            tl.store((anchor + fail_word).to(tl.pointer_type(tl.int64)), fail_seq, mask=bad)
-            tl.store((anchor + fail_pages).to(tl.pointer_type(tl.int64)) + hp, fail_seq, mask=bad)
-            tl.store(slots + g, total, mask=live_g & unset)
+            settle(anchor, fail_word, fail_pages, slots + g, hp, expected, total, live_g, fail_seq)
         else:
             tl.store(slots + g, total, mask=live_g)
         t0 += TILE_T
@@ -171,12 +167,7 @@ def _check_pages(anchor, hidx, didx, table, fail_word, fail_pages, host_pages, t
     sum_w, sum_jw = _sum_rows(base, ok, first, lanes, words, PAGES, BLOCK_W, STAGES)
     total = (tl.sum(sum_w, axis=1) * s + tl.sum(sum_jw, axis=1) * _M2).to(tl.int64, bitcast=True)
     if CHECK:
-        unset = expected == _NO_CHECKSUM
-        bad = live & ~unset & (expected != total)
-        any_bad = tl.max(bad.to(tl.int32), axis=0) > 0
-        tl.store((anchor + fail_word).to(tl.pointer_type(tl.int64)), fail_seq, mask=any_bad)
-        tl.store((anchor + fail_pages).to(tl.pointer_type(tl.int64)) + hp, tl.zeros_like(hp) + fail_seq, mask=bad)
-        tl.store(slots, total, mask=live & unset)
+        settle(anchor, fail_word, fail_pages, slots, hp, expected, total, live, fail_seq)
     else:
         tl.store(slots, total, mask=live)
 
